@@ -1,0 +1,34 @@
+#include "ops/core/partition.h"
+
+#include <algorithm>
+
+#include "ops/core/wire.h"
+
+namespace prophet {
+
+std::vector<Partition> MakePartitions(const std::string& name, uint64_t total_bytes, size_t element_size,
+                                      int world_size, uint64_t partition_bytes, uint64_t min_split_bytes) {
+  const uint64_t elements = element_size ? total_bytes / element_size : 0;
+  const uint64_t max_elems_per_part = std::max<uint64_t>(1, partition_bytes / std::max<size_t>(1, element_size));
+  uint64_t parts = (elements + max_elems_per_part - 1) / max_elems_per_part;
+  if (world_size > 1 && total_bytes >= static_cast<uint64_t>(world_size) * min_split_bytes)
+    parts = std::max<uint64_t>(parts, static_cast<uint64_t>(world_size));
+  parts = std::max<uint64_t>(parts, 1);
+  parts = std::min<uint64_t>(parts, std::max<uint64_t>(elements, 1));
+
+  const int start = world_size > 0 ? static_cast<int>(HashString(name) % static_cast<uint64_t>(world_size)) : 0;
+  std::vector<Partition> out(parts);
+  // Equal element counts (the first `extra` partitions get one more) keep owners balanced.
+  const uint64_t base = elements / parts, extra = elements % parts;
+  uint64_t offset_elems = 0;
+  for (uint64_t i = 0; i < parts; ++i) {
+    const uint64_t n = base + (i < extra ? 1 : 0);
+    out[i].offset = offset_elems * element_size;
+    out[i].bytes = n * element_size;
+    out[i].owner = world_size > 0 ? static_cast<int>((start + i) % static_cast<uint64_t>(world_size)) : 0;
+    offset_elems += n;
+  }
+  return out;
+}
+
+}  // namespace prophet

@@ -1,0 +1,29 @@
+// How a tensor is cut into partitions and which worker owns (sums) each one.
+#ifndef PROPHET_OPS_CORE_PARTITION_H_
+#define PROPHET_OPS_CORE_PARTITION_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace prophet {
+
+struct Partition {
+  uint64_t offset = 0;  // bytes
+  uint64_t bytes = 0;
+  int owner = 0;
+};
+
+// Cuts `total_bytes` (a multiple of `element_size`) into partitions of at most `partition_bytes`,
+// on element boundaries. A tensor of at least `world_size * min_split_bytes` bytes is cut into at
+// least `world_size` partitions so that every worker sums a share of it. Owners go round-robin
+// from a start rank derived from the tensor name: the same on every worker, and different
+// tensors start on different ranks so small tensors spread too. Every tensor, even an empty one,
+// has at least one partition: partition 0 is where shape mismatches are caught.
+std::vector<Partition> MakePartitions(const std::string& name, uint64_t total_bytes, size_t element_size,
+                                      int world_size, uint64_t partition_bytes,
+                                      uint64_t min_split_bytes = 64 * 1024);
+
+}  // namespace prophet
+
+#endif  // PROPHET_OPS_CORE_PARTITION_H_

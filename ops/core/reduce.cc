@@ -1,0 +1,115 @@
+#include "ops/core/reduce.h"
+
+#include <cstring>
+
+namespace prophet {
+
+float HalfToFloat(uint16_t h) {
+  // _Float16 is native on x86-64 with gcc 12 (software-converted where there is no F16C).
+  _Float16 v;
+  std::memcpy(&v, &h, 2);
+  return static_cast<float>(v);
+}
+
+uint16_t FloatToHalf(float f) {
+  _Float16 v = static_cast<_Float16>(f);
+  uint16_t h;
+  std::memcpy(&h, &v, 2);
+  return h;
+}
+
+float BFloat16ToFloat(uint16_t b) {
+  uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t FloatToBFloat16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // quiet NaN
+  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+namespace {
+
+// Plain loops over restrict pointers: gcc -O2/-O3 vectorises them.
+template <typename T>
+void SumLoop(T* __restrict dst, const T* __restrict src, size_t n) {
+  for (size_t i = 0; i < n; ++i) dst[i] += src[i];
+}
+
+void SumHalf(uint16_t* __restrict dst, const uint16_t* __restrict src, size_t n) {
+  _Float16* d = reinterpret_cast<_Float16*>(dst);
+  const _Float16* s = reinterpret_cast<const _Float16*>(src);
+  for (size_t i = 0; i < n; ++i) d[i] = static_cast<_Float16>(static_cast<float>(d[i]) + static_cast<float>(s[i]));
+}
+
+void SumBFloat16(uint16_t* __restrict dst, const uint16_t* __restrict src, size_t n) {
+  for (size_t i = 0; i < n; ++i) dst[i] = FloatToBFloat16(BFloat16ToFloat(dst[i]) + BFloat16ToFloat(src[i]));
+}
+
+template <typename T>
+void DivLoop(T* dst, size_t n, T divisor) {
+  for (size_t i = 0; i < n; ++i) dst[i] /= divisor;
+}
+
+}  // namespace
+
+bool SumInto(DataType dtype, void* dst, const void* src, size_t count) {
+  switch (dtype) {
+    case DataType::kFloat32:
+      SumLoop(static_cast<float*>(dst), static_cast<const float*>(src), count);
+      return true;
+    case DataType::kFloat64:
+      SumLoop(static_cast<double*>(dst), static_cast<const double*>(src), count);
+      return true;
+    case DataType::kInt32:
+      SumLoop(static_cast<int32_t*>(dst), static_cast<const int32_t*>(src), count);
+      return true;
+    case DataType::kInt64:
+      SumLoop(static_cast<int64_t*>(dst), static_cast<const int64_t*>(src), count);
+      return true;
+    case DataType::kFloat16:
+      SumHalf(static_cast<uint16_t*>(dst), static_cast<const uint16_t*>(src), count);
+      return true;
+    case DataType::kBFloat16:
+      SumBFloat16(static_cast<uint16_t*>(dst), static_cast<const uint16_t*>(src), count);
+      return true;
+    default:
+      return false;
+  }
+}
+
+bool DivideBy(DataType dtype, void* dst, size_t count, int divisor) {
+  switch (dtype) {
+    case DataType::kFloat32:
+      DivLoop(static_cast<float*>(dst), count, static_cast<float>(divisor));
+      return true;
+    case DataType::kFloat64:
+      DivLoop(static_cast<double*>(dst), count, static_cast<double>(divisor));
+      return true;
+    case DataType::kInt32:
+      DivLoop(static_cast<int32_t*>(dst), count, static_cast<int32_t>(divisor));
+      return true;
+    case DataType::kInt64:
+      DivLoop(static_cast<int64_t*>(dst), count, static_cast<int64_t>(divisor));
+      return true;
+    case DataType::kFloat16: {
+      uint16_t* d = static_cast<uint16_t*>(dst);
+      for (size_t i = 0; i < count; ++i) d[i] = FloatToHalf(HalfToFloat(d[i]) / divisor);
+      return true;
+    }
+    case DataType::kBFloat16: {
+      uint16_t* d = static_cast<uint16_t*>(dst);
+      for (size_t i = 0; i < count; ++i) d[i] = FloatToBFloat16(BFloat16ToFloat(d[i]) / divisor);
+      return true;
+    }
+    default:
+      return false;
+  }
+}
+
+}  // namespace prophet

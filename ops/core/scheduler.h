@@ -1,0 +1,102 @@
+// Scheduling between "partition ready" and "bytes on the wire".
+//
+// The engine hands every outgoing PUSH partition to a SchedulerPolicy and asks it, whenever the
+// link may take more bytes, which partitions to send next. Policies never touch sockets; they only
+// order and group. All methods are called from the engine's single I/O thread, so policies need no
+// locking.
+#ifndef PROPHET_OPS_CORE_SCHEDULER_H_
+#define PROPHET_OPS_CORE_SCHEDULER_H_
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace prophet {
+
+// One partition of one tensor waiting to be pushed to the rank that owns it.
+struct SendTask {
+  uint64_t request_id = 0;  // engine's id of the operation
+  int partition = 0;        // partition index inside the tensor
+  int peer = 0;             // destination rank
+  int64_t priority = 0;     // larger is more urgent (first layer has the largest)
+  uint64_t bytes = 0;       // payload bytes of this partition
+  int64_t ready_ns = 0;     // monotonic time its tensor became ready
+  uint64_t enqueue_seq = 0; // global arrival order, for FIFO and stable ties
+};
+
+// A tensor handed to the runtime (all of its partitions follow through Enqueue).
+struct TensorReady {
+  const std::string* name = nullptr;  // logical name, identical on every worker
+  uint64_t round = 0;                 // how many times this name was seen before (= step index
+                                      // for gradients)
+  int64_t priority = 0;
+  uint64_t bytes = 0;
+  int64_t ready_ns = 0;
+};
+
+// A PUSH whose bytes have left (send completion) and whose RESULT came back (completion).
+struct TransferDone {
+  SendTask task;
+  int64_t sent_ns = 0;      // first byte handed to the socket
+  int64_t done_ns = 0;      // last byte of the reply received
+};
+
+class SchedulerPolicy {
+ public:
+  virtual ~SchedulerPolicy() = default;
+  virtual const char* name() const = 0;
+
+  // Feedback: a tensor became ready. Called before its partitions are enqueued.
+  virtual void OnTensorReady(const TensorReady& /*t*/) {}
+  virtual void Enqueue(const SendTask& task) = 0;
+  // Appends to `out` the tasks to put on the wire now, in order. `credit_bytes` is how many bytes
+  // may still go in flight (a policy may exceed it by at most one task, so that a task larger than
+  // the whole credit still moves). Returning nothing while tasks are queued means "wait": the
+  // engine calls again after the next event or at NextWakeupNs().
+  virtual void Dequeue(uint64_t credit_bytes, int64_t now_ns, std::vector<SendTask>* out) = 0;
+  // Feedback: a transfer finished (credit is returned by the engine, not by the policy).
+  virtual void OnTransferDone(const TransferDone& /*d*/) {}
+  virtual size_t queued() const = 0;
+  // Monotonic time at which Dequeue should be called again even without new events, or -1.
+  virtual int64_t NextWakeupNs() const { return -1; }
+  // One line of human-readable state for logs and the timeline (plan, bandwidth, ...).
+  virtual std::string Describe() const { return name(); }
+};
+
+// First come, first served: the order in which partitions became ready.
+class FifoPolicy : public SchedulerPolicy {
+ public:
+  const char* name() const override { return "fifo"; }
+  void Enqueue(const SendTask& task) override { queue_.push_back(task); }
+  void Dequeue(uint64_t credit_bytes, int64_t now_ns, std::vector<SendTask>* out) override;
+  size_t queued() const override { return queue_.size(); }
+
+ private:
+  std::deque<SendTask> queue_;
+};
+
+// ByteScheduler / P3: the most urgent ready partition first, under the engine's byte credit.
+class PriorityPolicy : public SchedulerPolicy {
+ public:
+  const char* name() const override { return "priority"; }
+  void Enqueue(const SendTask& task) override;
+  void Dequeue(uint64_t credit_bytes, int64_t now_ns, std::vector<SendTask>* out) override;
+  size_t queued() const override { return heap_.size(); }
+
+ private:
+  std::vector<SendTask> heap_;  // max-heap on (priority, -enqueue_seq)
+};
+
+struct SchedulerOptions {
+  std::string policy = "priority";  // fifo | priority | prophet
+  uint64_t credit_bytes = 16u << 20;
+};
+
+// Returns nullptr and sets *error for an unknown policy name.
+std::unique_ptr<SchedulerPolicy> MakePolicy(const SchedulerOptions& options, std::string* error);
+
+}  // namespace prophet
+
+#endif  // PROPHET_OPS_CORE_SCHEDULER_H_

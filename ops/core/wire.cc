@@ -1,0 +1,112 @@
+#include "ops/core/wire.h"
+
+#include <cstring>
+
+namespace prophet {
+
+void EncodeFrameMeta(const FrameMeta& meta, std::string* out) {
+  FrameHeader h;
+  h.magic = kFrameMagic;
+  h.version = kProtocolVersion;
+  h.type = static_cast<uint8_t>(meta.type);
+  h.dtype = static_cast<uint8_t>(meta.dtype);
+  h.name_len = static_cast<uint32_t>(meta.name.size());
+  h.ndims = static_cast<uint32_t>(meta.shape.size());
+  h.round = meta.round;
+  h.partition = meta.partition;
+  h.num_partitions = meta.num_partitions;
+  h.offset = meta.offset;
+  h.payload_bytes = meta.payload_bytes;
+  const size_t start = out->size();
+  out->resize(start + sizeof(h) + meta.name.size() + 8 * meta.shape.size());
+  char* p = &(*out)[start];
+  std::memcpy(p, &h, sizeof(h));
+  p += sizeof(h);
+  std::memcpy(p, meta.name.data(), meta.name.size());
+  p += meta.name.size();
+  if (!meta.shape.empty()) std::memcpy(p, meta.shape.data(), 8 * meta.shape.size());
+}
+
+Status ValidateHeader(const FrameHeader& h) {
+  auto bad = [](const std::string& what) {
+    return Status(Code::kInvalidArgument, "malformed frame: " + what);
+  };
+  if (h.magic != kFrameMagic) return bad("bad magic (not a prophet_tf peer, or a corrupted stream)");
+  if (h.version != kProtocolVersion)
+    return bad("protocol version " + std::to_string(h.version) + ", expected " +
+               std::to_string(kProtocolVersion));
+  if (h.type < static_cast<uint8_t>(FrameType::kPush) || h.type > static_cast<uint8_t>(FrameType::kError))
+    return bad("unknown frame type " + std::to_string(h.type));
+  if (h.name_len == 0 || h.name_len > kMaxNameBytes)
+    return bad("name length " + std::to_string(h.name_len) + " outside [1, " + std::to_string(kMaxNameBytes) + "]");
+  if (h.ndims > kMaxDims) return bad("rank " + std::to_string(h.ndims) + " above " + std::to_string(kMaxDims));
+  if (h.payload_bytes > kMaxPayloadBytes) return bad("payload of " + std::to_string(h.payload_bytes) + " bytes");
+  if (h.type == static_cast<uint8_t>(FrameType::kError)) return Status::OK();
+  if (DataTypeSize(static_cast<DataType>(h.dtype)) == 0)
+    return bad("unknown dtype code " + std::to_string(h.dtype));
+  if (h.num_partitions == 0 || h.partition >= h.num_partitions)
+    return bad("partition " + std::to_string(h.partition) + " of " + std::to_string(h.num_partitions));
+  return Status::OK();
+}
+
+Status DecodeFrameMeta(const FrameHeader& h, const char* tail, size_t tail_len, FrameMeta* meta) {
+  if (tail_len != MetaTailBytes(h)) return Status(Code::kInvalidArgument, "malformed frame: tail length");
+  meta->type = static_cast<FrameType>(h.type);
+  meta->dtype = static_cast<DataType>(h.dtype);
+  meta->name.assign(tail, h.name_len);
+  meta->shape.resize(h.ndims);
+  if (h.ndims) std::memcpy(meta->shape.data(), tail + h.name_len, 8ull * h.ndims);
+  meta->round = h.round;
+  meta->partition = h.partition;
+  meta->num_partitions = h.num_partitions;
+  meta->offset = h.offset;
+  meta->payload_bytes = h.payload_bytes;
+  if (meta->type == FrameType::kError) return Status::OK();
+  // The payload must lie inside the tensor the shape describes.
+  const uint64_t elem = DataTypeSize(meta->dtype);
+  uint64_t elements = 1;
+  for (int64_t d : meta->shape) {
+    if (d < 0) return Status(Code::kInvalidArgument, "malformed frame: negative dimension in " + ShapeString(meta->shape));
+    if (d != 0 && elements > kMaxPayloadBytes / static_cast<uint64_t>(d))
+      return Status(Code::kInvalidArgument, "malformed frame: shape " + ShapeString(meta->shape) + " too large");
+    elements *= static_cast<uint64_t>(d);
+  }
+  const uint64_t total = elements * elem;
+  if (total > kMaxPayloadBytes) return Status(Code::kInvalidArgument, "malformed frame: tensor too large");
+  if (meta->offset % elem != 0 || meta->payload_bytes % elem != 0 || meta->offset > total ||
+      meta->payload_bytes > total - meta->offset)
+    return Status(Code::kInvalidArgument, "malformed frame: payload [" + std::to_string(meta->offset) + ", +" +
+                                              std::to_string(meta->payload_bytes) + ") outside a tensor of " +
+                                              std::to_string(total) + " bytes");
+  return Status::OK();
+}
+
+Status DecodeFrame(const char* data, size_t len, FrameMeta* meta, const char** payload) {
+  FrameHeader h;
+  if (len < sizeof(h)) return Status(Code::kFailedPrecondition, "truncated frame: header");
+  std::memcpy(&h, data, sizeof(h));
+  Status s = ValidateHeader(h);
+  if (!s.ok()) return s;
+  const uint64_t tail = MetaTailBytes(h);
+  if (len - sizeof(h) < tail) return Status(Code::kFailedPrecondition, "truncated frame: name/shape");
+  s = DecodeFrameMeta(h, data + sizeof(h), tail, meta);
+  if (!s.ok()) return s;
+  if (len - sizeof(h) - tail < meta->payload_bytes) return Status(Code::kFailedPrecondition, "truncated frame: payload");
+  *payload = data + sizeof(h) + tail;
+  return Status::OK();
+}
+
+uint64_t HashBytes(const void* data, size_t len, uint64_t seed) {
+  // FNV-1a: stable across processes and builds (std::hash is not guaranteed to be).
+  const unsigned char* p = static_cast<const unsigned char*>(data);
+  uint64_t h = seed;
+  for (size_t i = 0; i < len; ++i) {
+    h ^= p[i];
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+uint64_t HashString(const std::string& s) { return HashBytes(s.data(), s.size()); }
+
+}  // namespace prophet

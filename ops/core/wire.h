@@ -1,0 +1,100 @@
+// The frame format between workers, and its validation.
+//
+// A frame is a fixed 48-byte header, then `name_len` bytes of tensor name, then `ndims` int64
+// dimensions, then `payload_bytes` of data. Every length is checked against hard limits before
+// the receiver allocates or reads anything, so a garbage or hostile stream is rejected instead of
+// making the worker allocate gigabytes or read past a buffer.
+#ifndef PROPHET_OPS_CORE_WIRE_H_
+#define PROPHET_OPS_CORE_WIRE_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ops/core/common.h"
+
+namespace prophet {
+
+constexpr uint32_t kFrameMagic = 0x31465450;  // "PTF1" little-endian
+constexpr uint16_t kProtocolVersion = 1;
+constexpr uint32_t kMaxNameBytes = 4096;
+constexpr uint32_t kMaxDims = 32;
+constexpr uint64_t kMaxPayloadBytes = uint64_t{1} << 38;  // 256 GiB: any tensor a host can hold
+
+enum class FrameType : uint8_t {
+  kPush = 1,       // a partition's contribution, sent to the partition's owner
+  kResult = 2,     // the summed partition, sent back by the owner
+  kBroadcast = 3,  // a partition of the root's tensor
+  kGather = 4,     // a whole tensor for allgather
+  kError = 5,      // payload is an error message that fails the operation on every worker
+};
+
+#pragma pack(push, 1)
+struct FrameHeader {
+  uint32_t magic;
+  uint16_t version;
+  uint8_t type;
+  uint8_t dtype;
+  uint32_t name_len;
+  uint32_t ndims;
+  uint64_t round;
+  uint32_t partition;
+  uint32_t num_partitions;
+  uint64_t offset;         // byte offset of the payload inside the whole tensor
+  uint64_t payload_bytes;
+};
+#pragma pack(pop)
+static_assert(sizeof(FrameHeader) == 48, "the header layout is part of the protocol");
+
+// Everything in a frame but the payload.
+struct FrameMeta {
+  FrameType type = FrameType::kPush;
+  DataType dtype = DataType::kInvalid;
+  std::string name;
+  uint64_t round = 0;
+  std::vector<int64_t> shape;
+  uint32_t partition = 0;
+  uint32_t num_partitions = 0;
+  uint64_t offset = 0;
+  uint64_t payload_bytes = 0;
+};
+
+// Serialises header + name + dims (not the payload) and appends them to `out`.
+void EncodeFrameMeta(const FrameMeta& meta, std::string* out);
+
+// Checks a received header. On failure returns a message naming the bad field.
+Status ValidateHeader(const FrameHeader& header);
+// Size of the name + dims section that follows a valid header.
+inline uint64_t MetaTailBytes(const FrameHeader& h) { return uint64_t{h.name_len} + 8ull * h.ndims; }
+// Builds FrameMeta from a validated header and its tail; checks the dims and the payload against
+// the dtype and the shape (negative dims, payload beyond the tensor, misaligned payloads).
+Status DecodeFrameMeta(const FrameHeader& header, const char* tail, size_t tail_len, FrameMeta* meta);
+
+// Decodes a complete frame held in memory (used by tests and the handshake-free paths).
+// Returns kFailedPrecondition with "truncated" when `len` is shorter than the frame.
+Status DecodeFrame(const char* data, size_t len, FrameMeta* meta, const char** payload);
+
+// Job handshake: the connecting side sends Hello, the accepting side answers HelloReply.
+#pragma pack(push, 1)
+struct Hello {
+  uint32_t magic;
+  uint16_t version;
+  uint16_t reserved;
+  int32_t rank;
+  int32_t world_size;
+  uint64_t token_hash;
+};
+struct HelloReply {
+  uint32_t magic;
+  uint16_t version;
+  uint16_t accepted;  // 1 = accepted; otherwise `reason` says why
+  char reason[256];
+};
+#pragma pack(pop)
+
+uint64_t HashBytes(const void* data, size_t len, uint64_t seed = 1469598103934665603ull);
+uint64_t HashString(const std::string& s);
+
+}  // namespace prophet
+
+#endif  // PROPHET_OPS_CORE_WIRE_H_

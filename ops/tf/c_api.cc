@@ -1,0 +1,56 @@
+// C entry points for prophet_tf/runtime.py (ctypes): starting, stopping and inspecting the engine.
+// They live in the op library so that the kernels and Python share one engine per process.
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "ops/core/engine.h"
+
+namespace {
+void CopyOut(const std::string& text, char* buf, int len) {
+  if (buf == nullptr || len <= 0) return;
+  std::snprintf(buf, static_cast<size_t>(len), "%s", text.c_str());
+}
+}  // namespace
+
+extern "C" {
+
+// `config` holds "key=value" lines (see ParseEngineOptions). Returns 0 on success, otherwise the
+// status code, with the message in `error`.
+__attribute__((visibility("default"))) int prophet_init(const char* config, char* error, int error_len) {
+  prophet::EngineOptions options;
+  prophet::Status s = prophet::ParseEngineOptions(config ? config : "", &options);
+  if (s.ok()) s = prophet::InitGlobalEngine(options);
+  if (!s.ok()) {
+    CopyOut(s.message(), error, error_len);
+    return static_cast<int>(s.code());
+  }
+  return 0;
+}
+
+__attribute__((visibility("default"))) void prophet_shutdown() { prophet::ShutdownGlobalEngine(); }
+
+__attribute__((visibility("default"))) int prophet_is_initialized() {
+  return prophet::GlobalEngine() != nullptr ? 1 : 0;
+}
+
+__attribute__((visibility("default"))) int prophet_rank() {
+  prophet::Engine* e = prophet::GlobalEngine();
+  return e ? e->rank() : -1;
+}
+
+__attribute__((visibility("default"))) int prophet_world_size() {
+  prophet::Engine* e = prophet::GlobalEngine();
+  return e ? e->world_size() : -1;
+}
+
+// Writes a JSON object of counters; returns the length it needs (call again with more room if
+// that is >= len).
+__attribute__((visibility("default"))) int prophet_stats(char* buf, int len) {
+  prophet::Engine* e = prophet::GlobalEngine();
+  const std::string json = e ? e->StatsJson() : "{}";
+  CopyOut(json, buf, len);
+  return static_cast<int>(json.size());
+}
+
+}  // extern "C"

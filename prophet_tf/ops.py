@@ -1,0 +1,47 @@
+"""Communication ops: usable eagerly and inside `tf.function`.
+
+Every worker must call the same ops with the same ``name`` for the same logical tensor; a name
+used repeatedly is matched by how many times each worker used it before.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from prophet_tf._library import op_module
+
+
+def _check_name(name: str) -> str:
+    if not isinstance(name, str) or not name:
+        raise ValueError("prophet_tf ops need a non-empty `name` that is the same on every worker")
+    return name
+
+
+def push_pull(tensor: tf.Tensor, name: str, priority: int = 0, average: bool = False) -> tf.Tensor:
+    """Sums ``tensor`` over all workers (or averages it with ``average=True``).
+
+    Args:
+      tensor: a float16, bfloat16, float32, float64, int32 or int64 tensor.
+      name: the tensor's name, identical on every worker.
+      priority: larger is sent earlier when several tensors wait for the network.
+      average: divide the sum by the number of workers.
+    """
+    return op_module().prophet_push_pull(
+        tf.convert_to_tensor(tensor), tensor_name=_check_name(name), priority=int(priority),
+        reduce_op="mean" if average else "sum",
+    )
+
+
+def broadcast(tensor: tf.Tensor, name: str, root_rank: int = 0) -> tf.Tensor:
+    """Returns ``root_rank``'s value of ``tensor`` on every worker."""
+    return op_module().prophet_broadcast(
+        tf.convert_to_tensor(tensor), tensor_name=_check_name(name), root_rank=int(root_rank)
+    )
+
+
+def allgather(tensor: tf.Tensor, name: str) -> tf.Tensor:
+    """Concatenates every worker's ``tensor`` along dimension 0, in rank order.
+
+    The first dimension may differ across workers; the others must match.
+    """
+    return op_module().prophet_allgather(tf.convert_to_tensor(tensor), tensor_name=_check_name(name))
