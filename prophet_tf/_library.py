@@ -41,7 +41,25 @@ def op_module() -> ModuleType:
     """The TensorFlow op module (generated wrappers such as ``prophet_push_pull``)."""
     import tensorflow as tf
 
-    return tf.load_op_library(str(library_path()))
+    module = tf.load_op_library(str(library_path()))
+    _run_independently(_OP_TYPES)
+    return module
+
+
+# The ops are stateful (never constant-folded, merged or pruned), and tf.function's automatic
+# control dependencies chain every stateful op that takes no resource in program order. For ops
+# matched across workers by name that chain is a deadlock waiting to happen (workers may reach
+# them in different orders) and it caps what is in flight at one tensor. TensorFlow's own list of
+# "must run, order-insensitive" stateful ops is the documented escape; we join it.
+_OP_TYPES = ("ProphetPushPull", "ProphetBroadcast", "ProphetAllgather")
+
+
+def _run_independently(op_types: tuple[str, ...]) -> None:
+    from tensorflow.python.framework import auto_control_deps
+
+    auto_control_deps.MUST_RUN_ORDER_INSENSITIVE_STATEFUL_OPS = frozenset(
+        auto_control_deps.MUST_RUN_ORDER_INSENSITIVE_STATEFUL_OPS | set(op_types)
+    )
 
 
 @functools.lru_cache(maxsize=None)

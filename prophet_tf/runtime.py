@@ -34,6 +34,7 @@ def init(
     partition_bytes: int = 4 << 20,
     credit_bytes: int = 16 << 20,
     timeout_s: Optional[float] = None,
+    replan_threshold: float = 0.2,
     connect_timeout_s: float = 60.0,
     socket_buffer_bytes: int = 4 << 20,
     timeline_path: Optional[str] = None,
@@ -48,6 +49,8 @@ def init(
       schedule: ``fifo``, ``priority`` or ``prophet``.
       partition_bytes: tensors are cut into partitions of at most this size.
       credit_bytes: bytes of partitions that may be in flight at once.
+      replan_threshold: the ``prophet`` policy re-plans when the measured bandwidth or a stage
+        interval moves by more than this fraction.
       timeout_s: an operation not completed within this time fails instead of hanging
         (default ``$PROPHET_TIMEOUT_S`` or 60).
       connect_timeout_s: how long to wait for all peers at start-up.
@@ -82,6 +85,7 @@ def init(
         partition_bytes=int(partition_bytes),
         credit_bytes=int(credit_bytes),
         timeout_s=float(timeout_s),
+        replan_threshold=float(replan_threshold),
         connect_timeout_s=float(connect_timeout_s),
         socket_buffer_bytes=int(socket_buffer_bytes),
         timeline_path=timeline_path or "",

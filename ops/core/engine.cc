@@ -12,6 +12,7 @@
 #include <deque>
 #include <sstream>
 
+#include "ops/core/bandwidth.h"
 #include "ops/core/partition.h"
 #include "ops/core/reduce.h"
 #include "ops/core/timeline.h"
@@ -50,6 +51,7 @@ Status ParseEngineOptions(const std::string& text, EngineOptions* o) {
       else if (key == "partition_bytes") o->partition_bytes = std::stoull(value);
       else if (key == "credit_bytes") o->credit_bytes = std::stoull(value);
       else if (key == "timeout_s") o->timeout_s = std::stod(value);
+      else if (key == "replan_threshold") o->replan_threshold = std::stod(value);
       else if (key == "connect_timeout_s") o->connect_timeout_s = std::stod(value);
       else if (key == "socket_buffer_bytes") o->socket_buffer_bytes = std::stoi(value);
       else if (key == "timeline_path") o->timeline_path = value;
@@ -178,6 +180,7 @@ struct Engine::Impl {
   uint64_t in_flight = 0;
   int64_t next_timeout_check = 0;
   Timeline timeline;
+  BandwidthMonitor bandwidth;  // goodput of completed pushes, for the timeline
 
   // Statistics (read by StatsJson from other threads).
   std::atomic<uint64_t> bytes_sent{0}, bytes_received{0}, ops_done{0}, ops_failed{0};
@@ -247,6 +250,7 @@ Status Engine::Start(const EngineOptions& options, std::unique_ptr<Engine>* out)
   SchedulerOptions sched;
   sched.policy = options.schedule;
   sched.credit_bytes = options.credit_bytes;
+  sched.replan_threshold = options.replan_threshold;
   m.policy = MakePolicy(sched, &error);
   if (!m.policy) return Status(Code::kInvalidArgument, error);
   if (!options.timeline_path.empty() && !m.timeline.Open(options.timeline_path, options.rank, &error))
@@ -807,6 +811,10 @@ void Engine::Impl::Pump() {
   const uint64_t credit = options.credit_bytes;
   std::vector<SendTask> tasks;
   policy->Dequeue(in_flight < credit ? credit - in_flight : 0, NowNs(), &tasks);
+  if (timeline.enabled())
+    for (const PolicySpan& span : policy->TakeSpans())
+      timeline.Complete("block", span.label, span.start_ns, span.end_ns,
+                        "{\"tasks\": " + std::to_string(span.tasks) + ", \"bytes\": " + std::to_string(span.bytes) + "}");
   for (const SendTask& t : tasks) {
     auto it = ops_by_id.find(t.request_id);
     if (it == ops_by_id.end()) continue;  // failed while queued
@@ -1140,7 +1148,12 @@ void Engine::Impl::FinishPayload(Conn& c) {
       d.sent_ns = op->push_sent_ns[m.partition];
       d.done_ns = NowNs();
       policy->OnTransferDone(d);
-      if (timeline.enabled()) timeline.Complete("push", op->req.name, d.sent_ns, d.done_ns);
+      if (timeline.enabled()) {
+        timeline.Complete("push", op->req.name, d.sent_ns, d.done_ns);
+        bandwidth.OnTransfer(d.task.bytes, d.sent_ns, d.done_ns);
+        for (const BandwidthSample& b : bandwidth.TakeSamples())
+          timeline.Counter("bandwidth_MBps", b.ts_ns, b.estimate_Bps / 1e6);
+      }
     }
     PartitionDone(op);
     return;

@@ -29,6 +29,7 @@ struct EngineOptions {
   std::string schedule = "priority";
   uint64_t partition_bytes = 4u << 20;
   uint64_t credit_bytes = 16u << 20;
+  double replan_threshold = 0.2;    // prophet policy
   double timeout_s = 60.0;          // an operation not finished by then fails on this worker
   double connect_timeout_s = 60.0;  // bootstrap
   int socket_buffer_bytes = 4 << 20;

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "ops/core/prophet_policy.h"
+
 namespace prophet {
 
 namespace {
@@ -41,6 +43,7 @@ void PriorityPolicy::Dequeue(uint64_t credit_bytes, int64_t /*now_ns*/, std::vec
 std::unique_ptr<SchedulerPolicy> MakePolicy(const SchedulerOptions& options, std::string* error) {
   if (options.policy == "fifo") return std::make_unique<FifoPolicy>();
   if (options.policy == "priority") return std::make_unique<PriorityPolicy>();
+  if (options.policy == "prophet") return MakeProphetPolicy(options);
   *error = "unknown schedule '" + options.policy + "': expected one of fifo, priority, prophet";
   return nullptr;
 }

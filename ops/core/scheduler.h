@@ -43,6 +43,16 @@ struct TransferDone {
   int64_t done_ns = 0;      // last byte of the reply received
 };
 
+// A stretch of time a policy spent in one phase (a Prophet block, the credit phase), for the
+// timeline's "block" track.
+struct PolicySpan {
+  std::string label;
+  int64_t start_ns = 0;
+  int64_t end_ns = 0;
+  size_t tasks = 0;   // tasks released during the span
+  uint64_t bytes = 0;
+};
+
 class SchedulerPolicy {
  public:
   virtual ~SchedulerPolicy() = default;
@@ -63,6 +73,8 @@ class SchedulerPolicy {
   virtual int64_t NextWakeupNs() const { return -1; }
   // One line of human-readable state for logs and the timeline (plan, bandwidth, ...).
   virtual std::string Describe() const { return name(); }
+  // Drains the finished phase spans (policies without phases have none).
+  virtual std::vector<PolicySpan> TakeSpans() { return {}; }
 };
 
 // First come, first served: the order in which partitions became ready.
@@ -92,6 +104,7 @@ class PriorityPolicy : public SchedulerPolicy {
 struct SchedulerOptions {
   std::string policy = "priority";  // fifo | priority | prophet
   uint64_t credit_bytes = 16u << 20;
+  double replan_threshold = 0.2;  // prophet: re-plan when bandwidth or intervals move this much
 };
 
 // Returns nullptr and sets *error for an unknown policy name.

@@ -3,6 +3,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "ops/core/engine.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
@@ -51,8 +52,8 @@ class ProphetOpBase : public AsyncOpKernel {
   explicit ProphetOpBase(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("tensor_name", &tensor_name_));
     OP_REQUIRES(ctx, !tensor_name_.empty(),
-                errors::InvalidArgument(type_string(), ": tensor_name must not be empty; give every "
-                                                       "communicated tensor a name that is the same on all workers"));
+                absl::InvalidArgumentError(absl::StrCat(type_string(), ": tensor_name must not be empty; give every "
+                                                       "communicated tensor a name that is the same on all workers")));
   }
 
  protected:
@@ -60,15 +61,15 @@ class ProphetOpBase : public AsyncOpKernel {
   bool Prepare(OpKernelContext* ctx, OpKind kind, Engine** engine, OpRequest* req) {
     *engine = ::prophet::GlobalEngine();
     if (*engine == nullptr) {
-      ctx->SetStatus(errors::FailedPrecondition(kNotInitialised));
+      ctx->SetStatus(absl::FailedPreconditionError(kNotInitialised));
       return false;
     }
     const Tensor& input = ctx->input(0);
     req->kind = kind;
     req->name = tensor_name_;
     if (!ToCoreType(input.dtype(), &req->dtype)) {
-      ctx->SetStatus(errors::InvalidArgument(type_string(), " '", tensor_name_, "': unsupported dtype ",
-                                             DataTypeString(input.dtype())));
+      ctx->SetStatus(absl::InvalidArgumentError(absl::StrCat(type_string(), " '", tensor_name_, "': unsupported dtype ",
+                                             DataTypeString(input.dtype()))));
       return false;
     }
     req->shape = ShapeOf(input);
@@ -142,9 +143,9 @@ class AllgatherOp : public ProphetOpBase {
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     OP_REQUIRES_ASYNC(ctx, ctx->input(0).dims() >= 1,
-                      errors::InvalidArgument("ProphetAllgather '", tensor_name_,
+                      absl::InvalidArgumentError(absl::StrCat("ProphetAllgather '", tensor_name_,
                                               "' needs a tensor of rank >= 1 (it concatenates along dimension 0); "
-                                              "got a scalar"),
+                                              "got a scalar")),
                       done);
     Engine* engine = nullptr;
     OpRequest req;

@@ -1,0 +1,148 @@
+// Goodput estimation: busy time only, overlaps merged, smoothing, sample stream.
+#include "ops/core/bandwidth.h"
+
+#include "ops/core/testing.h"
+
+namespace prophet {
+namespace {
+
+constexpr int64_t kMs = 1'000'000;
+constexpr uint64_t kMB = 1'000'000;
+
+BandwidthOptions WindowOf(int64_t busy_ns, double alpha = 0.3) {
+  BandwidthOptions options;
+  options.min_sample_busy_ns = busy_ns;
+  options.ewma_alpha = alpha;
+  return options;
+}
+
+TEST(NoEstimateBeforeEnoughBusyTime) {
+  BandwidthMonitor monitor(WindowOf(2 * kMs));
+  EXPECT_TRUE(!monitor.has_estimate());
+  EXPECT_EQ(monitor.estimate_Bps(), 0.0);
+  monitor.OnTransfer(kMB, 0, kMs);
+  monitor.OnTransfer(kMB, 10 * kMs, 11 * kMs);  // settles the first: 1 ms busy < 2 ms
+  EXPECT_TRUE(!monitor.has_estimate());
+  EXPECT_EQ(monitor.TakeSamples().size(), 0u);
+}
+
+TEST(IdleGapsAreNotCounted) {
+  // 1 MB in 1 ms, 100 ms idle (forward pass), 1 MB in 1 ms: the link does 1 GB/s, not 2 MB/102 ms.
+  BandwidthMonitor monitor(WindowOf(2 * kMs));
+  monitor.OnTransfer(kMB, 0, kMs);
+  monitor.OnTransfer(kMB, 101 * kMs, 102 * kMs);
+  // The second transfer is measured once a transfer could no longer overlap it: one transfer
+  // duration (1 ms) after the latest completion.
+  EXPECT_TRUE(!monitor.has_estimate());
+  monitor.OnTransfer(kMB, 201 * kMs, 202 * kMs);
+  EXPECT_TRUE(monitor.has_estimate());
+  EXPECT_NEAR(monitor.estimate_Bps(), 1e9, 1.0);
+  const std::vector<BandwidthSample> samples = monitor.TakeSamples();
+  EXPECT_EQ(samples.size(), 1u);
+  if (samples.size() == 1) {
+    EXPECT_EQ(samples[0].busy_ns, 2 * kMs);
+    EXPECT_EQ(samples[0].bytes, 2 * kMB);
+    EXPECT_EQ(samples[0].ts_ns, 102 * kMs);
+  }
+}
+
+TEST(OverlappingTransfersAreMerged) {
+  // Two 1 MB transfers overlapping by 1 ms: busy 0..3 ms, 2 MB / 3 ms (summing durations: 4 ms).
+  BandwidthMonitor monitor(WindowOf(3 * kMs));
+  monitor.OnTransfer(kMB, 0, 2 * kMs);
+  monitor.OnTransfer(kMB, kMs, 3 * kMs);
+  monitor.OnTransfer(kMB, 10 * kMs, 12 * kMs);
+  EXPECT_NEAR(monitor.estimate_Bps(), 2e6 / 3e-3, 1.0);
+}
+
+TEST(ConcurrentSendsUnderACredit) {
+  // The credit keeps 4 partitions in flight: each 1 MB partition takes 2 ms because it shares the
+  // link with 3 others, so the link moves 2 GB/s. Completions arrive one by one.
+  BandwidthMonitor monitor(WindowOf(4 * kMs, 1.0));
+  for (int wave = 0; wave < 4; ++wave) {
+    for (int i = 0; i < 4; ++i) monitor.OnTransfer(kMB, wave * 2 * kMs, (wave + 1) * 2 * kMs);
+  }
+  EXPECT_TRUE(monitor.has_estimate());
+  EXPECT_NEAR(monitor.estimate_Bps(), 2e9, 1.0);
+}
+
+TEST(TransfersReportedOutOfStartOrder) {
+  // Reported at completion: the short transfer inside the long one arrives first.
+  BandwidthMonitor monitor(WindowOf(4 * kMs));
+  monitor.OnTransfer(kMB, 1 * kMs, 2 * kMs);
+  monitor.OnTransfer(3 * kMB, 0, 4 * kMs);
+  monitor.OnTransfer(kMB, 10 * kMs, 11 * kMs);
+  EXPECT_TRUE(monitor.has_estimate());
+  EXPECT_NEAR(monitor.estimate_Bps(), 4e6 / 4e-3, 1.0);
+}
+
+TEST(StragglerCountsOnlyItsUnmeasuredPart) {
+  BandwidthMonitor monitor(WindowOf(2 * kMs));
+  monitor.OnTransfer(2 * kMB, 0, 2 * kMs);
+  monitor.OnTransfer(kMB, 3 * kMs, 4 * kMs);  // horizon 2 ms: window 0..2 ms measured, 1 GB/s
+  EXPECT_EQ(monitor.samples_taken(), 1u);
+  // A transfer over 1..5 ms reported now: only 2..5 ms (3/4 of its 4 MB) is new.
+  monitor.OnTransfer(4 * kMB, 1 * kMs, 5 * kMs);
+  monitor.OnTransfer(kMB, 20 * kMs, 21 * kMs);  // horizon 17 ms
+  const std::vector<BandwidthSample> samples = monitor.TakeSamples();
+  EXPECT_EQ(samples.size(), 2u);
+  if (samples.size() == 2) {
+    EXPECT_EQ(samples[1].busy_ns, 3 * kMs);      // 2..5 ms
+    EXPECT_EQ(samples[1].bytes, 4 * kMB);        // 3 MB of the straggler + the 1 MB at 3..4 ms
+    EXPECT_NEAR(samples[1].sample_Bps, 4e6 / 3e-3, 1.0);
+  }
+  // Entirely inside measured time: ignored.
+  monitor.OnTransfer(kMB, 0, kMs);
+  EXPECT_EQ(monitor.TakeSamples().size(), 0u);
+}
+
+TEST(EwmaSmoothsSamples) {
+  BandwidthMonitor monitor(WindowOf(kMs, 0.25));
+  monitor.OnTransfer(kMB, 0, kMs);                  // 1 GB/s
+  monitor.OnTransfer(2 * kMB, 10 * kMs, 11 * kMs);  // 2 GB/s
+  monitor.OnTransfer(kMB, 20 * kMs, 21 * kMs);      // settles the second
+  EXPECT_NEAR(monitor.estimate_Bps(), 1e9 + 0.25 * 1e9, 1.0);
+  const std::vector<BandwidthSample> samples = monitor.TakeSamples();
+  EXPECT_EQ(samples.size(), 2u);
+  if (samples.size() == 2) {
+    EXPECT_NEAR(samples[0].estimate_Bps, 1e9, 1.0);
+    EXPECT_NEAR(samples[1].sample_Bps, 2e9, 1.0);
+    EXPECT_NEAR(samples[1].estimate_Bps, 1.25e9, 1.0);
+  }
+  EXPECT_EQ(monitor.samples_taken(), 2u);
+  EXPECT_EQ(monitor.TakeSamples().size(), 0u);  // drained
+}
+
+TEST(ContinuousTrafficKeepsSampling) {
+  // A link that never idles still yields one sample per window of busy time: 20 back-to-back 1 ms
+  // transfers; the last 1 ms is not settled, so windows 0-5, 5-10, 10-15 ms are measured.
+  BandwidthMonitor monitor(WindowOf(5 * kMs, 1.0));
+  for (int i = 0; i < 20; ++i) monitor.OnTransfer(kMB, i * kMs, (i + 1) * kMs);
+  EXPECT_EQ(monitor.samples_taken(), 3u);
+  EXPECT_NEAR(monitor.estimate_Bps(), 1e9, 1.0);
+}
+
+TEST(SlowerLinkLowersTheEstimate) {
+  BandwidthMonitor monitor(WindowOf(kMs, 1.0));
+  monitor.OnTransfer(kMB, 0, kMs);
+  monitor.OnTransfer(kMB, 5 * kMs, 9 * kMs);
+  EXPECT_NEAR(monitor.estimate_Bps(), 1e9, 1.0);
+  monitor.OnTransfer(kMB, 20 * kMs, 21 * kMs);
+  EXPECT_NEAR(monitor.estimate_Bps(), 2.5e8, 1.0);
+}
+
+TEST(PendingSamplesAreBounded) {
+  BandwidthOptions options = WindowOf(kMs);
+  options.max_pending_samples = 3;
+  BandwidthMonitor monitor(options);
+  for (int i = 0; i < 10; ++i) monitor.OnTransfer(kMB, 10 * i * kMs, (10 * i + 1) * kMs);
+  EXPECT_EQ(monitor.samples_taken(), 9u);
+  const std::vector<BandwidthSample> samples = monitor.TakeSamples();
+  EXPECT_EQ(samples.size(), 3u);
+  if (!samples.empty()) EXPECT_EQ(samples.back().ts_ns, 81 * kMs);  // the newest are kept
+}
+
+}  // namespace
+}  // namespace prophet
+
+PROPHET_TEST_MAIN()

@@ -1,0 +1,68 @@
+// Prophet's block planner: a pure function from (profile, bandwidth) to an ordered list of blocks.
+//
+// Rule (Zhang et al., ICPP 2021, section "block assembly"), for any model:
+//  - The "first layer" is the highest-priority tensor of the profile; the stage in which it becomes
+//    ready is the credit stage. From the moment it is ready, everything left is sent under the byte
+//    credit in priority order, so no block is planned for the credit stage or later.
+//  - For every earlier stage k, budget_k = bandwidth x interval_k (the bytes the link can carry
+//    before the next burst arrives). Block k takes the not-yet-planned tensors ready by stage k
+//    (stages 0..k) in priority order (highest first), as long as they fit in budget_k; it stops at
+//    the first tensor that does not fit, so a block never carries a lower-priority tensor in front
+//    of a higher-priority one. A block always has at least one tensor (a tensor bigger than the
+//    budget forms a block of its own), so every stage makes progress. A stage with nothing left
+//    gets no block.
+//  - Tensors of earlier stages that fit in no block are left for the credit phase.
+// Bytes are whatever the caller puts in ProfiledTensor::bytes; the policy uses the bytes this worker
+// actually pushes, in the same unit as the measured bandwidth.
+#ifndef PROPHET_OPS_CORE_PLANNER_H_
+#define PROPHET_OPS_CORE_PLANNER_H_
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "ops/core/profiler.h"
+
+namespace prophet {
+
+struct PlanBlock {
+  int stage = 0;                 // the stage whose interval sized it
+  int64_t start_offset_ns = 0;   // the stage's start, from the step's origin
+  uint64_t budget_bytes = 0;     // bandwidth x stage interval
+  uint64_t bytes = 0;            // sum of members' bytes (may exceed the budget for one tensor)
+  std::vector<std::string> members;  // priority order, highest first
+};
+
+struct Plan {
+  std::vector<PlanBlock> blocks;  // in sending order
+  // The first layer: once it is ready, the credit phase begins.
+  std::string top_tensor;
+  int64_t top_priority = 0;
+  int top_stage = -1;
+  int64_t top_ready_offset_ns = 0;
+  // Inputs the plan was made with, to decide when to re-plan.
+  double bandwidth_Bps = 0;
+  std::vector<int64_t> stage_intervals_ns;
+  std::map<std::string, int> stage_of;  // tensor name -> stage
+  std::map<std::string, int> block_of;  // tensor name -> block index (absent: credit phase)
+  uint64_t profile_version = 0;
+
+  // Block index of a tensor, or -1 when it is sent in the credit phase (or unknown).
+  int BlockOf(const std::string& name) const;
+  // One line: "3 stages, 2 blocks [1.0MB,2.5MB], 100.0 MB/s".
+  std::string Summary() const;
+};
+
+Plan MakePlan(const Profile& profile, double bandwidth_Bps);
+
+// Why `plan` no longer fits `profile` and `bandwidth_Bps`, or "" when it still does. A re-plan is
+// due when the stage structure changed (number of stages, or a tensor moved, appeared or left), or
+// when the bandwidth or any stage interval moved by more than `threshold` (relative, e.g. 0.2)
+// from the value the plan was made with.
+std::string ReplanReason(const Plan& plan, const Profile& profile, double bandwidth_Bps,
+                         double threshold);
+
+}  // namespace prophet
+
+#endif  // PROPHET_OPS_CORE_PLANNER_H_

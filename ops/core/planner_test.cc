@@ -1,0 +1,254 @@
+// Plans for synthetic ready-time traces, compared with plans computed by hand.
+#include "ops/core/planner.h"
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "ops/core/testing.h"
+
+namespace prophet {
+namespace {
+
+constexpr int64_t kMs = 1'000'000;
+constexpr uint64_t kMB = 1'000'000;
+
+struct TraceTensor {
+  const char* name;
+  int64_t priority;
+  uint64_t bytes;
+  int64_t offset_ns;
+};
+
+// The profile the profiler would produce for a steady trace (offsets in ready order).
+Profile ProfileOf(const std::vector<TraceTensor>& trace) {
+  Profile profile;
+  for (const TraceTensor& t : trace) {
+    ProfiledTensor tensor;
+    tensor.name = t.name;
+    tensor.priority = t.priority;
+    tensor.bytes = t.bytes;
+    tensor.ready_offset_ns = t.offset_ns;
+    profile.tensors.push_back(tensor);
+  }
+  DetectStages(ProfilerOptions(), &profile);
+  profile.version = 1;
+  return profile;
+}
+
+std::string Join(const std::vector<std::string>& names) {
+  std::string out;
+  for (const std::string& name : names) out += (out.empty() ? "" : ",") + name;
+  return out;
+}
+
+// An 8-layer model: the backward pass produces L7 first; L0 (the first layer) is most urgent.
+// Stage 0 = {L7, L6, L5} at 0-0.2 ms, stage 1 = {L4, L3} at 10 ms, stage 2 = {L2, L1, L0} at 20 ms.
+std::vector<TraceTensor> ThreeStageTrace() {
+  return {
+      {"L7", 0, 4 * kMB, 0},          {"L6", 1, 2 * kMB, kMs / 10},
+      {"L5", 2, 1 * kMB, 2 * kMs / 10}, {"L4", 3, 1 * kMB, 10 * kMs},
+      {"L3", 4, 3 * kMB, 10 * kMs + kMs / 10}, {"L2", 5, 1 * kMB, 20 * kMs},
+      {"L1", 6, 1 * kMB, 20 * kMs + kMs / 10}, {"L0", 7, 1 * kMB, 20 * kMs + 2 * kMs / 10},
+  };
+}
+
+TEST(StagesOfThreeStageTrace) {
+  const Profile profile = ProfileOf(ThreeStageTrace());
+  // Mean gap = 20.2 ms / 7 = 2.89 ms; the two 9.8/9.9 ms gaps exceed twice that, 0.1 ms gaps don't.
+  EXPECT_EQ(profile.stages.size(), 3u);
+  if (profile.stages.size() != 3) return;
+  EXPECT_EQ(profile.stages[0].members.size(), 3u);
+  EXPECT_EQ(profile.stages[1].members.size(), 2u);
+  EXPECT_EQ(profile.stages[2].members.size(), 3u);
+  EXPECT_EQ(profile.stages[0].interval_ns, 10 * kMs);
+  EXPECT_EQ(profile.stages[1].interval_ns, 10 * kMs);
+  EXPECT_EQ(profile.stages[2].interval_ns, 0);
+}
+
+TEST(ThreeStagesExactBlocks) {
+  // 350 MB/s x 10 ms = 3.5 MB per block.
+  // Block 0 (ready: L7 4MB p0, L6 2MB p1, L5 1MB p2): L5 + L6 = 3 MB, L7 would make 7 MB.
+  // Block 1 (ready and left: L3 3MB p4, L4 1MB p3, L7): L3 = 3 MB, L4 would make 4 MB.
+  // Stage 2 holds L0 (the first layer): L4, L7 and stage 2 go in the credit phase.
+  const Plan plan = MakePlan(ProfileOf(ThreeStageTrace()), 350e6);
+  EXPECT_EQ(plan.blocks.size(), 2u);
+  if (plan.blocks.size() != 2) return;
+  EXPECT_EQ(Join(plan.blocks[0].members), std::string("L5,L6"));
+  EXPECT_EQ(Join(plan.blocks[1].members), std::string("L3"));
+  EXPECT_EQ(plan.blocks[0].budget_bytes, 3'500'000u);
+  EXPECT_EQ(plan.blocks[0].bytes, 3 * kMB);
+  EXPECT_EQ(plan.blocks[1].bytes, 3 * kMB);
+  EXPECT_EQ(plan.blocks[0].start_offset_ns, 0);
+  EXPECT_EQ(plan.blocks[1].start_offset_ns, 10 * kMs);
+  EXPECT_EQ(plan.top_tensor, std::string("L0"));
+  EXPECT_EQ(plan.top_stage, 2);
+  EXPECT_EQ(plan.BlockOf("L4"), -1);
+  EXPECT_EQ(plan.BlockOf("L7"), -1);
+  EXPECT_EQ(plan.BlockOf("L0"), -1);
+  EXPECT_EQ(plan.BlockOf("L3"), 1);
+}
+
+TEST(FasterLinkTakesMorePerBlock) {
+  // 800 MB/s x 10 ms = 8 MB: block 0 takes all of stage 0 (7 MB); block 1 takes L3 + L4 (4 MB).
+  const Plan plan = MakePlan(ProfileOf(ThreeStageTrace()), 800e6);
+  EXPECT_EQ(plan.blocks.size(), 2u);
+  if (plan.blocks.size() != 2) return;
+  EXPECT_EQ(Join(plan.blocks[0].members), std::string("L5,L6,L7"));
+  EXPECT_EQ(Join(plan.blocks[1].members), std::string("L3,L4"));
+}
+
+TEST(TensorBiggerThanBudgetFormsItsOwnBlock) {
+  // 100 MB/s x 10 ms = 1 MB per block. Stage 0's most urgent tensor (L5, 1MB) fits exactly; in
+  // stage 1 the most urgent (L3, 3 MB) alone exceeds the budget but still goes (progress), and
+  // nothing is put behind it in the same block.
+  const Plan plan = MakePlan(ProfileOf(ThreeStageTrace()), 100e6);
+  EXPECT_EQ(plan.blocks.size(), 2u);
+  if (plan.blocks.size() != 2) return;
+  EXPECT_EQ(Join(plan.blocks[0].members), std::string("L5"));
+  EXPECT_EQ(Join(plan.blocks[1].members), std::string("L3"));
+  EXPECT_EQ(plan.blocks[1].budget_bytes, 1'000'000u);
+  EXPECT_EQ(plan.blocks[1].bytes, 3 * kMB);
+}
+
+TEST(ZeroBandwidthStillMakesProgress) {
+  const Plan plan = MakePlan(ProfileOf(ThreeStageTrace()), 0.0);
+  EXPECT_EQ(plan.blocks.size(), 2u);
+  for (const PlanBlock& block : plan.blocks) EXPECT_EQ(block.members.size(), 1u);
+}
+
+TEST(ZeroGapTraceIsOneStageWithoutBlocks) {
+  // Everything ready at once (e.g. gradients produced by one fused op): nothing to plan, the
+  // policy falls back to priority order.
+  const Profile profile = ProfileOf({{"a", 2, kMB, 5 * kMs}, {"b", 1, kMB, 5 * kMs},
+                                     {"c", 0, kMB, 5 * kMs}});
+  EXPECT_EQ(profile.stages.size(), 1u);
+  const Plan plan = MakePlan(profile, 100e6);
+  EXPECT_EQ(plan.blocks.size(), 0u);
+  EXPECT_EQ(plan.top_tensor, std::string("a"));
+}
+
+TEST(UniformGapsAreOneStage) {
+  // Evenly spaced readiness has no gap larger than twice the mean.
+  std::vector<TraceTensor> trace;
+  const char* names[] = {"t0", "t1", "t2", "t3", "t4"};
+  for (int i = 0; i < 5; ++i) trace.push_back({names[i], 4 - i, kMB, i * kMs});
+  const Profile profile = ProfileOf(trace);
+  EXPECT_EQ(profile.stages.size(), 1u);
+  EXPECT_EQ(MakePlan(profile, 100e6).blocks.size(), 0u);
+}
+
+TEST(SingleTensorAndEmptyProfile) {
+  const Profile one = ProfileOf({{"only", 0, kMB, 0}});
+  EXPECT_EQ(one.stages.size(), 1u);
+  EXPECT_EQ(MakePlan(one, 1e9).blocks.size(), 0u);
+  const Plan empty = MakePlan(Profile(), 1e9);
+  EXPECT_EQ(empty.blocks.size(), 0u);
+  EXPECT_EQ(empty.top_stage, -1);
+}
+
+TEST(FirstLayerInMiddleStageStopsBlocksThere) {
+  // The most urgent tensor is ready in stage 1 of 3: only stage 0 gets a block.
+  const Profile profile = ProfileOf({{"a", 0, kMB, 0}, {"a2", 1, kMB, kMs / 10},
+                                     {"b", 2, kMB, 10 * kMs}, {"top", 9, kMB, 10 * kMs + kMs / 10},
+                                     {"c", 3, kMB, 20 * kMs}, {"c2", 4, kMB, 20 * kMs + kMs / 10}});
+  EXPECT_EQ(profile.stages.size(), 3u);
+  const Plan plan = MakePlan(profile, 1e9);
+  EXPECT_EQ(plan.top_stage, 1);
+  EXPECT_EQ(plan.blocks.size(), 1u);
+  if (!plan.blocks.empty()) EXPECT_EQ(Join(plan.blocks[0].members), std::string("a2,a"));
+}
+
+TEST(ReplanOnlyBeyondThreshold) {
+  const Profile profile = ProfileOf(ThreeStageTrace());
+  const Plan plan = MakePlan(profile, 100e6);
+  // Bandwidth: 10% either way keeps the plan, 25% either way re-plans.
+  EXPECT_EQ(ReplanReason(plan, profile, 110e6, 0.2), std::string());
+  EXPECT_EQ(ReplanReason(plan, profile, 90e6, 0.2), std::string());
+  EXPECT_TRUE(!ReplanReason(plan, profile, 125e6, 0.2).empty());
+  EXPECT_TRUE(!ReplanReason(plan, profile, 75e6, 0.2).empty());
+  EXPECT_TRUE(ReplanReason(plan, profile, 125e6, 0.2).find("bandwidth") != std::string::npos);
+  // The threshold is a parameter.
+  EXPECT_EQ(ReplanReason(plan, profile, 125e6, 0.3), std::string());
+
+  // Stage intervals: stretch the trace around the stage-1 boundary.
+  auto shifted = [](double factor) {
+    std::vector<TraceTensor> trace = ThreeStageTrace();
+    for (TraceTensor& t : trace) t.offset_ns = static_cast<int64_t>(t.offset_ns * factor);
+    return ProfileOf(trace);
+  };
+  EXPECT_EQ(ReplanReason(plan, shifted(1.1), 100e6, 0.2), std::string());
+  EXPECT_EQ(ReplanReason(plan, shifted(0.9), 100e6, 0.2), std::string());
+  const std::string slower = ReplanReason(plan, shifted(1.25), 100e6, 0.2);
+  EXPECT_TRUE(slower.find("interval") != std::string::npos);
+  EXPECT_TRUE(!ReplanReason(plan, shifted(0.75), 100e6, 0.2).empty());
+
+  // Only stage 1's interval moves by 25%: still a re-plan.
+  std::vector<TraceTensor> trace = ThreeStageTrace();
+  for (size_t i = 5; i < trace.size(); ++i) trace[i].offset_ns += 25 * kMs / 10;
+  EXPECT_TRUE(!ReplanReason(plan, ProfileOf(trace), 100e6, 0.2).empty());
+}
+
+TEST(ReplanOnStructureChange) {
+  const Profile profile = ProfileOf(ThreeStageTrace());
+  const Plan plan = MakePlan(profile, 100e6);
+  std::vector<TraceTensor> trace = ThreeStageTrace();
+  trace.push_back({"L_new", -1, kMB, 20 * kMs + 3 * kMs / 10});
+  EXPECT_TRUE(!ReplanReason(plan, ProfileOf(trace), 100e6, 0.2).empty());
+  trace = ThreeStageTrace();
+  trace.erase(trace.begin() + 3);  // L4 gone
+  EXPECT_TRUE(!ReplanReason(plan, ProfileOf(trace), 100e6, 0.2).empty());
+  const Profile one_stage = ProfileOf({{"a", 0, kMB, 0}});
+  EXPECT_TRUE(ReplanReason(plan, one_stage, 100e6, 0.2).find("stages") != std::string::npos);
+}
+
+TEST(InvariantsOnAGeneratedModel) {
+  // 160 gradients in 12 uneven bursts, sizes from 4 kB to 9 MB: the plan must be a valid Prophet
+  // plan whatever the numbers.
+  std::vector<std::string> names;
+  std::vector<TraceTensor> trace;
+  const int n = 160;
+  names.reserve(n);
+  uint64_t seed = 12345;
+  auto next = [&seed]() {
+    seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
+    return seed >> 33;
+  };
+  int64_t t = 0;
+  for (int i = 0; i < n; ++i) {
+    names.push_back("grad_" + std::to_string(n - 1 - i));
+    t += (i % 13 == 12) ? 3 * kMs + static_cast<int64_t>(next() % (5 * kMs)) : 20'000;
+    trace.push_back({nullptr, i, 4096 + next() % (9 * kMB), t});  // ready last = most urgent
+  }
+  for (int i = 0; i < n; ++i) trace[i].name = names[i].c_str();
+  const Profile profile = ProfileOf(trace);
+  EXPECT_TRUE(profile.stages.size() > 5);
+  const Plan plan = MakePlan(profile, 1.25e9);
+  EXPECT_EQ(plan.top_tensor, std::string("grad_0"));
+  EXPECT_TRUE(plan.blocks.size() >= 5);
+  std::vector<int> seen(n, 0);
+  int64_t previous_start = -1;
+  for (size_t b = 0; b < plan.blocks.size(); ++b) {
+    const PlanBlock& block = plan.blocks[b];
+    EXPECT_TRUE(!block.members.empty());
+    EXPECT_TRUE(block.bytes <= block.budget_bytes || block.members.size() == 1);
+    EXPECT_TRUE(block.start_offset_ns > previous_start);
+    previous_start = block.start_offset_ns;
+    int64_t last_priority = INT64_MAX;
+    for (const std::string& name : block.members) {
+      const ProfiledTensor& tensor = profile.tensors[profile.Find(name)];
+      EXPECT_TRUE(tensor.priority < last_priority);  // priority order inside a block
+      last_priority = tensor.priority;
+      EXPECT_TRUE(tensor.stage <= block.stage);      // ready by the block's stage
+      EXPECT_TRUE(tensor.stage < plan.top_stage);
+      ++seen[tensor.priority];
+    }
+  }
+  for (int count : seen) EXPECT_TRUE(count <= 1);  // no tensor planned twice
+  EXPECT_TRUE(!plan.Summary().empty());
+}
+
+}  // namespace
+}  // namespace prophet
+
+PROPHET_TEST_MAIN()

@@ -1,0 +1,307 @@
+#include "ops/core/prophet_policy.h"
+
+#include <algorithm>
+#include <cstdio>
+
+namespace prophet {
+
+namespace {
+
+bool LessUrgent(const SendTask& a, const SendTask& b) {
+  if (a.priority != b.priority) return a.priority < b.priority;
+  return a.enqueue_seq > b.enqueue_seq;
+}
+
+}  // namespace
+
+void ProphetPolicy::TaskHeap::Push(const SendTask& task) {
+  heap_.push_back(task);
+  std::push_heap(heap_.begin(), heap_.end(), LessUrgent);
+}
+
+SendTask ProphetPolicy::TaskHeap::Pop() {
+  std::pop_heap(heap_.begin(), heap_.end(), LessUrgent);
+  SendTask task = heap_.back();
+  heap_.pop_back();
+  return task;
+}
+
+void ProphetPolicy::TaskHeap::MoveAllTo(TaskHeap* other) {
+  for (const SendTask& task : heap_) other->Push(task);
+  heap_.clear();
+}
+
+bool ProphetPolicy::Drain(TaskHeap* heap, CreditWindow* window, std::vector<SendTask>* out) {
+  while (!heap->empty()) {
+    const uint64_t bytes = heap->top().bytes;
+    const bool fits = window->credit > 0 &&
+                      (!window->released_any || window->used + bytes <= window->credit);
+    if (!fits) return false;
+    window->used += bytes;
+    window->released_any = true;
+    out->push_back(heap->Pop());
+  }
+  return true;
+}
+
+ProphetPolicy::ProphetPolicy(const ProphetOptions& options)
+    : options_(options), profiler_(options.profiler), bandwidth_(options.bandwidth) {
+  if (!(options_.replan_threshold >= 0)) options_.replan_threshold = 0.2;
+}
+
+void ProphetPolicy::OnTensorReady(const TensorReady& ready) {
+  const std::string name = ready.name != nullptr ? *ready.name : std::string();
+  if (profiler_.OnTensorReady(ready)) StartStep(ready.ready_ns);
+  pending_ready_.push_back({name, ready.priority, ready.ready_ns, profiler_.steps_started()});
+  wire_bytes_this_step_.emplace(name, 0);  // a tensor with no remote partition pushes 0 bytes
+
+  if (!blocks_active_) return;
+  if (ready_this_step_.insert(name).second) {
+    const int block = plan_.BlockOf(name);
+    if (block >= 0) --block_missing_[block];
+  }
+  // The first layer is ready: after the block in flight, everything goes in priority order.
+  if (name == plan_.top_tensor || ready.priority > plan_.top_priority) credit_phase_ = true;
+}
+
+void ProphetPolicy::StartStep(int64_t origin_ns) {
+  EndPhaseSpan(origin_ns);
+  // Whatever the previous step left queued is sent first (see Dequeue).
+  for (TaskHeap& queue : block_queues_) queue.MoveAllTo(&overdue_queue_);
+  late_queue_.MoveAllTo(&overdue_queue_);
+  credit_queue_.MoveAllTo(&overdue_queue_);
+
+  const uint64_t step = profiler_.steps_started();
+  pending_ready_.erase(std::remove_if(pending_ready_.begin(), pending_ready_.end(),
+                                      [step](const PendingReady& p) { return p.step + 2 <= step; }),
+                       pending_ready_.end());
+  for (auto it = name_of_request_.begin(); it != name_of_request_.end();) {
+    it = it->second.step + 2 <= step ? name_of_request_.erase(it) : std::next(it);
+  }
+  wire_bytes_last_step_.swap(wire_bytes_this_step_);
+  wire_bytes_this_step_.clear();
+
+  step_origin_ns_ = origin_ns;
+  MaybeReplan();
+  blocks_active_ = has_plan_ && !plan_.blocks.empty();
+  credit_phase_ = !blocks_active_;
+  open_block_ = 0;
+  ready_this_step_.clear();
+  block_queues_.assign(plan_.blocks.size(), TaskHeap());
+  block_missing_.clear();
+  for (const PlanBlock& block : plan_.blocks) {
+    block_missing_.push_back(static_cast<int>(block.members.size()));
+  }
+}
+
+void ProphetPolicy::MaybeReplan() {
+  if (!profiler_.has_profile() || !bandwidth_.has_estimate()) return;
+  // Plan with the bytes this worker actually pushed per tensor (partitions it owns stay local).
+  Profile profile = profiler_.profile();
+  for (ProfiledTensor& tensor : profile.tensors) {
+    auto it = wire_bytes_last_step_.find(tensor.name);
+    if (it != wire_bytes_last_step_.end()) tensor.bytes = it->second;
+  }
+  const double bandwidth = bandwidth_.estimate_Bps();
+  if (!has_plan_) {
+    plan_ = MakePlan(profile, bandwidth);
+    has_plan_ = true;
+    return;
+  }
+  std::string reason = ReplanReason(plan_, profile, bandwidth, options_.replan_threshold);
+  if (reason.empty()) return;
+  plan_ = MakePlan(profile, bandwidth);
+  ++replans_;
+  last_replan_reason_ = std::move(reason);
+}
+
+const std::string& ProphetPolicy::NameOf(const SendTask& task) {
+  // The TensorReady announcing this task's tensor has the same priority and ready time. Search
+  // it first (newest first) so that a request id reused by the engine is re-bound.
+  for (auto it = pending_ready_.rbegin(); it != pending_ready_.rend(); ++it) {
+    if (it->priority == task.priority && it->ready_ns == task.ready_ns) {
+      RequestName& entry = name_of_request_[task.request_id];
+      entry.name = it->name;
+      entry.step = it->step;
+      pending_ready_.erase(std::next(it).base());
+      return entry.name;
+    }
+  }
+  RequestName& entry = name_of_request_[task.request_id];
+  if (entry.step == 0) entry.step = profiler_.steps_started();  // unknown: sent in credit phase
+  return entry.name;
+}
+
+void ProphetPolicy::Enqueue(const SendTask& task) {
+  const std::string& name = NameOf(task);
+  const bool earlier_step = profiler_.steps_started() > 0 && task.ready_ns < step_origin_ns_;
+  if (!earlier_step) wire_bytes_this_step_[name] += task.bytes;
+
+  if (earlier_step) {
+    overdue_queue_.Push(task);
+    return;
+  }
+  if (credit_phase_) {
+    credit_queue_.Push(task);
+    return;
+  }
+  const int block = plan_.BlockOf(name);
+  const int blocks = static_cast<int>(block_queues_.size());
+  if (block < 0) {
+    credit_queue_.Push(task);  // fits in no block, or unknown to the profile
+  } else if (block >= open_block_) {
+    block_queues_[block].Push(task);
+  } else if (open_block_ < blocks) {
+    block_queues_[open_block_].Push(task);  // late member of a closed block joins the open one
+  } else {
+    late_queue_.Push(task);
+  }
+}
+
+bool ProphetPolicy::LaterBlockQueued() const {
+  for (size_t b = static_cast<size_t>(open_block_) + 1; b < block_queues_.size(); ++b) {
+    if (!block_queues_[b].empty()) return true;
+  }
+  return false;
+}
+
+void ProphetPolicy::NoteReleased(const std::vector<SendTask>& out, size_t from, int64_t now_ns,
+                                 int block) {
+  if (out.size() == from) return;
+  if (!span_open_) {
+    span_open_ = true;
+    open_span_ = PhaseSpan();
+    open_span_.label = block >= 0 ? BlockLabel(block) : "credit phase";
+    open_span_.start_ns = now_ns;
+  }
+  for (size_t i = from; i < out.size(); ++i) {
+    ++open_span_.tasks;
+    open_span_.bytes += out[i].bytes;
+  }
+  open_span_.end_ns = now_ns;
+}
+
+void ProphetPolicy::EndPhaseSpan(int64_t now_ns) {
+  if (!span_open_) return;
+  span_open_ = false;
+  open_span_.end_ns = std::max(open_span_.end_ns, now_ns);
+  finished_spans_.push_back(std::move(open_span_));
+  if (finished_spans_.size() > 1024) finished_spans_.erase(finished_spans_.begin());
+}
+
+std::vector<ProphetPolicy::PhaseSpan> ProphetPolicy::TakeSpans() {
+  std::vector<PhaseSpan> out;
+  out.swap(finished_spans_);
+  return out;
+}
+
+void ProphetPolicy::EndBlocks() {
+  for (TaskHeap& queue : block_queues_) queue.MoveAllTo(&credit_queue_);
+  late_queue_.MoveAllTo(&credit_queue_);
+  open_block_ = static_cast<int>(block_queues_.size());
+}
+
+int64_t ProphetPolicy::CreditDeadlineNs() const {
+  return step_origin_ns_ + static_cast<int64_t>(static_cast<double>(plan_.top_ready_offset_ns) *
+                                                (1.0 + options_.replan_threshold));
+}
+
+void ProphetPolicy::Dequeue(uint64_t credit_bytes, int64_t now_ns, std::vector<SendTask>* out) {
+  CreditWindow window;
+  window.credit = credit_bytes;
+  if (!Drain(&overdue_queue_, &window, out)) return;
+  if (!blocks_active_) {
+    Drain(&credit_queue_, &window, out);
+    return;
+  }
+  if (!credit_phase_ && now_ns >= CreditDeadlineNs()) credit_phase_ = true;
+
+  const int blocks = static_cast<int>(block_queues_.size());
+  while (open_block_ < blocks) {
+    // No preemption: the open block's queued partitions go before anything else.
+    const size_t released_before = out->size();
+    const bool drained = Drain(&block_queues_[open_block_], &window, out);
+    NoteReleased(*out, released_before, now_ns, open_block_);
+    if (!drained) return;
+    if (credit_phase_) {
+      EndPhaseSpan(now_ns);
+      EndBlocks();
+      break;
+    }
+    const bool complete = block_missing_[open_block_] <= 0;
+    if (!complete && !LaterBlockQueued()) return;  // wait for its members; nothing else is due
+    EndPhaseSpan(now_ns);
+    ++open_block_;
+  }
+  if (!credit_phase_) {
+    Drain(&late_queue_, &window, out);
+    return;  // the rest waits for the first layer
+  }
+  EndBlocks();
+  const size_t released_before = out->size();
+  const bool drained = Drain(&credit_queue_, &window, out);
+  NoteReleased(*out, released_before, now_ns, /*block=*/-1);
+  if (drained) EndPhaseSpan(now_ns);
+}
+
+std::string ProphetPolicy::BlockLabel(int block) const {
+  const PlanBlock& planned = plan_.blocks[block];
+  char buffer[96];
+  std::snprintf(buffer, sizeof(buffer), "block %d/%zu (%zu tensors, %.2fMB planned)", block + 1,
+                plan_.blocks.size(), planned.members.size(),
+                static_cast<double>(planned.bytes) / 1e6);
+  return buffer;
+}
+
+void ProphetPolicy::OnTransferDone(const TransferDone& done) {
+  bandwidth_.OnTransfer(done.task.bytes, done.sent_ns, done.done_ns);
+}
+
+size_t ProphetPolicy::queued() const {
+  size_t total = late_queue_.size() + credit_queue_.size() + overdue_queue_.size();
+  for (const TaskHeap& queue : block_queues_) total += queue.size();
+  return total;
+}
+
+int64_t ProphetPolicy::NextWakeupNs() const {
+  // Only the credit-phase deadline can release tasks without a new event.
+  if (!blocks_active_ || credit_phase_ || queued() == 0) return -1;
+  return CreditDeadlineNs();
+}
+
+int ProphetPolicy::open_block() const {
+  if (!blocks_active_ || open_block_ >= static_cast<int>(block_queues_.size())) return -1;
+  return open_block_;
+}
+
+std::string ProphetPolicy::Describe() const {
+  std::string out = "prophet: ";
+  if (!has_plan_) {
+    out += profiler_.has_profile() ? "priority order (no bandwidth estimate yet)"
+                                   : "priority order (no profile yet)";
+    char buffer[64];
+    std::snprintf(buffer, sizeof(buffer), ", %.1f MB/s", bandwidth_.estimate_Bps() / 1e6);
+    return out + buffer;
+  }
+  out += plan_.Summary();
+  out += ", replans " + std::to_string(replans_);
+  if (!last_replan_reason_.empty()) out += " (last: " + last_replan_reason_ + ")";
+  if (!blocks_active_) {
+    out += ", priority order (plan has no block)";
+  } else if (open_block() >= 0) {
+    out += ", block " + std::to_string(open_block_ + 1) + "/" +
+           std::to_string(block_queues_.size()) + " open";
+  } else {
+    out += credit_phase_ ? ", credit phase" : ", blocks done";
+  }
+  return out;
+}
+
+std::unique_ptr<SchedulerPolicy> MakeProphetPolicy(const SchedulerOptions& options) {
+  // The byte credit is applied by the engine on every Dequeue call.
+  ProphetOptions prophet;
+  prophet.replan_threshold = options.replan_threshold;
+  return std::make_unique<ProphetPolicy>(prophet);
+}
+
+}  // namespace prophet

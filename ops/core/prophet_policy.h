@@ -1,0 +1,172 @@
+// Prophet (Zhang et al., ICPP 2021) as a SchedulerPolicy: online profile, measured bandwidth,
+// stage-sized blocks, no preemption of a block in flight, credit phase after the first layer.
+//
+// Lifecycle per training step (a step opens with the first TensorReady of a new round):
+//  - Before a profile and a bandwidth estimate exist (first steps), or when the plan has no block
+//    (e.g. all gradients ready at once), the policy behaves exactly like PriorityPolicy.
+//  - At the start of every step the plan is (re)made if none exists or if ReplanReason() says the
+//    plan no longer fits (bandwidth or a stage interval moved by more than replan_threshold,
+//    stages changed). Plans change only at step boundaries, so one step follows one plan.
+//  - Blocks are sent one after another, in plan order (see planner.h for how they are formed):
+//      * the open block releases its members' partitions as soon as they are queued, highest
+//        priority first, under the byte credit; nothing else is released while any of them is
+//        queued (no preemption: a more urgent gradient that arrives waits for the block to end);
+//      * members that are ready go out even if other members of the block are not ready yet, so
+//        the link is never idle while data of the open block waits;
+//      * the open block ends when all its members were ready and released. If it still waits for
+//        members (late, or absent this step) while a later block already has data queued, it is
+//        closed and the next block opens (the link does not idle for a gradient that may not
+//        come); a member of a closed block that arrives later joins the block open at that time
+//        (or, with none open, is sent at once).
+//  - Credit phase: when the first layer's gradient (the plan's highest-priority tensor, or any
+//    tensor of higher priority) is ready, the block in flight is finished and then everything left
+//    goes under the credit in priority order. Tensors that fit in no block and tensors the profile
+//    does not know yet wait for this phase. Should the first layer not show up (profile off by more
+//    than the re-plan threshold), the credit phase starts anyway at its expected ready offset
+//    x (1 + replan_threshold) (NextWakeupNs reports that time).
+//  - Tasks of an earlier step still queued when a step opens are sent first, in priority order.
+// Tasks are matched to tensor names through the TensorReady that precedes their Enqueue (same
+// priority and ready time; the request id then identifies later partitions).
+#ifndef PROPHET_OPS_CORE_PROPHET_POLICY_H_
+#define PROPHET_OPS_CORE_PROPHET_POLICY_H_
+
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "ops/core/bandwidth.h"
+#include "ops/core/planner.h"
+#include "ops/core/profiler.h"
+#include "ops/core/scheduler.h"
+
+namespace prophet {
+
+struct ProphetOptions {
+  // Re-plan when the bandwidth or a stage interval moved by more than this fraction.
+  double replan_threshold = 0.2;
+  ProfilerOptions profiler;
+  BandwidthOptions bandwidth;
+};
+
+class ProphetPolicy : public SchedulerPolicy {
+ public:
+  explicit ProphetPolicy(const ProphetOptions& options = ProphetOptions());
+
+  const char* name() const override { return "prophet"; }
+  void OnTensorReady(const TensorReady& ready) override;
+  void Enqueue(const SendTask& task) override;
+  void Dequeue(uint64_t credit_bytes, int64_t now_ns, std::vector<SendTask>* out) override;
+  void OnTransferDone(const TransferDone& done) override;
+  size_t queued() const override;
+  int64_t NextWakeupNs() const override;
+  std::string Describe() const override;
+
+  // Introspection for tests, logs and the timeline.
+  bool blocks_active() const { return blocks_active_; }  // this step follows a plan
+  bool has_plan() const { return has_plan_; }
+  const Plan& plan() const { return plan_; }
+  // Index of the block being sent in this step, -1 when not following blocks (fallback, or after
+  // the last block).
+  int open_block() const;
+  bool credit_phase() const { return credit_phase_; }
+  uint64_t replans() const { return replans_; }
+  const std::string& last_replan_reason() const { return last_replan_reason_; }
+  const ReadyTimeProfiler& profiler() const { return profiler_; }
+  BandwidthMonitor* bandwidth() { return &bandwidth_; }
+
+  // For the timeline's "block" track: when each block released its first task until it ended,
+  // and the credit phase from its start until its queue ran empty (times are Dequeue's now_ns).
+  // Labels read "block 2/3 (2 tensors, 1.00MB planned)" or "credit phase".
+  using PhaseSpan = PolicySpan;
+  // Drains the finished spans (at most the last 1024 are kept when nobody drains them).
+  std::vector<PolicySpan> TakeSpans() override;
+
+ private:
+  // Max-heap on (priority, -enqueue_seq): the same order as PriorityPolicy.
+  class TaskHeap {
+   public:
+    void Push(const SendTask& task);
+    SendTask Pop();
+    const SendTask& top() const { return heap_.front(); }
+    bool empty() const { return heap_.empty(); }
+    size_t size() const { return heap_.size(); }
+    void MoveAllTo(TaskHeap* other);
+
+   private:
+    std::vector<SendTask> heap_;
+  };
+  // The engine's credit for one Dequeue call: the first task always goes when any credit is left
+  // (a task larger than the whole credit still moves), later ones only if they fit.
+  struct CreditWindow {
+    uint64_t credit = 0;
+    uint64_t used = 0;
+    bool released_any = false;
+  };
+  // Releases tasks from `heap` while the credit allows; true when `heap` is now empty.
+  static bool Drain(TaskHeap* heap, CreditWindow* window, std::vector<SendTask>* out);
+
+  void StartStep(int64_t origin_ns);
+  void MaybeReplan();
+  const std::string& NameOf(const SendTask& task);
+  bool LaterBlockQueued() const;
+  void EndBlocks();  // credit phase: what is left of the blocks joins the credit queue
+  int64_t CreditDeadlineNs() const;
+  // Phase spans: Begin once the phase releases its first task, End when it is over.
+  // `block` < 0: the credit phase.
+  void NoteReleased(const std::vector<SendTask>& out, size_t from, int64_t now_ns, int block);
+  void EndPhaseSpan(int64_t now_ns);
+  std::string BlockLabel(int block) const;
+
+  ProphetOptions options_;
+  ReadyTimeProfiler profiler_;
+  BandwidthMonitor bandwidth_;
+
+  bool has_plan_ = false;
+  Plan plan_;
+  uint64_t replans_ = 0;
+  std::string last_replan_reason_;
+
+  // The open step.
+  int64_t step_origin_ns_ = 0;
+  bool blocks_active_ = false;
+  bool credit_phase_ = true;          // true = plain priority order
+  int open_block_ = 0;                // == blocks.size() once every block ended
+  std::vector<TaskHeap> block_queues_;
+  std::vector<int> block_missing_;    // members of each block not yet ready in this step
+  std::set<std::string> ready_this_step_;
+  TaskHeap late_queue_;     // members of closed blocks, when no block is open
+  TaskHeap credit_queue_;   // fallback order, and tensors sent in the credit phase
+  TaskHeap overdue_queue_;  // tasks of an earlier step
+
+  // Task -> tensor name. TensorReady events wait here for their first partition.
+  // Both are forgotten two steps after they were made, which bounds their size.
+  struct PendingReady {
+    std::string name;
+    int64_t priority = 0;
+    int64_t ready_ns = 0;
+    uint64_t step = 0;
+  };
+  struct RequestName {
+    std::string name;
+    uint64_t step = 0;
+  };
+  std::vector<PendingReady> pending_ready_;
+  std::unordered_map<uint64_t, RequestName> name_of_request_;
+  // Bytes this worker pushed per tensor (what the link carries, in the bandwidth's unit); the plan
+  // uses the last complete step's values.
+  std::map<std::string, uint64_t> wire_bytes_this_step_;
+  std::map<std::string, uint64_t> wire_bytes_last_step_;
+
+  bool span_open_ = false;
+  PhaseSpan open_span_;
+  std::vector<PhaseSpan> finished_spans_;
+};
+
+std::unique_ptr<SchedulerPolicy> MakeProphetPolicy(const SchedulerOptions& options);
+
+}  // namespace prophet
+
+#endif  // PROPHET_OPS_CORE_PROPHET_POLICY_H_

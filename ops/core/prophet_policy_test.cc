@@ -1,0 +1,343 @@
+// ProphetPolicy through the SchedulerPolicy interface, over synthetic training steps with injected
+// time: priority fallback before a profile exists, blocks afterwards, no preemption of a block in
+// flight, credit phase after the first layer, late and missing gradients, re-planning.
+#include "ops/core/prophet_policy.h"
+
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ops/core/testing.h"
+
+namespace prophet {
+namespace {
+
+constexpr int64_t kMs = 1'000'000;
+constexpr uint64_t kHalfMB = 500'000;
+constexpr uint64_t kOneTask = 1;         // a credit of 1 byte releases exactly one task per call
+constexpr uint64_t kLargeCredit = 1ull << 40;
+
+// A 6-layer model; the backward pass makes g5 ready first and g0 (the first layer) last:
+//   stage 0: g5 (1 MB in 2 partitions, priority 0) at 0,   g4 (0.5 MB, priority 1) at 0.1 ms
+//   stage 1: g3 (0.5 MB, priority 2) at 10 ms,             g2 (0.5 MB, priority 3) at 10.1 ms
+//   stage 2: g1 (0.5 MB, priority 4) at 20 ms,             g0 (0.5 MB, priority 5) at 20.1 ms
+// With 120 MB/s, a stage interval of 10 ms carries 1.2 MB, so the plan is
+//   block 0 = {g4} (g4 + g5 = 1.5 MB would not fit), block 1 = {g2, g3} (1 MB; + g5 would not),
+//   credit phase: g1, g0 and the leftover g5.
+struct Layer {
+  const char* name;
+  int64_t priority;
+  int partitions;
+  int64_t offset_ns;
+};
+const Layer kLayers[] = {{"g5", 0, 2, 0},       {"g4", 1, 1, kMs / 10},
+                         {"g3", 2, 1, 10 * kMs}, {"g2", 3, 1, 10 * kMs + kMs / 10},
+                         {"g1", 4, 1, 20 * kMs}, {"g0", 5, 1, 20 * kMs + kMs / 10}};
+const Layer& LayerOf(const std::string& name) {
+  for (const Layer& layer : kLayers) {
+    if (name == layer.name) return layer;
+  }
+  return kLayers[0];
+}
+
+// Plays the engine: announces tensors, enqueues their partitions, asks for tasks and simulates a
+// link of `link_Bps` that sends released tasks one after another, reporting them as done.
+class Harness {
+ public:
+  explicit Harness(double link_Bps) : link_Bps_(link_Bps) {
+    ProphetOptions options;
+    options.profiler.warmup_steps = 0;  // synthetic steps have no tracing step to skip
+    options.profiler.min_steps = 1;
+    policy_ = std::make_unique<ProphetPolicy>(options);
+  }
+
+  ProphetPolicy& policy() { return *policy_; }
+  int64_t origin(uint64_t round) const { return 1'000 * kMs + static_cast<int64_t>(round) * 100 * kMs; }
+  void set_link_Bps(double link_Bps) { link_Bps_ = link_Bps; }
+
+  void Ready(const std::string& name, uint64_t round, int64_t offset_ns) {
+    const Layer& layer = LayerOf(name);
+    names_.push_back(std::make_unique<std::string>(name));
+    TensorReady ready;
+    ready.name = names_.back().get();
+    ready.round = round;
+    ready.priority = layer.priority;
+    ready.bytes = kHalfMB * layer.partitions;
+    ready.ready_ns = origin(round) + offset_ns;
+    policy_->OnTensorReady(ready);
+    const uint64_t request = next_request_++;
+    request_names_[request] = name;
+    for (int p = 0; p < layer.partitions; ++p) {
+      SendTask task;
+      task.request_id = request;
+      task.partition = p;
+      task.peer = 1;
+      task.priority = layer.priority;
+      task.bytes = kHalfMB;
+      task.ready_ns = ready.ready_ns;
+      task.enqueue_seq = next_seq_++;
+      policy_->Enqueue(task);
+    }
+  }
+  void ReadyAtProfiledTime(const std::string& name, uint64_t round) {
+    Ready(name, round, LayerOf(name).offset_ns);
+  }
+
+  // Names of the released tasks, in order ("g5" twice for its two partitions).
+  std::string Dequeue(uint64_t credit, uint64_t round, int64_t offset_ns) {
+    const int64_t now = origin(round) + offset_ns;
+    std::vector<SendTask> out;
+    policy_->Dequeue(credit, now, &out);
+    std::string names;
+    for (const SendTask& task : out) {
+      names += (names.empty() ? "" : ",") + request_names_[task.request_id];
+      TransferDone done;
+      done.task = task;
+      done.sent_ns = std::max(now, link_free_ns_);
+      done.done_ns = done.sent_ns + static_cast<int64_t>(task.bytes * 1e9 / link_Bps_);
+      link_free_ns_ = done.done_ns;
+      policy_->OnTransferDone(done);
+    }
+    return names;
+  }
+
+  // One step at the profiled times, releasing everything as soon as possible.
+  std::string RunProfiledStep(uint64_t round) {
+    std::string order;
+    for (const Layer& layer : kLayers) {
+      ReadyAtProfiledTime(layer.name, round);
+      const std::string released = Dequeue(kLargeCredit, round, layer.offset_ns);
+      if (!released.empty()) order += (order.empty() ? "" : ",") + released;
+    }
+    return order;
+  }
+
+ private:
+  double link_Bps_;
+  std::unique_ptr<ProphetPolicy> policy_;
+  std::vector<std::unique_ptr<std::string>> names_;
+  std::map<uint64_t, std::string> request_names_;
+  uint64_t next_request_ = 1;
+  uint64_t next_seq_ = 0;
+  int64_t link_free_ns_ = 0;
+};
+
+std::string Members(const PlanBlock& block) {
+  std::string out;
+  for (const std::string& name : block.members) out += (out.empty() ? "" : ",") + name;
+  return out;
+}
+
+// Step 0 in priority order, leaving a profile and a bandwidth estimate behind.
+void RunStepZero(Harness* h) {
+  for (const char* name : {"g5", "g4", "g3", "g2"}) h->ReadyAtProfiledTime(name, 0);
+  EXPECT_TRUE(!h->policy().blocks_active());
+  // Everything of stages 0 and 1 is queued: priority order, one task per call.
+  EXPECT_EQ(h->Dequeue(kOneTask, 0, 11 * kMs), std::string("g2"));
+  EXPECT_EQ(h->Dequeue(kOneTask, 0, 11 * kMs), std::string("g3"));
+  EXPECT_EQ(h->Dequeue(kOneTask, 0, 11 * kMs), std::string("g4"));
+  EXPECT_EQ(h->Dequeue(kLargeCredit, 0, 11 * kMs), std::string("g5,g5"));
+  h->ReadyAtProfiledTime("g1", 0);
+  h->ReadyAtProfiledTime("g0", 0);
+  EXPECT_EQ(h->Dequeue(kLargeCredit, 0, 21 * kMs), std::string("g0,g1"));
+  EXPECT_EQ(h->policy().queued(), 0u);
+}
+
+TEST(PriorityFallbackThenBlocksWithoutPreemption) {
+  Harness h(120e6);
+  // Step 0: no profile yet -> the priority policy's order.
+  RunStepZero(&h);
+  EXPECT_TRUE(h.policy().bandwidth()->has_estimate());
+  EXPECT_TRUE(h.policy().Describe().find("no profile") != std::string::npos);
+
+  // Step 1: the first ready tensor opens the step and the plan is made.
+  h.ReadyAtProfiledTime("g5", 1);
+  EXPECT_TRUE(h.policy().blocks_active());
+  const Plan& plan = h.policy().plan();
+  EXPECT_EQ(plan.blocks.size(), 2u);
+  if (plan.blocks.size() != 2) return;
+  EXPECT_EQ(Members(plan.blocks[0]), std::string("g4"));
+  EXPECT_EQ(Members(plan.blocks[1]), std::string("g2,g3"));
+  EXPECT_EQ(plan.top_tensor, std::string("g0"));
+  EXPECT_EQ(plan.blocks[0].bytes, kHalfMB);
+  // g5 fits in no block: unlike the priority policy, it does not take the link now.
+  EXPECT_EQ(h.Dequeue(kLargeCredit, 1, 0), std::string());
+  EXPECT_EQ(h.policy().open_block(), 0);
+  h.ReadyAtProfiledTime("g4", 1);
+  EXPECT_EQ(h.Dequeue(kLargeCredit, 1, kMs / 10), std::string("g4"));
+  // Block 1 opens; its first member goes as soon as it is ready, without waiting for g2.
+  h.ReadyAtProfiledTime("g3", 1);
+  EXPECT_EQ(h.Dequeue(kLargeCredit, 1, 10 * kMs), std::string("g3"));
+  EXPECT_EQ(h.policy().open_block(), 1);
+  h.ReadyAtProfiledTime("g2", 1);
+  EXPECT_EQ(h.Dequeue(kLargeCredit, 1, 10 * kMs + kMs / 10), std::string("g2"));
+  // g1 is not a block member: it waits for the first layer.
+  h.ReadyAtProfiledTime("g1", 1);
+  EXPECT_EQ(h.Dequeue(kLargeCredit, 1, 20 * kMs), std::string());
+  EXPECT_EQ(h.policy().NextWakeupNs(),
+            h.origin(1) + static_cast<int64_t>((20 * kMs + kMs / 10) * 1.2));
+  h.ReadyAtProfiledTime("g0", 1);
+  EXPECT_TRUE(h.policy().credit_phase());
+  EXPECT_EQ(h.Dequeue(kLargeCredit, 1, 20 * kMs + kMs / 10), std::string("g0,g1,g5,g5"));
+  EXPECT_EQ(h.policy().queued(), 0u);
+  EXPECT_EQ(h.policy().NextWakeupNs(), -1);
+
+  // Step 2: a block in flight is not preempted by more urgent gradients.
+  for (const char* name : {"g5", "g4"}) h.ReadyAtProfiledTime(name, 2);
+  EXPECT_EQ(h.Dequeue(kOneTask, 2, kMs / 10), std::string("g4"));
+  for (const char* name : {"g3", "g2"}) h.ReadyAtProfiledTime(name, 2);
+  EXPECT_EQ(h.Dequeue(kOneTask, 2, 10 * kMs + kMs / 10), std::string("g2"));
+  // Compute was fast this time: the first layers are ready while block 1 still has g3 queued.
+  h.Ready("g1", 2, 10 * kMs + 2 * kMs / 10);
+  h.Ready("g0", 2, 10 * kMs + 3 * kMs / 10);
+  EXPECT_EQ(h.Dequeue(kOneTask, 2, 10 * kMs + 3 * kMs / 10), std::string("g3"));
+  EXPECT_EQ(h.Dequeue(kOneTask, 2, 10 * kMs + 3 * kMs / 10), std::string("g0"));
+  EXPECT_EQ(h.Dequeue(kLargeCredit, 2, 10 * kMs + 3 * kMs / 10), std::string("g1,g5,g5"));
+  EXPECT_EQ(h.policy().replans(), 0u);
+  EXPECT_TRUE(h.policy().Describe().find("2 blocks") != std::string::npos);
+}
+
+TEST(BlockLargerThanCreditIsReleasedOverSeveralCalls) {
+  Harness h(120e6);
+  RunStepZero(&h);
+  for (const char* name : {"g5", "g4", "g3", "g2"}) h.ReadyAtProfiledTime(name, 1);
+  EXPECT_EQ(h.Dequeue(kOneTask, 1, 10 * kMs + kMs / 10), std::string("g4"));
+  // Credit for one partition at a time: block 1 goes in two calls, then nothing (g5 waits).
+  EXPECT_EQ(h.Dequeue(kHalfMB, 1, 10 * kMs + kMs / 10), std::string("g2"));
+  EXPECT_EQ(h.Dequeue(kHalfMB, 1, 10 * kMs + kMs / 10), std::string("g3"));
+  EXPECT_EQ(h.Dequeue(kHalfMB, 1, 10 * kMs + kMs / 10), std::string());
+  // No credit left: nothing, whatever is queued.
+  h.ReadyAtProfiledTime("g1", 1);
+  h.ReadyAtProfiledTime("g0", 1);
+  EXPECT_EQ(h.Dequeue(0, 1, 21 * kMs), std::string());
+  EXPECT_EQ(h.Dequeue(kLargeCredit, 1, 21 * kMs), std::string("g0,g1,g5,g5"));
+}
+
+TEST(LateMemberJoinsTheOpenBlockAndLinkDoesNotIdle) {
+  Harness h(120e6);
+  RunStepZero(&h);
+  // Step 1: g4 (block 0) is late. g3 (block 1) is ready: block 0 is closed rather than idling.
+  h.ReadyAtProfiledTime("g5", 1);
+  EXPECT_EQ(h.Dequeue(kLargeCredit, 1, 0), std::string());
+  h.ReadyAtProfiledTime("g3", 1);
+  EXPECT_EQ(h.Dequeue(kLargeCredit, 1, 10 * kMs), std::string("g3"));
+  EXPECT_EQ(h.policy().open_block(), 1);
+  // g4 arrives late: it joins block 1 and goes at once.
+  h.Ready("g4", 1, 10 * kMs + kMs / 20);
+  EXPECT_EQ(h.Dequeue(kLargeCredit, 1, 10 * kMs + kMs / 20), std::string("g4"));
+  h.ReadyAtProfiledTime("g2", 1);
+  EXPECT_EQ(h.Dequeue(kLargeCredit, 1, 10 * kMs + kMs / 10), std::string("g2"));
+  h.ReadyAtProfiledTime("g1", 1);
+  h.ReadyAtProfiledTime("g0", 1);
+  EXPECT_EQ(h.Dequeue(kLargeCredit, 1, 21 * kMs), std::string("g0,g1,g5,g5"));
+}
+
+TEST(MissingFirstLayerStartsCreditPhaseAtDeadline) {
+  Harness h(120e6);
+  RunStepZero(&h);
+  for (const char* name : {"g5", "g4", "g3", "g2", "g1"}) h.ReadyAtProfiledTime(name, 1);
+  EXPECT_EQ(h.Dequeue(kLargeCredit, 1, 20 * kMs), std::string("g4,g2,g3"));
+  // g0 never comes this step. Until the deadline (expected 20.1 ms x 1.2) g1 and g5 wait.
+  const int64_t deadline = h.policy().NextWakeupNs();
+  EXPECT_EQ(deadline, h.origin(1) + static_cast<int64_t>((20 * kMs + kMs / 10) * 1.2));
+  EXPECT_EQ(h.Dequeue(kLargeCredit, 1, deadline - h.origin(1) - 1), std::string());
+  EXPECT_EQ(h.Dequeue(kLargeCredit, 1, deadline - h.origin(1)), std::string("g1,g5,g5"));
+}
+
+TEST(LeftoversOfAStepGoFirstInTheNext) {
+  Harness h(120e6);
+  RunStepZero(&h);
+  for (const char* name : {"g5", "g4", "g3", "g2", "g1"}) h.ReadyAtProfiledTime(name, 1);
+  EXPECT_EQ(h.Dequeue(kLargeCredit, 1, 20 * kMs), std::string("g4,g2,g3"));
+  // The next step opens before anything released g1 and g5 (no Dequeue at the deadline).
+  h.ReadyAtProfiledTime("g5", 2);
+  EXPECT_EQ(h.policy().queued(), 5u);  // g1, g5 x2 of step 1, g5 x2 of step 2
+  EXPECT_EQ(h.Dequeue(kLargeCredit, 2, 0), std::string("g1,g5,g5"));
+}
+
+TEST(ReplansWhenBandwidthDrops) {
+  Harness h(120e6);
+  RunStepZero(&h);
+  EXPECT_EQ(h.RunProfiledStep(1), std::string("g4,g3,g2,g0,g1,g5,g5"));
+  EXPECT_EQ(h.policy().replans(), 0u);
+  // The link slows to 50 MB/s during steps 2 and 3.
+  h.set_link_Bps(50e6);
+  h.RunProfiledStep(2);
+  h.RunProfiledStep(3);
+  h.ReadyAtProfiledTime("g5", 4);
+  EXPECT_TRUE(h.policy().replans() >= 1u);
+  EXPECT_TRUE(h.policy().last_replan_reason().find("bandwidth") != std::string::npos);
+  const Plan& plan = h.policy().plan();
+  EXPECT_TRUE(plan.bandwidth_Bps < 0.8 * 120e6);
+  // 10 ms now carries at most ~0.6 MB: one 0.5 MB gradient per block.
+  EXPECT_EQ(plan.blocks.size(), 2u);
+  if (plan.blocks.size() == 2) {
+    EXPECT_EQ(Members(plan.blocks[0]), std::string("g4"));
+    EXPECT_EQ(Members(plan.blocks[1]), std::string("g2"));
+  }
+  EXPECT_TRUE(h.policy().Describe().find("replans") != std::string::npos);
+}
+
+TEST(PhaseSpansForTheTimeline) {
+  Harness h(120e6);
+  RunStepZero(&h);
+  EXPECT_EQ(h.policy().TakeSpans().size(), 0u);  // priority fallback has no blocks
+  h.RunProfiledStep(1);
+  h.ReadyAtProfiledTime("g5", 2);  // closes step 1
+  const std::vector<ProphetPolicy::PhaseSpan> spans = h.policy().TakeSpans();
+  EXPECT_EQ(spans.size(), 3u);
+  if (spans.size() != 3) return;
+  EXPECT_EQ(spans[0].label, std::string("block 1/2 (1 tensors, 0.50MB planned)"));
+  EXPECT_EQ(spans[0].start_ns, h.origin(1) + kMs / 10);
+  EXPECT_EQ(spans[0].tasks, 1u);
+  // Block 2 released g3 at 10 ms and g2 at 10.1 ms, and ended when g2 went.
+  EXPECT_EQ(spans[1].start_ns, h.origin(1) + 10 * kMs);
+  EXPECT_EQ(spans[1].end_ns, h.origin(1) + 10 * kMs + kMs / 10);
+  EXPECT_EQ(spans[1].bytes, 2 * kHalfMB);
+  EXPECT_EQ(spans[2].label, std::string("credit phase"));
+  EXPECT_EQ(spans[2].tasks, 4u);
+  EXPECT_EQ(h.policy().TakeSpans().size(), 0u);  // drained
+}
+
+TEST(OneWorkerWithoutTasks) {
+  // With world_size 1 nothing is pushed: the policy only sees ready events.
+  ProphetOptions options;
+  options.profiler.warmup_steps = 0;
+  ProphetPolicy policy(options);
+  std::vector<SendTask> out;
+  for (uint64_t round = 0; round < 3; ++round) {
+    for (const Layer& layer : kLayers) {
+      const std::string name = layer.name;
+      TensorReady ready;
+      ready.name = &name;
+      ready.round = round;
+      ready.priority = layer.priority;
+      ready.ready_ns = static_cast<int64_t>(round) * 100 * kMs + layer.offset_ns;
+      policy.OnTensorReady(ready);
+      policy.Dequeue(kLargeCredit, ready.ready_ns, &out);
+    }
+  }
+  EXPECT_EQ(out.size(), 0u);
+  EXPECT_EQ(policy.queued(), 0u);
+  EXPECT_TRUE(policy.profiler().has_profile());
+  EXPECT_TRUE(!policy.blocks_active());  // no transfer, no bandwidth, no plan
+  EXPECT_EQ(policy.NextWakeupNs(), -1);
+}
+
+TEST(FactoryMakesProphet) {
+  SchedulerOptions options;
+  options.policy = "prophet";
+  std::unique_ptr<SchedulerPolicy> policy = MakeProphetPolicy(options);
+  EXPECT_TRUE(policy != nullptr);
+  if (policy) {
+    EXPECT_EQ(std::string(policy->name()), std::string("prophet"));
+    EXPECT_EQ(policy->queued(), 0u);
+  }
+}
+
+}  // namespace
+}  // namespace prophet
+
+PROPHET_TEST_MAIN()
