@@ -446,8 +446,8 @@ void Engine::Impl::Start(OpRequest req, uint64_t round) {
 
 void Engine::Impl::StartPushPull(Op* op) {
   OpRequest& r = op->req;
-  if (r.output != r.input && r.bytes) std::memcpy(r.output, r.input, r.bytes);
   if (n() == 1) {
+    if (r.output != r.input && r.bytes) std::memcpy(r.output, r.input, r.bytes);
     Finish(op, Status::OK());
     return;
   }
@@ -469,6 +469,10 @@ void Engine::Impl::StartPushPull(Op* op) {
   policy->OnTensorReady(ready);
   for (uint32_t p = 0; p < np; ++p) {
     if (op->parts[p].owner == rank()) {
+      // Only owned partitions start from the local values; the others receive the sum.
+      if (r.output != r.input && op->parts[p].bytes)
+        std::memcpy(static_cast<char*>(r.output) + op->parts[p].offset,
+                    static_cast<const char*>(r.input) + op->parts[p].offset, op->parts[p].bytes);
       op->contributed[p].assign(n(), false);
       op->contributed[p][rank()] = true;
       op->contributions[p] = 1;

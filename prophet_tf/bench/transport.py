@@ -1,0 +1,207 @@
+"""push_pull throughput and latency next to raw TCP between the same two processes.
+
+    python -m prophet_tf.bench.transport [--quick] [--sizes 4KiB,64MiB] [--iters N]
+
+Starts 2 workers on loopback. For each tensor size, each worker measures alternately
+  * ``push_pull``: the eager op on a float32 tensor of that size (summation, partitioning,
+    scheduling, TensorFlow dispatch included), and
+  * ``raw_tcp``: a second, plain TCP connection between the same two processes that moves the
+    same bytes in the same pattern: each worker sends and receives as many bytes as push_pull
+    sends and receives (2(N-1)/N of the tensor, i.e. the whole tensor for N = 2), both directions
+    at once, no scheduling, no summation. It uses the same socket options as the runtime
+    (TCP_NODELAY, 4 MiB buffers) and sends straight from, and receives straight into, numpy
+    buffers from two threads, so it is close to what the kernel can do.
+The table gives median time per operation, throughput (tensor bytes / time) and the ratio
+raw_tcp time / push_pull time (1.0 = as fast as raw TCP). The last line is the smallest ratio
+over sizes of at least 4 MiB.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Optional, Sequence
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_bool("quick", False, "Fewer sizes and iterations (finishes within a minute).")
+flags.DEFINE_list("sizes", None, "Tensor sizes, e.g. 4KiB,1MiB,256MiB (default: 4 KiB to 256 MiB).")
+flags.DEFINE_integer("iters", None, "Timed iterations per size and system (default depends on size).")
+flags.DEFINE_string("worker", None, "Internal: run as a worker with this JSON configuration.")
+flags.DEFINE_string("json", None, "Also write the results to this JSON file.")
+
+_UNITS = {"B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
+DEFAULT_SIZES = ["4KiB", "64KiB", "1MiB", "4MiB", "16MiB", "64MiB", "256MiB"]
+QUICK_SIZES = ["4KiB", "1MiB", "4MiB", "16MiB", "64MiB"]
+SOCKET_BUFFER = 4 << 20
+
+
+def parse_size(text: str) -> int:
+    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?i?B)?\s*", text, re.IGNORECASE)
+    if not match:
+        raise ValueError(f"bad size {text!r}: expected e.g. 4KiB, 16MiB, 1GiB")
+    return int(match.group(1)) * _UNITS[(match.group(2) or "B").upper()]
+
+
+def human(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.4g} {unit}"
+        nbytes /= 1024
+    return str(nbytes)
+
+
+def default_iters(nbytes: int, quick: bool) -> int:
+    budget = (48 if quick else 256) << 20  # bytes moved per size and system
+    return max(3, min(200 if not quick else 50, budget // max(nbytes, 1)))
+
+
+# ------------------------------------------------------------------------------------------------
+# Worker side
+
+
+def _raw_connection(rank: int, ops, tf) -> socket.socket:
+    """A plain TCP connection between rank 0 and rank 1, next to the runtime's own."""
+    if rank == 0:
+        listener = socket.create_server(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        ops.broadcast(tf.constant([port], tf.int64), name="bench/raw_port", root_rank=0)
+        conn, _ = listener.accept()
+        listener.close()
+    else:
+        port = int(ops.broadcast(tf.constant([0], tf.int64), name="bench/raw_port", root_rank=0).numpy()[0])
+        conn = socket.create_connection(("127.0.0.1", port))
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
+    return conn
+
+
+def _raw_exchange(conn: socket.socket, send_buf, recv_buf) -> None:
+    """Sends all of send_buf while receiving all of recv_buf (both directions at once)."""
+    sender = threading.Thread(target=conn.sendall, args=(send_buf,))
+    sender.start()
+    view = memoryview(recv_buf).cast("B")
+    got = 0
+    while got < len(view):
+        n = conn.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("raw TCP peer closed the connection")
+        got += n
+    sender.join()
+
+
+def run_worker(config: dict) -> None:
+    import numpy as np
+    import tensorflow as tf
+
+    from prophet_tf import cluster, ops, runtime
+
+    info = cluster.resolve_cluster()
+    runtime.init(info.rank, info.world_size, info.addresses, info.token, schedule=config["schedule"])
+    n = info.world_size
+    conn = _raw_connection(info.rank, ops, tf)
+    barrier = tf.zeros([1])
+    results = []
+    for size_index, nbytes in enumerate(config["sizes"]):
+        elems = max(1, nbytes // 4)
+        tensor = tf.fill([elems], float(info.rank + 1))
+        wire = np.ones(elems * 4 * (n - 1) * 2 // n, dtype=np.uint8)
+        inbox = np.empty_like(wire)
+        iters = config["iters"] or default_iters(nbytes, config["quick"])
+        times = {"push_pull": [], "raw_tcp": []}
+        expected = float(n * (n + 1) / 2)
+        for it in range(iters + 1):  # iteration 0 warms both up
+            ops.push_pull(barrier, name="bench/barrier")
+            start = time.perf_counter()
+            out = ops.push_pull(tensor, name=f"bench/{size_index}")
+            elapsed = time.perf_counter() - start
+            if it == 0 and float(out[-1]) != expected:
+                raise AssertionError(f"push_pull returned {float(out[-1])}, expected {expected}")
+            if it:
+                times["push_pull"].append(elapsed)
+            ops.push_pull(barrier, name="bench/barrier")
+            start = time.perf_counter()
+            _raw_exchange(conn, wire, inbox)
+            elapsed = time.perf_counter() - start
+            if it:
+                times["raw_tcp"].append(elapsed)
+        # Both ranks measured; report the slower rank's median (an operation ends for the job
+        # when it ends everywhere).
+        medians = tf.constant([statistics.median(times["push_pull"]), statistics.median(times["raw_tcp"])],
+                              tf.float64)
+        gathered = ops.allgather(tf.reshape(medians, [1, 2]), name=f"bench/medians/{size_index}").numpy()
+        push_pull_s, raw_s = float(gathered[:, 0].max()), float(gathered[:, 1].max())
+        row = {"bytes": nbytes, "iters": iters, "push_pull_s": push_pull_s, "raw_tcp_s": raw_s,
+               "ratio": raw_s / push_pull_s}
+        results.append(row)
+        if info.rank == 0:
+            print("RESULT " + json.dumps(row), flush=True)
+    conn.close()
+    runtime.shutdown()
+
+
+# ------------------------------------------------------------------------------------------------
+# Driver
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    lines = ["| size | iters | push_pull median | push_pull GB/s | raw TCP median | raw TCP GB/s | push_pull/raw_tcp |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(
+            f"| {human(r['bytes'])} | {r['iters']} | {r['push_pull_s'] * 1e3:.3f} ms | "
+            f"{r['bytes'] / r['push_pull_s'] / 1e9:.2f} | {r['raw_tcp_s'] * 1e3:.3f} ms | "
+            f"{r['bytes'] / r['raw_tcp_s'] / 1e9:.2f} | {r['ratio']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str]) -> int:
+    del argv
+    if FLAGS.worker:
+        run_worker(json.loads(FLAGS.worker))
+        return 0
+    sizes = [parse_size(s) for s in (FLAGS.sizes or (QUICK_SIZES if FLAGS.quick else DEFAULT_SIZES))]
+    config = {"sizes": sizes, "iters": FLAGS.iters, "quick": FLAGS.quick, "schedule": "priority"}
+    cmd = [sys.executable, "-m", "prophet_tf.launch", "-n", "2", "--threads", "1", "--timeout", "900", "--",
+           "-m", "prophet_tf.bench.transport", "--worker", json.dumps(config)]
+    print(f"push_pull vs raw TCP, 2 workers on loopback, sizes {', '.join(human(s) for s in sizes)}", flush=True)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    rows, tail = [], []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        tail = (tail + [line])[-40:]
+        match = re.search(r"RESULT (\{.*\})", line)
+        if match:
+            row = json.loads(match.group(1))
+            rows.append(row)
+            print(f"  {human(row['bytes']):>9}: push_pull {row['push_pull_s'] * 1e3:9.3f} ms, raw TCP "
+                  f"{row['raw_tcp_s'] * 1e3:9.3f} ms, ratio {row['ratio']:.2f}", flush=True)
+    if proc.wait() != 0 or len(rows) != len(sizes):
+        sys.stderr.write("".join(tail))
+        print(f"benchmark failed (exit code {proc.returncode})", file=sys.stderr)
+        return 1
+    print()
+    print(format_table(rows))
+    if FLAGS.json:
+        with open(FLAGS.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    large = [r["ratio"] for r in rows if r["bytes"] >= 4 << 20]
+    if large:
+        print(f"push_pull/raw_tcp (>= 4 MiB): {min(large):.2f}")
+    else:
+        print("push_pull/raw_tcp (>= 4 MiB): n/a (no size of at least 4 MiB was measured)")
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(main)
