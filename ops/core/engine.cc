@@ -93,6 +93,11 @@ struct Op {
   std::vector<std::vector<bool>> contributed;  // owned partitions: which ranks have added theirs
   std::vector<int> contributions;
   std::vector<int> result_sends_left;
+  // Owned partitions: output bytes [0, seeded) already hold the local values plus some
+  // contributions; beyond that the output is not written yet. Contributions stream in from
+  // offset 0 in order, so the one furthest ahead extends this prefix with out = in + received
+  // (one pass, no separate copy of the local values) and every other adds into it.
+  std::vector<uint64_t> seeded;
   int pending = 0;  // events left before done
   int64_t submit_ns = 0;
   int64_t deadline_ns = 0;
@@ -200,6 +205,7 @@ struct Engine::Impl {
   // --- per-partition progress -----------------------------------------------------------------
   Status AcceptPush(Op* op, int peer, const FrameMeta& meta);
   void AddContribution(Op* op, uint32_t part, int peer, const char* data);
+  void Accumulate(Op* op, uint32_t part, uint64_t at, const char* data, uint64_t len);
   void MaybeFinishPartition(Op* op, uint32_t part);
   void PartitionDone(Op* op);
   void Finish(Op* op, const Status& status);
@@ -459,6 +465,7 @@ void Engine::Impl::StartPushPull(Op* op) {
   op->contributions.assign(np, 0);
   op->result_sends_left.assign(np, 0);
   op->contributed.assign(np, {});
+  op->seeded.assign(np, 0);
 
   TensorReady ready;
   ready.name = &r.name;
@@ -469,10 +476,8 @@ void Engine::Impl::StartPushPull(Op* op) {
   policy->OnTensorReady(ready);
   for (uint32_t p = 0; p < np; ++p) {
     if (op->parts[p].owner == rank()) {
-      // Only owned partitions start from the local values; the others receive the sum.
-      if (r.output != r.input && op->parts[p].bytes)
-        std::memcpy(static_cast<char*>(r.output) + op->parts[p].offset,
-                    static_cast<const char*>(r.input) + op->parts[p].offset, op->parts[p].bytes);
+      // In place (input forwarded to output): the local values are already there.
+      if (r.output == r.input) op->seeded[p] = op->parts[p].bytes;
       op->contributed[p].assign(n(), false);
       op->contributed[p][rank()] = true;
       op->contributions[p] = 1;
@@ -629,10 +634,21 @@ Status Engine::Impl::AcceptPush(Op* op, int peer, const FrameMeta& meta) {
   return Status::OK();
 }
 
-void Engine::Impl::AddContribution(Op* op, uint32_t part, int peer, const char* data) {
+void Engine::Impl::Accumulate(Op* op, uint32_t part, uint64_t at, const char* data, uint64_t len) {
   const Partition& p = op->parts[part];
-  if (data != nullptr)
-    SumInto(op->req.dtype, static_cast<char*>(op->req.output) + p.offset, data, p.bytes / op->elem);
+  char* out = static_cast<char*>(op->req.output) + p.offset;
+  const char* in = static_cast<const char*>(op->req.input) + p.offset;
+  uint64_t& seeded = op->seeded[part];
+  const uint64_t below = at < seeded ? std::min(len, seeded - at) : 0;
+  if (below) SumInto(op->req.dtype, out + at, data, below / op->elem);
+  if (below < len) {
+    SumTo(op->req.dtype, out + at + below, in + at + below, data + below, (len - below) / op->elem);
+    seeded = at + len;
+  }
+}
+
+void Engine::Impl::AddContribution(Op* op, uint32_t part, int peer, const char* data) {
+  Accumulate(op, part, 0, data, op->parts[part].bytes);
   op->contributed[part][peer] = true;
   op->contributions[part]++;
   MaybeFinishPartition(op, part);
@@ -1114,11 +1130,7 @@ void Engine::Impl::BeginPayload(Conn& c) {
 
 void Engine::Impl::SumStaged(Conn& c) {
   Op* op = c.target;
-  if (op != nullptr && c.sink == Sink::kSum) {
-    const Partition& p = op->parts[c.meta.partition];
-    SumInto(op->req.dtype, static_cast<char*>(op->req.output) + p.offset + c.summed, c.chunk.data(),
-            c.chunk_fill / op->elem);
-  }
+  if (op != nullptr && c.sink == Sink::kSum) Accumulate(op, c.meta.partition, c.summed, c.chunk.data(), c.chunk_fill);
   c.summed += c.chunk_fill;
   c.chunk_fill = 0;
 }

@@ -52,6 +52,11 @@ void SumBFloat16(uint16_t* __restrict dst, const uint16_t* __restrict src, size_
 }
 
 template <typename T>
+void SumToLoop(T* dst, const T* a, const T* __restrict b, size_t n) {
+  for (size_t i = 0; i < n; ++i) dst[i] = a[i] + b[i];
+}
+
+template <typename T>
 void DivLoop(T* dst, size_t n, T divisor) {
   for (size_t i = 0; i < n; ++i) dst[i] /= divisor;
 }
@@ -80,6 +85,28 @@ bool SumInto(DataType dtype, void* dst, const void* src, size_t count) {
       return true;
     default:
       return false;
+  }
+}
+
+bool SumTo(DataType dtype, void* dst, const void* a, const void* b, size_t count) {
+  switch (dtype) {
+    case DataType::kFloat32:
+      SumToLoop(static_cast<float*>(dst), static_cast<const float*>(a), static_cast<const float*>(b), count);
+      return true;
+    case DataType::kFloat64:
+      SumToLoop(static_cast<double*>(dst), static_cast<const double*>(a), static_cast<const double*>(b), count);
+      return true;
+    case DataType::kInt32:
+      SumToLoop(static_cast<int32_t*>(dst), static_cast<const int32_t*>(a), static_cast<const int32_t*>(b), count);
+      return true;
+    case DataType::kInt64:
+      SumToLoop(static_cast<int64_t*>(dst), static_cast<const int64_t*>(a), static_cast<const int64_t*>(b), count);
+      return true;
+    default:
+      // Half types: copy, then add in float (they are not on the fast path).
+      if (!IsSummable(dtype)) return false;
+      if (dst != a) std::memcpy(dst, a, count * DataTypeSize(dtype));
+      return SumInto(dtype, dst, b, count);
   }
 }
 
