@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import socket
 import statistics
 import subprocess
@@ -99,6 +100,12 @@ def _raw_exchange(conn: socket.socket, send_buf, recv_buf) -> None:
     sender.join()
 
 
+def _cpu_seconds() -> float:
+    """User + system CPU of this process, all threads (the engine's included)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_worker(config: dict) -> None:
     import numpy as np
     import tensorflow as tf
@@ -118,20 +125,25 @@ def run_worker(config: dict) -> None:
         inbox = np.empty_like(wire)
         iters = config["iters"] or default_iters(nbytes, config["quick"])
         times = {"push_pull": [], "raw_tcp": []}
+        cpu = {"push_pull": [], "raw_tcp": []}
         expected = float(n * (n + 1) / 2)
         for it in range(iters + 1):  # iteration 0 warms both up
             ops.push_pull(barrier, name="bench/barrier")
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), _cpu_seconds()
             out = ops.push_pull(tensor, name=f"bench/{size_index}")
             elapsed = time.perf_counter() - start
+            if it:
+                cpu["push_pull"].append(_cpu_seconds() - cpu_start)
             if it == 0 and float(out[-1]) != expected:
                 raise AssertionError(f"push_pull returned {float(out[-1])}, expected {expected}")
             if it:
                 times["push_pull"].append(elapsed)
             ops.push_pull(barrier, name="bench/barrier")
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), _cpu_seconds()
             _raw_exchange(conn, wire, inbox)
             elapsed = time.perf_counter() - start
+            if it:
+                cpu["raw_tcp"].append(_cpu_seconds() - cpu_start)
             if it:
                 times["raw_tcp"].append(elapsed)
         # Both ranks measured; report the slower rank's median (an operation ends for the job
@@ -141,7 +153,9 @@ def run_worker(config: dict) -> None:
         gathered = ops.allgather(tf.reshape(medians, [1, 2]), name=f"bench/medians/{size_index}").numpy()
         push_pull_s, raw_s = float(gathered[:, 0].max()), float(gathered[:, 1].max())
         row = {"bytes": nbytes, "iters": iters, "push_pull_s": push_pull_s, "raw_tcp_s": raw_s,
-               "ratio": raw_s / push_pull_s}
+               "ratio": raw_s / push_pull_s,
+               "push_pull_cpu_s": statistics.median(cpu["push_pull"]),
+               "raw_tcp_cpu_s": statistics.median(cpu["raw_tcp"])}
         results.append(row)
         if info.rank == 0:
             print("RESULT " + json.dumps(row), flush=True)
@@ -154,13 +168,15 @@ def run_worker(config: dict) -> None:
 
 
 def format_table(rows: Sequence[dict]) -> str:
-    lines = ["| size | iters | push_pull median | push_pull GB/s | raw TCP median | raw TCP GB/s | push_pull/raw_tcp |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| size | iters | push_pull median | push_pull GB/s | raw TCP median | raw TCP GB/s | push_pull/raw_tcp "
+             "| CPU per op (rank 0): push_pull / raw TCP |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(
             f"| {human(r['bytes'])} | {r['iters']} | {r['push_pull_s'] * 1e3:.3f} ms | "
             f"{r['bytes'] / r['push_pull_s'] / 1e9:.2f} | {r['raw_tcp_s'] * 1e3:.3f} ms | "
-            f"{r['bytes'] / r['raw_tcp_s'] / 1e9:.2f} | {r['ratio']:.2f} |")
+            f"{r['bytes'] / r['raw_tcp_s'] / 1e9:.2f} | {r['ratio']:.2f} | "
+            f"{r['push_pull_cpu_s'] * 1e3:.2f} ms / {r['raw_tcp_cpu_s'] * 1e3:.2f} ms |")
     return "\n".join(lines)
 
 
