@@ -62,6 +62,12 @@ std::string ShapeString(const std::vector<int64_t>& shape) {
   return os.str();
 }
 
+std::string SecondsString(double seconds) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%g s", seconds);
+  return buf;
+}
+
 namespace {
 int g_log_rank = -1;
 int ReadLogLevel() {

@@ -58,6 +58,7 @@ inline int64_t NowNs() {
 }
 
 std::string ShapeString(const std::vector<int64_t>& shape);
+std::string SecondsString(double seconds);  // "0.5 s", "60 s"
 
 // Logging to stderr with a rank prefix; the level comes from PROPHET_LOG_LEVEL
 // (0 = errors, 1 = warnings (default), 2 = info, 3 = debug).

@@ -368,6 +368,8 @@ void Engine::Impl::Run() {
     if (stop.load()) break;
     DrainSubmissions();
     Pump();
+    for (Conn& c : conns)
+      if (c.open && !c.out.empty() && !c.want_write) Flush(c);
     now = NowNs();
     if (now >= next_timeout_check) {
       CheckTimeouts(now);
@@ -493,10 +495,12 @@ void Engine::Impl::StartPushPull(Op* op) {
     t.enqueue_seq = enqueue_seq++;
     policy->Enqueue(t);
   }
+  const uint64_t id = op->id;  // `op` may be freed below (finished or failed re-entrantly)
   ReplayEarly(op);
-  if (ops_by_id.count(op->id) == 0) return;  // failed while replaying
-  for (uint32_t p = 0; p < np; ++p)
+  for (uint32_t p = 0; p < np; ++p) {
+    if (ops_by_id.count(id) == 0) return;  // finished or failed while replaying / sending
     if (op->parts[p].owner == rank()) MaybeFinishPartition(op, p);
+  }
 }
 
 void Engine::Impl::StartBroadcast(Op* op) {
@@ -816,8 +820,8 @@ void Engine::Impl::CheckTimeouts(int64_t now) {
     for (int r = 0; r < n(); ++r)
       if (missing[r]) waiting += (waiting.empty() ? "" : ", ") + std::to_string(r);
     Finish(op, Status(Code::kDeadlineExceeded,
-                      Describe(op) + " did not complete within " + std::to_string(options.timeout_s) +
-                          " s; still waiting for rank(s) " + (waiting.empty() ? "?" : waiting) +
+                      Describe(op) + " did not complete within " + SecondsString(options.timeout_s) +
+                          "; still waiting for rank(s) " + (waiting.empty() ? "?" : waiting) +
                           ". Those workers did not reach this operation (a different code path, a crash, or a "
                           "stall); raise timeout_s if they are only slow"));
   }
@@ -866,7 +870,8 @@ void Engine::Impl::QueueFrame(int peer, OutFrame frame) {
   Conn& c = conns[peer];
   if (!c.open) return;
   c.out.push_back(std::move(frame));
-  if (!c.want_write) Flush(c);
+  // Not flushed here: Flush runs on_sent callbacks and PeerLost, which may finish (free) the op
+  // the caller is still using. Run() flushes after every batch of work.
 }
 
 void Engine::Impl::Flush(Conn& c) {
@@ -881,7 +886,10 @@ void Engine::Impl::Flush(Conn& c) {
       } else {
         skip -= it->head.size();
       }
-      if (it->payload_len > skip) iov[n_iov++] = {const_cast<char*>(it->payload) + skip, it->payload_len - skip};
+      // A copied payload lives in `owned` (possibly inside the string object itself, which moves
+      // with the frame), so point at it afresh on every send.
+      const char* payload = it->owned.empty() ? it->payload : it->owned.data();
+      if (it->payload_len > skip) iov[n_iov++] = {const_cast<char*>(payload) + skip, it->payload_len - skip};
     }
     const ssize_t n = ::writev(c.fd, iov, n_iov);
     if (n < 0) {

@@ -199,8 +199,11 @@ Status ConnectAll(const BootstrapOptions& o, int listen_fd, std::vector<int>* fd
       std::snprintf(reply.reason, sizeof(reply.reason), "%s", reason.c_str());
       const bool sent = IoExact(fd, &reply, sizeof(reply), true, NowNs() + int64_t{5000000000});
       if (!reason.empty() || !sent) {
-        PROPHET_WARN("rejected a connection from a peer claiming rank %d: %s", hello.rank,
-                     reason.empty() ? "reply failed" : reason.c_str());
+        if (hello.magic == kFrameMagic)
+          PROPHET_WARN("rejected a connection from a peer claiming rank %d: %s", hello.rank,
+                       reason.empty() ? "reply failed" : reason.c_str());
+        else
+          PROPHET_WARN("rejected a connection that is not a prophet_tf peer (bad magic in the handshake)");
         ::close(fd);
         continue;
       }
@@ -248,8 +251,7 @@ Status ConnectAll(const BootstrapOptions& o, int listen_fd, std::vector<int>* fd
       if (NowNs() >= deadline) {
         result = Status(Code::kDeadlineExceeded,
                         "could not connect to rank " + std::to_string(peer) + " at " + o.addresses[peer] +
-                            " within " + std::to_string(static_cast<int>(o.connect_timeout_s)) +
-                            " s (" + std::to_string(attempts) + " attempts" + (s.ok() ? "" : ": " + s.message()) +
+                            " within " + SecondsString(o.connect_timeout_s) + " (" + std::to_string(attempts) + " attempts" + (s.ok() ? "" : ": " + s.message()) +
                             "): is that worker started, with the same TF_CONFIG, and reachable?");
         break;
       }
@@ -265,8 +267,7 @@ Status ConnectAll(const BootstrapOptions& o, int listen_fd, std::vector<int>* fd
       if ((*fds)[r] == -1) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
     result = Status(Code::kDeadlineExceeded,
                     "rank(s) " + missing + " did not connect to this worker (" + o.addresses[o.rank] + ") within " +
-                        std::to_string(static_cast<int>(o.connect_timeout_s)) +
-                        " s: are they started with the same TF_CONFIG and PROPHET_JOB_TOKEN?");
+                        SecondsString(o.connect_timeout_s) + ": are they started with the same TF_CONFIG and PROPHET_JOB_TOKEN?");
   }
   if (!result.ok()) {
     for (int& fd : *fds)

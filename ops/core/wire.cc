@@ -41,7 +41,8 @@ Status ValidateHeader(const FrameHeader& h) {
     return bad("name length " + std::to_string(h.name_len) + " outside [1, " + std::to_string(kMaxNameBytes) + "]");
   if (h.ndims > kMaxDims) return bad("rank " + std::to_string(h.ndims) + " above " + std::to_string(kMaxDims));
   if (h.payload_bytes > kMaxPayloadBytes) return bad("payload of " + std::to_string(h.payload_bytes) + " bytes");
-  if (h.type == static_cast<uint8_t>(FrameType::kError)) return Status::OK();
+  if (h.type == static_cast<uint8_t>(FrameType::kError))  // the receiver buffers the whole message
+    return h.payload_bytes <= (uint64_t{64} << 10) ? Status::OK() : bad("error message of " + std::to_string(h.payload_bytes) + " bytes");
   if (DataTypeSize(static_cast<DataType>(h.dtype)) == 0)
     return bad("unknown dtype code " + std::to_string(h.dtype));
   if (h.num_partitions == 0 || h.partition >= h.num_partitions)
