@@ -58,7 +58,7 @@ def _gated(method_name: str) -> Callable[..., Any]:
     def method(self, *args, **kwargs):
         if not _gating():
             return base(self, *args, **kwargs)
-        gate = op_module().prophet_gate(self.handle)
+        gate = op_module().prophet_gate(self.handle, var_name=self._shared_name_for_trace())
         with tf_ops.control_dependencies([gate]):
             return base(self, *args, **kwargs)
 
@@ -69,6 +69,10 @@ def _gated(method_name: str) -> Callable[..., Any]:
 
 class GatedVariable(resource_variable_ops.ResourceVariable):
     """A resource variable whose every access waits for its pending deferred update."""
+
+    def _shared_name_for_trace(self) -> str:
+        # The variable's name (e.g. "dense/kernel"), shown on the timeline's "gate" track.
+        return self._unique_id if not self.name else self.name.split(":")[0]
 
     _read_variable_op = _gated("_read_variable_op")
     sparse_read = _gated("sparse_read")

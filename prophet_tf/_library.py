@@ -76,4 +76,7 @@ def c_api() -> ctypes.CDLL:
     lib.prophet_world_size.restype = ctypes.c_int
     lib.prophet_stats.argtypes = [ctypes.c_char_p, ctypes.c_int]
     lib.prophet_stats.restype = ctypes.c_int
+    lib.prophet_timeline_event.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_longlong, ctypes.c_longlong]
+    lib.prophet_timeline_event.restype = None
+    lib.prophet_timeline_enabled.restype = ctypes.c_int
     return lib

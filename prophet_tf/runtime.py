@@ -161,4 +161,18 @@ def stats() -> dict[str, Any]:
     return json.loads(buf.value.decode())
 
 
+def timeline_enabled() -> bool:
+    """Whether this worker writes a timeline (cheap; check it before building event names)."""
+    return is_initialized() and bool(c_api().prophet_timeline_enabled())
+
+
+def timeline_event(track: str, name: str, start_ns: int, end_ns: Optional[int] = None) -> None:
+    """Adds a span (or, without ``end_ns``, an instant) to this worker's timeline.
+
+    Times are ``time.monotonic_ns()`` values, the clock the runtime's own events use.
+    """
+    if is_initialized():
+        c_api().prophet_timeline_event(track.encode(), name.encode(), int(start_ns), int(end_ns or 0))
+
+
 atexit.register(shutdown)

@@ -332,6 +332,8 @@ void Engine::Submit(OpRequest request) {
   m.Wake();
 }
 
+Timeline& Engine::timeline() { return impl_->timeline; }
+
 std::string Engine::StatsJson() const {
   const Impl& m = *impl_;
   std::ostringstream os;

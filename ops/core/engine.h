@@ -18,6 +18,7 @@
 
 #include "ops/core/common.h"
 #include "ops/core/scheduler.h"
+#include "ops/core/timeline.h"
 
 namespace prophet {
 
@@ -76,6 +77,8 @@ class Engine {
   int world_size() const { return options_.world_size; }
   const EngineOptions& options() const { return options_; }
   std::string StatsJson() const;
+  // This worker's trace (disabled unless a timeline path was given); thread-safe.
+  Timeline& timeline();
 
   struct Impl;
 

@@ -53,4 +53,19 @@ __attribute__((visibility("default"))) int prophet_stats(char* buf, int len) {
   return static_cast<int>(json.size());
 }
 
+// Adds a span (start_ns < end_ns) or, with end_ns <= start_ns, an instant to this worker's trace,
+// e.g. the strategy's step markers. Times are CLOCK_MONOTONIC nanoseconds (time.monotonic_ns()).
+__attribute__((visibility("default"))) void prophet_timeline_event(const char* track, const char* name,
+                                                                   long long start_ns, long long end_ns) {
+  prophet::Engine* e = prophet::GlobalEngine();
+  if (e == nullptr || !e->timeline().enabled()) return;
+  if (end_ns > start_ns) e->timeline().Complete(track, name, start_ns, end_ns);
+  else e->timeline().Instant(track, name, start_ns);
+}
+
+__attribute__((visibility("default"))) int prophet_timeline_enabled() {
+  prophet::Engine* e = prophet::GlobalEngine();
+  return e != nullptr && e->timeline().enabled() ? 1 : 0;
+}
+
 }  // extern "C"

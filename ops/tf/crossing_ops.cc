@@ -52,23 +52,39 @@ bool ToCoreType(DataType dtype, ::prophet::DataType* out) {
   }
 }
 
+// The trace of this worker, or nullptr when no timeline is written.
+::prophet::Timeline* ActiveTimeline() {
+  ::prophet::Engine* engine = ::prophet::GlobalEngine();
+  return engine != nullptr && engine->timeline().enabled() ? &engine->timeline() : nullptr;
+}
+
 class GateOp : public AsyncOpKernel {
  public:
-  explicit GateOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {}
+  explicit GateOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("var_name", &var_name_));
+  }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     const Tensor& handle = ctx->input(0);
     OP_REQUIRES_ASYNC(ctx, handle.dtype() == DT_RESOURCE && handle.NumElements() == 1,
                       absl::InvalidArgumentError("ProphetGate expects one resource handle"), done);
     ctx->set_output(0, handle);
+    ::prophet::Timeline* timeline = ActiveTimeline();
+    const int64_t start = timeline ? ::prophet::NowNs() : 0;
     GlobalGates().Wait(GateKey(handle.scalar<ResourceHandle>()()),
-                       [ctx, done](const ::prophet::Status& s) {
+                       [this, ctx, done, timeline, start](const ::prophet::Status& s) {
+                         // "gate" spans end when the variable may be used: for a layer's weights
+                         // in the forward pass, when that layer can start.
+                         if (timeline) timeline->Complete("gate", var_name_, start, ::prophet::NowNs());
                          if (!s.ok())
                            ctx->SetStatus(absl::Status(ToTf(s).code(), absl::StrCat("a pending update of this variable failed: ",
                                                                                     s.message())));
                          done();
                        });
   }
+
+ private:
+  std::string var_name_;
 };
 
 class WaitAllOp : public AsyncOpKernel {
@@ -114,6 +130,7 @@ class AsyncApplyOp : public AsyncOpKernel {
         for (int64_t j = 0; j < t.NumElements(); ++j) state->keys.push_back(GateKey(t.flat<ResourceHandle>()(j)));
     }
     state->flr = flr;
+    state->name = tensor_name_;
     state->fhandle = fhandle;
     state->pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
     for (const std::string& key : state->keys) GlobalGates().Arm(key);
@@ -145,6 +162,7 @@ class AsyncApplyOp : public AsyncOpKernel {
     FunctionLibraryRuntime::Handle fhandle = 0;
     thread::ThreadPool* pool = nullptr;
     std::vector<Tensor> rets;
+    std::string name;
   };
 
   static void Release(const State& state, const ::prophet::Status& s) {
@@ -154,8 +172,11 @@ class AsyncApplyOp : public AsyncOpKernel {
   static void RunUpdate(std::shared_ptr<State> state) {
     FunctionLibraryRuntime::Options opts;
     opts.runner = nullptr;  // the library's default runner (TensorFlow's inter-op pool)
-    state->flr->Run(opts, state->fhandle, state->args, &state->rets,
-                    [state](const absl::Status& s) { Release(*state, FromTf(s)); });
+    const int64_t start = ::prophet::NowNs();
+    state->flr->Run(opts, state->fhandle, state->args, &state->rets, [state, start](const absl::Status& s) {
+      if (::prophet::Timeline* timeline = ActiveTimeline()) timeline->Complete("apply", state->name, start, ::prophet::NowNs());
+      Release(*state, FromTf(s));
+    });
   }
 
   absl::Status Instantiate(FunctionLibraryRuntime* flr, FunctionLibraryRuntime::Handle* handle) {
@@ -182,6 +203,7 @@ class AsyncApplyOp : public AsyncOpKernel {
 REGISTER_OP("ProphetGate")
     .Input("handle: resource")
     .Output("gated: resource")
+    .Attr("var_name: string = ''")
     .SetIsStateful()
     .SetShapeFn([](shape_inference::InferenceContext* c) {
       c->set_output(0, c->Scalar());
