@@ -101,7 +101,9 @@ mkdir -p prophet_tf
 if cmp -s "$SO_SRC" "$SO_DST"; then
   log "$SO_DST: up to date"
 else
-  install -m 0755 "$SO_SRC" "$SO_DST"
+  # Copy then rename: processes that have the old library mapped keep a valid file.
+  install -m 0755 "$SO_SRC" "$SO_DST.tmp.$$"
+  mv -f "$SO_DST.tmp.$$" "$SO_DST"
   log "copied $SO_SRC -> $SO_DST"
 fi
 STEP="done"

@@ -1,0 +1,660 @@
+"""`ProphetStrategy`: data-parallel `tf.distribute.Strategy` on top of the prophet_tf runtime.
+
+One process per worker, one device per process. Unchanged Keras 3 code runs under
+``strategy.scope()``; the strategy inserts the project's ops where tf.distribute and Keras ask for
+cross-worker communication:
+
+* gradients (``ReplicaContext.all_reduce`` from the Keras optimizer) -> ``push_pull`` with a
+  deterministic name per variable (``grad/<variable path>``) and a priority that makes the first
+  layer most urgent (``priority = number_of_gradients - index`` in ``trainable_weights`` order);
+  sparse gradients (``tf.IndexedSlices``) -> ``allgather`` of indices and values;
+* ``strategy.reduce`` / ``extended.reduce_to`` / ``batch_reduce_to`` -> ``push_pull`` (SUM is a real
+  sum, MEAN divides by the number of workers);
+* ``strategy.gather`` / ``ReplicaContext.all_gather`` -> ``allgather``;
+* variable creation under the scope -> ``broadcast`` of the initial value from rank 0;
+* Keras metrics, loss scaling and saving -> see ``prophet_tf/_keras_patches.py`` and
+  ``prophet_tf/_keras_saving.py`` (installed when a multi-worker strategy is created).
+
+Input pipelines are sharded with global-batch semantics: ``fit(batch_size=B)`` gives every worker
+``B / N`` rows of every global batch (disjoint shards, equal step counts on all workers).
+
+Every worker must run the same program: collectives are matched by name (and a per-name round
+counter), so all workers have to create the same variables in the same order and make the same
+``fit``/``evaluate``/``predict``/``reduce`` calls.
+
+Known limits:
+
+* every worker must see the same number of global batches per epoch (AUTO sharding is turned into
+  DATA sharding, which guarantees it; an explicit FILE policy may not);
+* BatchNorm statistics stay local (non-trainable weights may differ across workers; rank 0's are
+  saved); variables created with ``synchronization=ON_READ`` outside Keras metrics stay local;
+* ``clipnorm``/``clipvalue``/``global_clipnorm`` clip each worker's share of the gradient before
+  the sum (as with tf.distribute strategies), not the summed gradient;
+* ``jit_compile=True`` is not supported (the ops have no XLA kernels);
+* non-zero ranks write files into a private temporary directory (see ``_keras_saving``); reads are
+  not redirected, so wait (``strategy.barrier()``) before reading what rank 0 just wrote;
+* ``evaluate``/``get_metrics_result``/``predict`` are collectives: call them on every worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import threading
+import weakref
+from typing import Any, Optional
+
+import tensorflow as tf
+from tensorflow.python.distribute import distribute_lib
+from tensorflow.python.distribute import input_util
+from tensorflow.python.distribute import one_device_strategy
+from tensorflow.python.distribute import reduce_util
+from tensorflow.python.eager import context as eager_context
+from tensorflow.python.framework import indexed_slices
+from tensorflow.python.framework import ops as tf_ops
+from tensorflow.python.framework import tensor_util
+from tensorflow.python.util import nest
+
+from prophet_tf.cluster import resolve_cluster
+
+__all__ = ["ProphetStrategy", "SCHEDULES"]
+
+logger = logging.getLogger("prophet_tf")
+
+#: Scheduling policies accepted by ``ProphetStrategy(schedule=...)``.
+SCHEDULES = ("prophet", "priority", "fifo")
+
+# Options consumed by the strategy itself (everything else goes to ``runtime.init``).
+_DEFAULT_SPARSE_AS_DENSE_BYTES = 256 << 10
+
+
+def _ops():
+    # Lazy: loads the custom-op library. (prophet_tf._library also lets the ops run concurrently
+    # inside tf.function: automatic control dependencies would otherwise chain them.)
+    from prophet_tf import ops
+    return ops
+
+
+def _runtime():
+    from prophet_tf import runtime
+    return runtime
+
+
+# --------------------------------------------------------------------------------------------
+# Deterministic collective names
+# --------------------------------------------------------------------------------------------
+
+_CONTROL_FLOW_GRAPHS = ("CondBranchFuncGraph", "WhileBodyFuncGraph", "WhileCondFuncGraph")
+_UID_SUFFIX = re.compile(r"_\d+$")
+
+
+def _function_graph():
+    """The function graph being built (skipping cond/while branch graphs), or None when eager."""
+    if eager_context.executing_eagerly():
+        return None
+    g = tf_ops.get_default_graph()
+    while type(g).__name__ in _CONTROL_FLOW_GRAPHS and getattr(g, "outer_graph", None) is not None:
+        g = g.outer_graph
+    return g
+
+
+class _Namer:
+    """Gives every collective call site a name that is identical on all workers.
+
+    Inside a ``tf.function`` a name is made unique per traced function graph by appending
+    ``@k`` to its k-th repetition (k > 0): two ops of one graph may run concurrently, so they
+    must not share a name. A retrace produces the same names again (the counters live on the
+    graph), which keeps workers that retrace at different steps in agreement. Eagerly, ops run
+    one after the other, so a name is simply reused (the runtime matches repetitions with its
+    per-name round counter).
+    """
+
+    def __init__(self) -> None:
+        self._counters: "weakref.WeakKeyDictionary[Any, dict[str, int]]" = (
+            weakref.WeakKeyDictionary())
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def graph_key() -> str:
+        g = _function_graph()
+        if g is None:
+            return "eager"
+        return _UID_SUFFIX.sub("", getattr(g, "name", "graph") or "graph")
+
+    def unique(self, base: str) -> str:
+        g = _function_graph()
+        if g is None:
+            return base
+        with self._lock:
+            counts = self._counters.setdefault(g, {})
+            k = counts.get(base, 0)
+            counts[base] = k + 1
+        return base if k == 0 else f"{base}@{k}"
+
+    def site(self, kind: str) -> str:
+        """A unique name for a call site of ``kind`` in the current graph (or eager)."""
+        return self.unique(f"{kind}/{self.graph_key()}")
+
+
+# --------------------------------------------------------------------------------------------
+# Replica context
+# --------------------------------------------------------------------------------------------
+
+
+class _ProphetReplicaContext(distribute_lib.ReplicaContext):
+    """Replica context of this worker: ``replica_id_in_sync_group`` is the worker's rank."""
+
+    def __init__(self, strategy, rank: int):
+        distribute_lib.ReplicaContext.__init__(self, strategy, replica_id_in_sync_group=rank)
+
+    @property
+    def devices(self):
+        return self._strategy.extended.worker_devices
+
+
+# --------------------------------------------------------------------------------------------
+# Extended
+# --------------------------------------------------------------------------------------------
+
+
+class ProphetExtended(one_device_strategy.OneDeviceExtended):
+    """Implementation of :class:`ProphetStrategy` (one device per worker process)."""
+
+    def __init__(self, container_strategy, device: str, rank: int, world_size: int,
+                 sparse_as_dense_bytes: int = _DEFAULT_SPARSE_AS_DENSE_BYTES):
+        super().__init__(container_strategy, device)
+        self._rank = int(rank)
+        self._world_size = int(world_size)
+        self._sparse_as_dense_bytes = int(sparse_as_dense_bytes)
+        self._namer = _Namer()
+        self._var_counter = 0
+        self._var_lock = threading.Lock()
+        self._local = threading.local()
+        self._cluster_resolver = None
+
+    # ---- identity -----------------------------------------------------------------------
+    @property
+    def _num_replicas_in_sync(self):
+        return self._world_size
+
+    def _get_local_replica_id(self, replica_id_in_sync_group):
+        return 0
+
+    def _get_replica_id_in_sync_group(self, replica_id):
+        return self._rank
+
+    def _in_multi_worker_mode(self):
+        # Must stay False: True makes tf.data hand out PerReplica batches and Keras fit fails.
+        return False
+
+    @property
+    def experimental_between_graph(self):
+        return True
+
+    @property
+    def experimental_should_init(self):
+        return True
+
+    @property
+    def should_checkpoint(self):
+        return self._rank == 0
+
+    @property
+    def should_save_summary(self):
+        return self._rank == 0
+
+    @property
+    def _multi(self) -> bool:
+        return self._world_size > 1
+
+    # ---- replicas -----------------------------------------------------------------------
+    def _call_for_each_replica(self, fn, args, kwargs):
+        strategy = self._container_strategy()
+        with tf_ops.device(self._device), _ProphetReplicaContext(strategy, self._rank):
+            outputs = fn(*args, **kwargs)
+        if self._multi and getattr(self._local, "gather_outputs", 0):
+            # Keras predict: every worker returns the predictions of the whole global batch.
+            outputs = nest.map_structure(self._gather_output, outputs)
+        return outputs
+
+    def _gather_output(self, t):
+        if isinstance(t, (tf.Tensor, tf.Variable)) and t.shape.rank:
+            return self._allgather(tf.convert_to_tensor(t), self._namer.site("predict"))
+        return t
+
+    @contextlib.contextmanager
+    def _gathering_outputs(self):
+        """Within this context, ``run`` gathers its outputs along dim 0 (used by predict)."""
+        self._local.gather_outputs = getattr(self._local, "gather_outputs", 0) + 1
+        try:
+            yield
+        finally:
+            self._local.gather_outputs -= 1
+
+    # ---- variables ----------------------------------------------------------------------
+    def _create_variable(self, next_creator, **kwargs):
+        if self._multi and kwargs.get("synchronization") != tf.VariableSynchronization.ON_READ:
+            # Identical initial values on every worker: rank 0's value wins. ON_READ variables
+            # (metric state) start from zeros and stay local; they are reduced when read.
+            with self._var_lock:
+                index = self._var_counter
+                self._var_counter += 1
+            name = f"init/{index}/{kwargs.get('name') or 'Variable'}"
+            kwargs["initial_value"] = self._broadcast_initial_value(
+                kwargs["initial_value"], kwargs.get("dtype"), name)
+        return super()._create_variable(next_creator, **kwargs)
+
+    def _broadcast_initial_value(self, initial_value, dtype, name):
+        def value():
+            v = initial_value() if callable(initial_value) else initial_value
+            if hasattr(v, "wrapped_value"):  # CheckpointInitialValue
+                v = v.wrapped_value
+            v = tf.convert_to_tensor(v, dtype=dtype)
+            return self._broadcast(v, name, root_rank=0)
+        return value
+
+    # ---- the single place where variables are updated --------------------------------------
+    def _update(self, var, fn, args, kwargs, group):
+        """Runs ``fn(var, *args)``: every optimizer/Keras variable update goes through here.
+
+        Keras calls ``extended.update(var, fn, args=(reduced_grad, lr))`` once per variable after
+        the gradients were reduced (and without ``args`` for weight decay, EMA, accumulation).
+        This is the hook for overlapping the update with the next step ("crossing the barrier").
+        """
+        return super()._update(var, fn, args, kwargs, group)
+
+    # ---- input --------------------------------------------------------------------------
+    def _input_context(self):
+        return distribute_lib.InputContext(num_input_pipelines=self._world_size,
+                                           input_pipeline_id=self._rank,
+                                           num_replicas_in_sync=self._world_size)
+
+    def _experimental_distribute_dataset(self, dataset, options):
+        if not self._multi:
+            return super()._experimental_distribute_dataset(dataset, options)
+        if (options and options.experimental_replication_mode ==
+                distribute_lib.InputReplicationMode.PER_REPLICA):
+            raise NotImplementedError(
+                "InputReplicationMode.PER_REPLICA is only supported in "
+                "distribute_datasets_from_function.")
+        return input_util.get_distributed_dataset(
+            _data_sharded(dataset),
+            self._input_workers_with_options(options),
+            self._container_strategy(),
+            num_replicas_in_sync=self._world_size,
+            input_context=self._input_context(),
+            options=options)
+
+    def _distribute_datasets_from_function(self, dataset_fn, options):
+        if (options and options.experimental_replication_mode ==
+                distribute_lib.InputReplicationMode.PER_REPLICA):
+            raise NotImplementedError(
+                "InputReplicationMode.PER_REPLICA is not supported by ProphetStrategy (one "
+                "replica per worker): use the default PER_WORKER mode.")
+        return input_util.get_distributed_datasets_from_function(
+            dataset_fn,
+            self._input_workers_with_options(options),
+            [self._input_context()],
+            self._container_strategy(),
+            options=options)
+
+    def _experimental_distribute_values_from_function(self, value_fn):
+        return value_fn(distribute_lib.ValueContext(replica_id_in_sync_group=self._rank,
+                                                    num_replicas_in_sync=self._world_size))
+
+    # ---- reductions ---------------------------------------------------------------------
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        del destinations, options
+        if not self._multi:
+            return value
+        return self._reduce_one(reduce_op, value, self._namer.site("reduce"), priority=0)
+
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        del options
+        values = [v for v, _ in value_destination_pairs]
+        if not self._multi:
+            return values
+        n = len(values)
+        grad_paths = self._take_gradient_site(n)
+        if grad_paths is not None:
+            names = [self._namer.unique(f"grad/{p}") for p in grad_paths]
+        else:
+            site = self._namer.site("allreduce")
+            names = [f"{site}/{i}" for i in range(n)]
+        # Forward order (first layer first): the first value is the most urgent.
+        return [self._reduce_one(reduce_op, v, name, priority=n - i)
+                for i, (v, name) in enumerate(zip(values, names))]
+
+    def _reduce_one(self, reduce_op, value, name, priority):
+        if isinstance(reduce_op, str):
+            reduce_op = reduce_util.ReduceOp(reduce_op.upper())
+        mean = reduce_op == reduce_util.ReduceOp.MEAN
+        if isinstance(value, indexed_slices.IndexedSlices):
+            return self._reduce_indexed_slices(value, name, priority, mean)
+        value = tf.convert_to_tensor(value)
+        return self._push_pull(value, name, priority, mean)
+
+    def _reduce_indexed_slices(self, slices, name, priority, mean):
+        dense_bytes = self._static_dense_bytes(slices)
+        if dense_bytes is not None and dense_bytes <= self._sparse_as_dense_bytes:
+            # A small table: one dense push_pull is cheaper than gathering rows (and scheduled).
+            return self._push_pull(tf.convert_to_tensor(slices), name, priority, mean)
+        values = self._allgather(slices.values, name + "/values")
+        indices = self._allgather(slices.indices, name + "/indices")
+        if mean:
+            values = values / tf.cast(self._world_size, values.dtype)
+        return indexed_slices.IndexedSlices(values, indices, slices.dense_shape)
+
+    @staticmethod
+    def _static_dense_bytes(slices) -> Optional[int]:
+        if slices.dense_shape is None:
+            return None
+        shape = tensor_util.constant_value(slices.dense_shape)
+        if shape is None:
+            return None
+        n = 1
+        for d in shape.tolist():
+            n *= int(d)
+        return n * slices.values.dtype.size
+
+    # ---- gather -------------------------------------------------------------------------
+    def _gather_to_implementation(self, value, destinations, axis, options):
+        del destinations, options
+        if not self._multi:
+            return value
+        value = tf.convert_to_tensor(value)
+        axis = tf.get_static_value(axis) if tf.is_tensor(axis) else axis
+        if axis is None:
+            raise ValueError("ProphetStrategy.gather needs a static axis.")
+        axis = int(axis)
+        rank = value.shape.rank
+        if rank is None or rank == 0:
+            raise ValueError("gather needs a value of known, non-zero rank; use tf.expand_dims "
+                             f"first (got shape {value.shape}).")
+        if axis < 0:
+            axis += rank
+        name = self._namer.site("gather")
+        if axis == 0:
+            return self._allgather(value, name)
+        perm = [axis] + [i for i in range(rank) if i != axis]
+        inverse = [perm.index(i) for i in range(rank)]
+        gathered = self._allgather(tf.transpose(value, perm), name)
+        return tf.transpose(gathered, inverse)
+
+    # ---- keras integration helpers ---------------------------------------------------------
+    @contextlib.contextmanager
+    def _gradient_site(self, variable_paths):
+        """Names the next ``batch_reduce_to`` of ``len(variable_paths)`` values as gradients."""
+        stack = getattr(self._local, "grad_sites", None)
+        if stack is None:
+            stack = self._local.grad_sites = []
+        stack.append(list(variable_paths))
+        try:
+            yield
+        finally:
+            stack.pop()
+
+    def _take_gradient_site(self, n):
+        stack = getattr(self._local, "grad_sites", None)
+        if not stack or stack[-1] is None or len(stack[-1]) != n:
+            return None
+        paths = stack[-1]
+        stack[-1] = None  # consumed: only the optimizer's own all-reduce is named after it
+        return paths
+
+    def _all_finite(self, finite):
+        """True on every worker iff ``finite`` is true on every worker (loss scaling)."""
+        if not self._multi:
+            return finite
+        bad = tf.cast(tf.logical_not(tf.cast(finite, tf.bool)), tf.float32)
+        total = self._push_pull(bad, self._namer.site("loss_scale_finite"), 0, False)
+        return tf.equal(total, 0.0)
+
+    def _reduce_metric_state(self, variables):
+        """Reduces metric state variables across workers; returns one tensor per variable.
+
+        All variables of one (dtype, aggregation) group travel in one push_pull.
+        """
+        values = [tf.convert_to_tensor(v) for v in variables]
+        if not self._multi or not values:
+            return values
+        groups: dict = {}
+        for i, (v, t) in enumerate(zip(variables, values)):
+            agg = _aggregation_name(v)
+            groups.setdefault((t.dtype, agg), []).append(i)
+        out = list(values)
+        site = self._namer.site("metrics")
+        for (dtype, agg), idx in groups.items():
+            if agg == "none":
+                continue
+            flat = tf.concat([tf.reshape(values[i], [-1]) for i in idx], axis=0)
+            size = sum(int(values[i].shape.num_elements() or 0) for i in idx)
+            name = f"{site}/{dtype.name}/{agg}/{size}"
+            if agg == "only_first_replica":
+                red = self._broadcast(flat, name, root_rank=0)
+            else:
+                red = self._push_pull(flat, name, 0, agg == "mean")
+            sizes = [int(values[i].shape.num_elements()) for i in idx]
+            for i, part in zip(idx, tf.split(red, sizes)):
+                out[i] = tf.reshape(part, tf.shape(values[i]))
+        return out
+
+    def _barrier(self):
+        if self._multi:
+            return self._push_pull(tf.zeros([], tf.float32), self._namer.site("barrier"), 0, False)
+        return tf.zeros([], tf.float32)
+
+    # ---- op wrappers (dtype handling) -------------------------------------------------------
+    def _push_pull(self, t, name, priority, mean):
+        wire = _wire_dtype(t.dtype)
+        x = t if wire == t.dtype else tf.cast(t, wire)
+        if mean and not (wire.is_floating):
+            y = _ops().push_pull(x, name=name, priority=int(priority), average=False)
+            y = tf.math.floordiv(y, tf.cast(self._world_size, wire))
+        else:
+            y = _ops().push_pull(x, name=name, priority=int(priority), average=bool(mean))
+        return y if wire == t.dtype else tf.cast(y, t.dtype)
+
+    def _broadcast(self, t, name, root_rank=0):
+        wire = _wire_dtype(t.dtype)
+        x = t if wire == t.dtype else tf.cast(t, wire)
+        y = _ops().broadcast(x, name=name, root_rank=int(root_rank))
+        return y if wire == t.dtype else tf.cast(y, t.dtype)
+
+    def _allgather(self, t, name):
+        wire = _wire_dtype(t.dtype)
+        x = t if wire == t.dtype else tf.cast(t, wire)
+        y = _ops().allgather(x, name=name)
+        return y if wire == t.dtype else tf.cast(y, t.dtype)
+
+
+def _data_sharded(dataset):
+    """AUTO sharding -> DATA sharding: every worker runs the whole input pipeline and keeps its
+    share of every global batch. FILE sharding (what AUTO picks for file-based datasets) can give
+    workers different numbers of batches, and then they would not make the same collectives.
+    An explicit FILE/DATA/HINT/OFF policy set by the user is kept."""
+    policy = dataset.options().experimental_distribute.auto_shard_policy
+    if policy != tf.data.experimental.AutoShardPolicy.AUTO:
+        return dataset
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    return dataset.with_options(options)
+
+
+# Dtypes push_pull carries natively; others are cast (exactly) to one of these. (broadcast and
+# allgather also take uint8 and bool, but casting those is cheap and keeps one rule.)
+_NATIVE_DTYPES = frozenset([tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64])
+
+
+def _wire_dtype(dtype):
+    dtype = tf.as_dtype(dtype)
+    if dtype in _NATIVE_DTYPES:
+        return dtype
+    if dtype == tf.bool or dtype.is_integer:
+        return tf.int64 if dtype.size >= 4 else tf.int32
+    raise TypeError(f"ProphetStrategy cannot communicate tensors of dtype {dtype.name}")
+
+
+def _aggregation_name(v) -> str:
+    agg = getattr(v, "aggregation", None)
+    if isinstance(agg, str):
+        return agg
+    if agg == tf.VariableAggregation.MEAN:
+        return "mean"
+    if agg == tf.VariableAggregation.ONLY_FIRST_REPLICA:
+        return "only_first_replica"
+    if agg == tf.VariableAggregation.NONE:
+        return "none"  # stays local
+    return "sum"  # metric state: counts and totals add up across workers
+
+
+# --------------------------------------------------------------------------------------------
+# Strategy
+# --------------------------------------------------------------------------------------------
+
+_schedule_fallback_logged = set()
+
+
+class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
+    """Synchronous data-parallel training across worker processes with prophet_tf's runtime.
+
+    Args:
+      schedule: communication scheduling policy, one of ``"prophet"``, ``"priority"``, ``"fifo"``.
+      cluster_resolver: a ``tf.distribute.cluster_resolver.ClusterResolver``; default: read
+        ``TF_CONFIG`` (set by ``python -m prophet_tf.launch``); no ``TF_CONFIG`` = one worker.
+      device: the device of this worker (default ``"/cpu:0"``).
+      sparse_as_dense_bytes: sparse gradients of tables up to this many bytes are reduced as one
+        dense ``push_pull``; larger ones by ``allgather`` of indices and values (default 256 KiB).
+      sync_random_seed: when no TensorFlow global seed is set, set one (drawn on rank 0) on every
+        worker, so that unseeded shuffles (``fit(shuffle=True)`` on arrays, ``Dataset.shuffle``)
+        produce the same order everywhere and the shards of every global batch stay disjoint.
+        Keras layers (dropout, initializers) draw their seeds elsewhere and stay independent.
+      **runtime_options: passed to ``prophet_tf.runtime.init`` (``partition_bytes``,
+        ``credit_bytes``, ``timeout_s``, ``timeline_path``...).
+
+    Raises:
+      prophet_tf.errors.ClusterConfigError: the cluster description is unusable.
+      prophet_tf.errors.ProphetError: the runtime could not start (port in use, peer
+        unreachable...).
+    """
+
+    def __init__(self, schedule: str = "prophet", cluster_resolver=None, *,
+                 device: Optional[str] = None,
+                 sparse_as_dense_bytes: int = _DEFAULT_SPARSE_AS_DENSE_BYTES,
+                 sync_random_seed: bool = True,
+                 **runtime_options):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        info = resolve_cluster(cluster_resolver)
+        runtime = _runtime()
+        self._cluster_info = info
+        self._schedule_requested = schedule
+        self._schedule = _init_runtime(runtime, info, schedule, runtime_options)
+        extended = ProphetExtended(self, device or "/cpu:0", info.rank, info.world_size,
+                                   sparse_as_dense_bytes=sparse_as_dense_bytes)
+        extended._cluster_resolver = cluster_resolver or _resolver_for(info)
+        distribute_lib.Strategy.__init__(self, extended)
+        distribute_lib.distribution_strategy_gauge.get_cell("V2").set("ProphetStrategy")
+        if info.world_size > 1 and sync_random_seed:
+            _sync_global_seed(extended)
+        if info.world_size > 1:
+            from prophet_tf import _keras_patches, _keras_saving
+            _keras_patches.install()
+            if info.rank != 0:
+                _keras_saving.install(info.rank)
+
+    # Convenience accessors -------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This worker's rank (0 is the chief: it writes checkpoints and summaries)."""
+        return self._cluster_info.rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of workers (= ``num_replicas_in_sync``)."""
+        return self._cluster_info.world_size
+
+    @property
+    def schedule(self) -> str:
+        """The scheduling policy in effect (may differ from the requested one, see logs)."""
+        return self._schedule
+
+    def barrier(self):
+        """Blocks until every worker has called ``barrier()`` (e.g. after rank 0 saved a file)."""
+        return self.extended._barrier()
+
+    def __deepcopy__(self, memo):
+        # Like other strategies (the runtime is process-global): a copy is the same strategy.
+        memo[id(self)] = self
+        return self
+
+
+def _resolver_for(info):
+    """A cluster resolver describing the job in rank order (``task_id`` == rank)."""
+    from tensorflow.python.distribute.cluster_resolver import SimpleClusterResolver
+    spec = tf.train.ClusterSpec({"worker": list(info.addresses)} if info.addresses else {})
+    return SimpleClusterResolver(spec, task_type="worker", task_id=info.rank)
+
+
+def _sync_global_seed(extended) -> None:
+    """Sets the same TF global seed on every worker unless the program already set one."""
+    if not eager_context.executing_eagerly() or eager_context.global_seed() is not None:
+        return
+    import random
+    local = tf.constant([random.SystemRandom().randrange(1, 2**31 - 1)], tf.int64)
+    seed = int(extended._broadcast(local, "init/random_seed", root_rank=0).numpy()[0])
+    tf.random.set_seed(seed)
+
+
+def _init_runtime(runtime, info, schedule: str, options: dict) -> str:
+    """Starts the runtime; returns the schedule in effect.
+
+    A runtime built without the ``prophet`` policy rejects it at init ("unknown schedule"); the
+    strategy then falls back to ``priority`` (the same on every worker) and logs it once.
+    """
+    try:
+        runtime.init(info.rank, info.world_size, list(info.addresses), info.token,
+                     schedule=schedule, **options)
+    except Exception as e:  # noqa: BLE001 - only the "unknown schedule" case is handled
+        if schedule != "prophet" or "unknown schedule" not in str(e):
+            raise
+        _log_fallback("prophet", "priority", str(e))
+        runtime.init(info.rank, info.world_size, list(info.addresses), info.token,
+                     schedule="priority", **options)
+        return "priority"
+    return _effective_schedule(runtime, schedule)
+
+
+def _log_fallback(requested: str, effective: str, why: str = "") -> None:
+    if (requested, effective) in _schedule_fallback_logged:
+        return
+    _schedule_fallback_logged.add((requested, effective))
+    logger.warning("prophet_tf: schedule=%r is not available in this runtime%s; using %r.",
+                   requested, f" ({why})" if why else "", effective)
+
+
+def _effective_schedule(runtime, requested: str) -> str:
+    """Asks the runtime which policy it runs; logs once when it fell back to another one."""
+    effective = requested
+    cfg = None
+    for attr in ("config", "get_config"):
+        fn = getattr(runtime, attr, None)
+        if callable(fn):
+            try:
+                cfg = fn()
+            except Exception:  # noqa: BLE001 - informational only
+                cfg = None
+            break
+    if isinstance(cfg, dict):
+        effective = cfg.get("schedule", requested) or requested
+    else:
+        sched = getattr(runtime, "schedule", None)
+        if callable(sched):
+            try:
+                effective = sched() or requested
+            except Exception:  # noqa: BLE001
+                pass
+    if effective != requested:
+        _log_fallback(requested, effective)
+    return effective

@@ -1,0 +1,154 @@
+"""Helpers for multi-worker tests: run a worker script as N real processes on loopback.
+
+* ``run_workers(script, n, *args, timeout=...)`` runs ``python -m prophet_tf.launch -n N --threads
+  1 --timeout T -- tests/workers/<script> args`` and returns a :class:`WorkerRun` (exit status,
+  output, parsed ``RESULT {json}`` lines per rank).
+* ``spawn_workers(script, n, *args)`` starts the N workers *without* the launcher (which would stop
+  the survivors itself when one fails) and returns a :class:`Spawned`; every process still alive
+  at teardown is killed.
+
+Worker scripts print ``RESULT {json}`` lines (see ``tests/workers/strategy_common.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKERS = ROOT / "tests" / "workers"
+_RESULT = re.compile(r"^(?:\[rank (\d+)\] )?RESULT (\{.*\})\s*$")
+
+
+def _worker_env(extra: Optional[dict] = None) -> dict:
+    env = dict(os.environ)
+    extra_path = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + extra_path if extra_path else "")
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    env.pop("TF_CONFIG", None)
+    if extra:
+        env.update(extra)
+    return env
+
+
+def parse_results(text: str, default_rank: Optional[int] = None) -> dict[int, list[dict]]:
+    """``{rank: [result, ...]}`` from ``[rank i] RESULT {...}`` lines, in order."""
+    out: dict[int, list[dict]] = {}
+    for line in text.splitlines():
+        m = _RESULT.match(line.strip())
+        if not m:
+            continue
+        rank = int(m.group(1)) if m.group(1) is not None else default_rank
+        out.setdefault(rank, []).append(json.loads(m.group(2)))
+    return out
+
+
+@dataclass
+class WorkerRun:
+    n: int
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+    results_by_rank: dict = field(default_factory=dict)
+
+    @property
+    def output(self) -> str:
+        return self.stdout + "\n" + self.stderr
+
+    def tail(self, chars: int = 6000) -> str:
+        return self.output[-chars:]
+
+    def results(self, rank: int, **match) -> list[dict]:
+        return [r for r in self.results_by_rank.get(rank, [])
+                if all(r.get(k) == v for k, v in match.items())]
+
+    def one(self, rank: int, **match) -> dict:
+        found = self.results(rank, **match)
+        assert len(found) == 1, f"rank {rank}: expected one RESULT {match}, got {len(found)}\n" \
+                                f"{self.tail()}"
+        return found[0]
+
+    def check_ok(self) -> "WorkerRun":
+        assert self.returncode == 0, f"workers failed (exit {self.returncode}):\n{self.tail()}"
+        return self
+
+
+def launch_workers(script: str, n: int, *args: str, timeout: float = 200, threads: int = 1,
+                   env: Optional[dict] = None) -> WorkerRun:
+    cmd = [sys.executable, "-m", "prophet_tf.launch", "-n", str(n), "--threads", str(threads),
+           "--timeout", str(timeout), "--", str(WORKERS / script), *map(str, args)]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, env=_worker_env(env), capture_output=True, text=True,
+                          timeout=timeout + 60)
+    return WorkerRun(n, proc.returncode, proc.stdout, proc.stderr, time.monotonic() - t0,
+                     parse_results(proc.stdout))
+
+
+@pytest.fixture(scope="session")
+def run_workers():
+    """``run_workers(script, n, *args, timeout=200, threads=1, env=None) -> WorkerRun``."""
+    return launch_workers
+
+
+@dataclass
+class Spawned:
+    procs: list
+    started: float
+
+    def wait(self, timeout: float) -> list[tuple[Optional[int], float, str]]:
+        """Waits for every worker; returns ``(exit status or None if still running, seconds
+        since start when it was seen to exit, output)`` per rank."""
+        deadline = self.started + timeout
+        done: dict[int, tuple[Optional[int], float]] = {}
+        while len(done) < len(self.procs) and time.monotonic() < deadline:
+            for i, p in enumerate(self.procs):
+                if i not in done and p.poll() is not None:
+                    done[i] = (p.returncode, time.monotonic() - self.started)
+            time.sleep(0.1)
+        results = []
+        for i, p in enumerate(self.procs):
+            if i not in done:
+                p.kill()
+            out, _ = p.communicate(timeout=30)
+            code, when = done.get(i, (None, time.monotonic() - self.started))
+            results.append((code, when, out))
+        return results
+
+
+@pytest.fixture
+def spawn_workers():
+    """``spawn_workers(script, n, *args, env=None) -> Spawned`` (no launcher)."""
+    from prophet_tf import launch
+
+    spawned: list[subprocess.Popen] = []
+
+    def spawn(script: str, n: int, *args: str, env: Optional[dict] = None) -> Spawned:
+        addresses = [f"127.0.0.1:{p}" for p in launch.free_ports(n)]
+        envs = launch.worker_envs(n, addresses, "strategy-test-token", threads=1,
+                                  base_env=_worker_env(env))
+        t0 = time.monotonic()
+        procs = []
+        for worker_env in envs:
+            p = subprocess.Popen([sys.executable, "-u", str(WORKERS / script), *map(str, args)],
+                                 cwd=ROOT, env=worker_env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True)
+            procs.append(p)
+            spawned.append(p)
+        return Spawned(procs, t0)
+
+    yield spawn
+    for p in spawned:  # only the processes this fixture started, by their handles
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=30)

@@ -1,0 +1,47 @@
+"""ProphetStrategy on N workers gives the weights of one process training on the global batch."""
+
+from __future__ import annotations
+
+import pytest
+
+TOLERANCE = 1e-5
+ALL_CASES = ["sgd", "momentum", "adam", "embedding", "embedding_adam", "embedding_small_dense",
+             "regularizers"]
+
+
+def _check_case(run, case: str) -> None:
+    per_rank = [run.one(rank, case=case) for rank in range(run.n)]
+    first = per_rank[0]
+    assert first["workers"] == run.n
+    assert first["moved"] > 1e-3, f"{case}: training did not change the weights"
+    for rank, r in enumerate(per_rank):
+        assert r["maxdiff"] <= TOLERANCE, \
+            f"{case} rank {rank}: max |w - w_reference| = {r['maxdiff']:.3g} > {TOLERANCE}"
+        # Same initial weights (broadcast from rank 0) and bitwise identical results everywhere.
+        assert r["initial_digest"] == first["initial_digest"], f"{case}: initial weights differ"
+        assert r["digest"] == first["digest"], f"{case}: final weights differ across workers"
+        # Logged metrics are global (reduced across workers): the same on every worker...
+        assert r["loss"] == first["loss"] and r["accuracy"] == first["accuracy"], case
+        # ... and equal to what one process computes on the global batches.
+        for got, want in zip(r["loss"], r["ref_loss"]):
+            assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (case, r["loss"], r["ref_loss"])
+        for got, want in zip(r["accuracy"], r["ref_accuracy"]):
+            assert abs(got - want) <= 1e-6, (case, r["accuracy"], r["ref_accuracy"])
+
+
+@pytest.fixture(scope="module")
+def two_workers(run_workers):
+    return run_workers("strategy_equivalence.py", 2, timeout=240).check_ok()
+
+
+@pytest.mark.parametrize("case", ALL_CASES)
+def test_two_workers_match_one_process(two_workers, case):
+    _check_case(two_workers, case)
+
+
+def test_three_workers_match_one_process(run_workers):
+    cases = ["momentum", "adam", "embedding"]
+    run = run_workers("strategy_equivalence.py", 3, "--cases", ",".join(cases),
+                      timeout=240).check_ok()
+    for case in cases:
+        _check_case(run, case)

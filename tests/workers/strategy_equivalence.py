@@ -1,0 +1,176 @@
+"""Multi-worker training must give the weights of one process training on the global batch.
+
+Run: python -m prophet_tf.launch -n N tests/workers/strategy_equivalence.py [--cases a,b,...]
+
+For every case: build the model under ProphetStrategy (initial weights broadcast from rank 0),
+fit on N workers (each gets B/N rows of every global batch), then build the same model in this
+process *outside* the strategy, give it the same initial weights, fit it on the global batches,
+and compare. Prints one ``RESULT`` line per case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import strategy_common as common
+
+import numpy as np
+import tensorflow as tf
+import keras
+
+from prophet_tf.strategy import ProphetStrategy
+
+GLOBAL_BATCH = 24          # divisible by 2 and 3 workers
+NUM_SAMPLES = 96           # 4 steps per epoch
+EPOCHS = 2
+FEATURES, CLASSES, VOCAB, SEQ = 6, 3, 1000, 5
+
+
+def data(kind: str):
+    rng = np.random.RandomState(1234)
+    if kind == "tokens":
+        x = rng.randint(0, VOCAB, size=(NUM_SAMPLES, SEQ)).astype("int32")
+        y = (x[:, 0] % CLASSES).astype("int32")
+    else:
+        x = rng.randn(NUM_SAMPLES, FEATURES).astype("float32")
+        teacher = rng.randn(FEATURES, CLASSES).astype("float32")
+        y = np.argmax(x @ teacher + 0.1 * rng.randn(NUM_SAMPLES, CLASSES), axis=1).astype("int32")
+    return x, y
+
+
+def sequential():
+    return keras.Sequential([
+        keras.Input((FEATURES,)),
+        keras.layers.Dense(16, activation="relu"),
+        keras.layers.Dense(CLASSES, activation="softmax"),
+    ])
+
+
+def functional():
+    inp = keras.Input((FEATURES,))
+    h = keras.layers.Dense(16, activation="tanh")(inp)
+    h2 = keras.layers.Dense(8, activation="relu")(h)
+    out = keras.layers.Dense(CLASSES, activation="softmax")(keras.layers.Concatenate()([h, h2]))
+    return keras.Model(inp, out)
+
+
+class Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.d1 = keras.layers.Dense(16, activation="relu")
+        self.d2 = keras.layers.Dense(CLASSES, activation="softmax")
+
+    def call(self, x):
+        return self.d2(self.d1(x))
+
+
+def subclassed():
+    m = Subclassed()
+    m(np.zeros((1, FEATURES), "float32"))
+    return m
+
+
+def embedding(vocab=VOCAB):
+    def build():
+        return keras.Sequential([
+            keras.Input((SEQ,), dtype="int32"),
+            keras.layers.Embedding(vocab, 8),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(CLASSES, activation="softmax"),
+        ])
+    return build
+
+
+def regularized():
+    return keras.Sequential([
+        keras.Input((FEATURES,)),
+        keras.layers.Dense(16, activation="relu",
+                           kernel_regularizer=keras.regularizers.L2(1e-2),
+                           bias_regularizer=keras.regularizers.L1(1e-3),
+                           activity_regularizer=keras.regularizers.L1(1e-3)),
+        keras.layers.Dense(CLASSES, activation="softmax",
+                           kernel_regularizer=keras.regularizers.L1L2(1e-3, 1e-3)),
+    ])
+
+
+# name: (model builder, optimizer factory, data kind, input kind, steps_per_execution,
+#        sparse_as_dense_bytes)
+CASES = {
+    "sgd": (sequential, lambda: keras.optimizers.SGD(0.1), "dense", "numpy", 1, None),
+    "momentum": (functional, lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
+                 "dense", "dataset", 1, None),
+    "adam": (subclassed, lambda: keras.optimizers.Adam(0.01), "dense", "numpy", 2, None),
+    "embedding": (embedding(), lambda: keras.optimizers.SGD(0.5), "tokens", "numpy", 1, 0),
+    "embedding_adam": (embedding(), lambda: keras.optimizers.Adam(0.01), "tokens", "dataset",
+                       1, 0),
+    "embedding_small_dense": (embedding(50), lambda: keras.optimizers.SGD(0.5), "tokens",
+                              "numpy", 1, 1 << 20),
+    "regularizers": (regularized, lambda: keras.optimizers.RMSprop(0.01), "dense", "numpy", 1,
+                     None),
+}
+
+
+def fit(model, x, y, input_kind, batch_size):
+    if input_kind == "dataset":
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
+        return model.fit(ds, epochs=EPOCHS, verbose=0)
+    return model.fit(x, y, batch_size=batch_size, epochs=EPOCHS, shuffle=False, verbose=0)
+
+
+def run_case(strategy, name):
+    t0 = time.time()
+    build, make_opt, data_kind, input_kind, spe, sparse_bytes = CASES[name]
+    x, y = data(data_kind)
+    if name == "embedding_small_dense":
+        x = x % 50
+    default_sparse = strategy.extended._sparse_as_dense_bytes
+    if sparse_bytes is not None:
+        strategy.extended._sparse_as_dense_bytes = sparse_bytes
+    try:
+        with strategy.scope():
+            model = build()
+            model.compile(optimizer=make_opt(), loss="sparse_categorical_crossentropy",
+                          metrics=["accuracy"], steps_per_execution=spe)
+        initial = model.get_weights()
+        hist = fit(model, x, y, input_kind, GLOBAL_BATCH)
+    finally:
+        strategy.extended._sparse_as_dense_bytes = default_sparse
+    final = model.get_weights()
+
+    t_ref = time.time()
+    reference = build()          # outside the strategy: one process, global batches
+    reference.set_weights(initial)
+    # Eagerly: no second tf.function trace (the slow part of these tiny runs).
+    reference.compile(optimizer=make_opt(), loss="sparse_categorical_crossentropy",
+                      metrics=["accuracy"], steps_per_execution=spe, run_eagerly=True)
+    ref_hist = fit(reference, x, y, input_kind, GLOBAL_BATCH)
+    common.result(
+        case=name,
+        workers=strategy.num_replicas_in_sync,
+        maxdiff=common.max_abs_diff(final, reference.get_weights()),
+        moved=common.max_abs_diff(final, initial),
+        initial_digest=common.digest(initial),
+        digest=common.digest(final),
+        loss=common.floats(hist.history["loss"]),
+        ref_loss=common.floats(ref_hist.history["loss"]),
+        accuracy=common.floats(hist.history["accuracy"]),
+        ref_accuracy=common.floats(ref_hist.history["accuracy"]),
+        seconds=round(time.time() - t0, 2),
+        fit_seconds=round(t_ref - t0, 2),
+    )
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--schedule", default="priority")
+    args = p.parse_args()
+    strategy = ProphetStrategy(schedule=args.schedule)
+    for name in args.cases.split(","):
+        run_case(strategy, name)
+    print("WORKER DONE", flush=True)
+
+
+if __name__ == "__main__":
+    main()
