@@ -109,7 +109,7 @@ def _patch_optimizer():
         if ext is None:
             return original(self, grads, trainable_variables, learning_rate)
         paths = [_variable_path(v) for g, v in zip(grads, trainable_variables) if g is not None]
-        with ext._gradient_site(paths):
+        with ext._gradient_site(paths, self):
             return original(self, grads, trainable_variables, learning_rate)
 
     _backend_update_step._prophet_patched = True

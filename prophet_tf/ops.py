@@ -39,9 +39,11 @@ def broadcast(tensor: tf.Tensor, name: str, root_rank: int = 0) -> tf.Tensor:
     )
 
 
-def allgather(tensor: tf.Tensor, name: str) -> tf.Tensor:
+def allgather(tensor: tf.Tensor, name: str, priority: int = 0) -> tf.Tensor:
     """Concatenates every worker's ``tensor`` along dimension 0, in rank order.
 
-    The first dimension may differ across workers; the others must match.
+    The first dimension may differ across workers; the others must match. ``priority`` orders it
+    against other traffic, as for :func:`push_pull` (sparse gradients use it).
     """
-    return op_module().prophet_allgather(tf.convert_to_tensor(tensor), tensor_name=_check_name(name))
+    return op_module().prophet_allgather(tf.convert_to_tensor(tensor), tensor_name=_check_name(name),
+                                         priority=int(priority))

@@ -64,6 +64,10 @@ logger = logging.getLogger("prophet_tf")
 
 #: Scheduling policies accepted by ``ProphetStrategy(schedule=...)``.
 SCHEDULES = ("prophet", "priority", "fifo")
+# Small collectives a step waits on (metrics, loss-scale flags, strategy.reduce) outrank every
+# gradient (priorities 1..number of gradients): queued behind low-priority gradients they would
+# put a barrier back at the end of every step.
+CONTROL_PRIORITY = 1 << 40
 
 # Options consumed by the strategy itself (everything else goes to ``runtime.init``).
 _DEFAULT_SPARSE_AS_DENSE_BYTES = 256 << 10
@@ -162,8 +166,13 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
     """Implementation of :class:`ProphetStrategy` (one device per worker process)."""
 
     def __init__(self, container_strategy, device: str, rank: int, world_size: int,
-                 sparse_as_dense_bytes: int = _DEFAULT_SPARSE_AS_DENSE_BYTES):
+                 sparse_as_dense_bytes: int = _DEFAULT_SPARSE_AS_DENSE_BYTES,
+                 cross_barrier: bool = False):
         super().__init__(container_strategy, device)
+        self._cross_barrier = bool(cross_barrier)
+        # Local gradients whose sum is deferred to the asynchronous update: id -> (name, priority).
+        self._deferred_grads: dict = {}
+        self.deferred_updates_traced = 0  # diagnostics: updates emitted as asynchronous applies
         self._rank = int(rank)
         self._world_size = int(world_size)
         self._sparse_as_dense_bytes = int(sparse_as_dense_bytes)
@@ -243,7 +252,20 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
             name = f"init/{index}/{kwargs.get('name') or 'Variable'}"
             kwargs["initial_value"] = self._broadcast_initial_value(
                 kwargs["initial_value"], kwargs.get("dtype"), name)
+        if self._cross_barrier:
+            return self._create_gated_variable(**kwargs)
         return super()._create_variable(next_creator, **kwargs)
+
+    def _create_gated_variable(self, **kwargs):
+        from prophet_tf import _crossing
+
+        accepted = ("initial_value", "trainable", "collections", "validate_shape", "caching_device",
+                    "name", "dtype", "constraint", "distribute_strategy", "import_scope",
+                    "initial_value", "synchronization", "aggregation", "shape",
+                    "experimental_enable_variable_lifting")
+        args = {k: v for k, v in kwargs.items() if k in accepted and v is not None}
+        with tf.device(self._device):
+            return _crossing.GatedVariable(**args)
 
     def _broadcast_initial_value(self, initial_value, dtype, name):
         def value():
@@ -262,6 +284,18 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
         the gradients were reduced (and without ``args`` for weight decay, EMA, accumulation).
         This is the hook for overlapping the update with the next step ("crossing the barrier").
         """
+        deferred = None
+        if self._deferred_grads and len(args) == 2 and not kwargs:
+            from prophet_tf._keras_patches import _variable_path
+
+            deferred = self._deferred_grads.pop(_variable_path(var), None)
+        if deferred is not None:
+            from prophet_tf import _crossing
+
+            name, priority, optimizer = deferred
+            grad, learning_rate = args
+            self.deferred_updates_traced += 1
+            return _crossing.deferred_update(var, fn, grad, learning_rate, optimizer, name, priority)
         return super()._update(var, fn, args, kwargs, group)
 
     # ---- input --------------------------------------------------------------------------
@@ -308,7 +342,7 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
         del destinations, options
         if not self._multi:
             return value
-        return self._reduce_one(reduce_op, value, self._namer.site("reduce"), priority=0)
+        return self._reduce_one(reduce_op, value, self._namer.site("reduce"), priority=CONTROL_PRIORITY)
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         del options
@@ -316,12 +350,16 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
         if not self._multi:
             return values
         n = len(values)
-        grad_paths = self._take_gradient_site(n)
+        grad_paths, optimizer = self._take_gradient_site(n)
         if grad_paths is not None:
             names = [self._namer.unique(f"grad/{p}") for p in grad_paths]
+            if self._can_defer(optimizer):
+                return [self._defer(v, name, n - i, optimizer, path)
+                        for i, (v, name, path) in enumerate(zip(values, names, grad_paths))]
         else:
             site = self._namer.site("allreduce")
             names = [f"{site}/{i}" for i in range(n)]
+            return [self._reduce_one(reduce_op, v, name, priority=CONTROL_PRIORITY) for v, name in zip(values, names)]
         # Forward order (first layer first): the first value is the most urgent.
         return [self._reduce_one(reduce_op, v, name, priority=n - i)
                 for i, (v, name) in enumerate(zip(values, names))]
@@ -340,8 +378,8 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
         if dense_bytes is not None and dense_bytes <= self._sparse_as_dense_bytes:
             # A small table: one dense push_pull is cheaper than gathering rows (and scheduled).
             return self._push_pull(tf.convert_to_tensor(slices), name, priority, mean)
-        values = self._allgather(slices.values, name + "/values")
-        indices = self._allgather(slices.indices, name + "/indices")
+        values = self._allgather(slices.values, name + "/values", priority)
+        indices = self._allgather(slices.indices, name + "/indices", priority)
         if mean:
             values = values / tf.cast(self._world_size, values.dtype)
         return indexed_slices.IndexedSlices(values, indices, slices.dense_shape)
@@ -384,31 +422,56 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
 
     # ---- keras integration helpers ---------------------------------------------------------
     @contextlib.contextmanager
-    def _gradient_site(self, variable_paths):
+    def _gradient_site(self, variable_paths, optimizer=None):
         """Names the next ``batch_reduce_to`` of ``len(variable_paths)`` values as gradients."""
         stack = getattr(self._local, "grad_sites", None)
         if stack is None:
             stack = self._local.grad_sites = []
-        stack.append(list(variable_paths))
+        stack.append((list(variable_paths), optimizer))
         try:
             yield
         finally:
             stack.pop()
 
     def _take_gradient_site(self, n):
+        """Returns (variable paths, optimizer) of a pending gradient site, or (None, None)."""
         stack = getattr(self._local, "grad_sites", None)
-        if not stack or stack[-1] is None or len(stack[-1]) != n:
-            return None
-        paths = stack[-1]
+        if not stack or stack[-1] is None or len(stack[-1][0]) != n:
+            return None, None
+        site = stack[-1]
         stack[-1] = None  # consumed: only the optimizer's own all-reduce is named after it
-        return paths
+        return site
+
+    # ---- crossing the barrier -------------------------------------------------------------
+    def _can_defer(self, optimizer) -> bool:
+        """Whether this gradient site's updates may run asynchronously (see cross_barrier)."""
+        if not self._cross_barrier or optimizer is None or tf.executing_eagerly():
+            return False
+        if getattr(optimizer, "gradient_accumulation_steps", None):
+            return False
+        # Inside a cond (loss scaling skips a step, accumulation) or a while loop the update
+        # must stay where Keras put it.
+        graph = tf.compat.v1.get_default_graph()
+        while graph is not None:
+            if type(graph).__name__ in ("CondBranchFuncGraph", "WhileCondFuncGraph", "WhileBodyFuncGraph"):
+                return False
+            graph = getattr(graph, "outer_graph", None)
+        return True
+
+    def _defer(self, value, name, priority, optimizer, path):
+        """Returns the LOCAL gradient; its sum is made by the asynchronous update in _update."""
+        if isinstance(value, indexed_slices.IndexedSlices) or not value.dtype.is_floating:
+            return self._reduce_one(reduce_util.ReduceOp.SUM, value, name, priority)
+        # Keyed by variable path: Keras hands `update` an identity of what we return here.
+        self._deferred_grads[path] = (name, priority, optimizer)
+        return tf.convert_to_tensor(value)
 
     def _all_finite(self, finite):
         """True on every worker iff ``finite`` is true on every worker (loss scaling)."""
         if not self._multi:
             return finite
         bad = tf.cast(tf.logical_not(tf.cast(finite, tf.bool)), tf.float32)
-        total = self._push_pull(bad, self._namer.site("loss_scale_finite"), 0, False)
+        total = self._push_pull(bad, self._namer.site("loss_scale_finite"), CONTROL_PRIORITY, False)
         return tf.equal(total, 0.0)
 
     def _reduce_metric_state(self, variables):
@@ -434,7 +497,7 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
             if agg == "only_first_replica":
                 red = self._broadcast(flat, name, root_rank=0)
             else:
-                red = self._push_pull(flat, name, 0, agg == "mean")
+                red = self._push_pull(flat, name, CONTROL_PRIORITY, agg == "mean")
             sizes = [int(values[i].shape.num_elements()) for i in idx]
             for i, part in zip(idx, tf.split(red, sizes)):
                 out[i] = tf.reshape(part, tf.shape(values[i]))
@@ -462,10 +525,10 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
         y = _ops().broadcast(x, name=name, root_rank=int(root_rank))
         return y if wire == t.dtype else tf.cast(y, t.dtype)
 
-    def _allgather(self, t, name):
+    def _allgather(self, t, name, priority=CONTROL_PRIORITY):
         wire = _wire_dtype(t.dtype)
         x = t if wire == t.dtype else tf.cast(t, wire)
-        y = _ops().allgather(x, name=name)
+        y = _ops().allgather(x, name=name, priority=int(priority))
         return y if wire == t.dtype else tf.cast(y, t.dtype)
 
 
@@ -526,6 +589,13 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
       device: the device of this worker (default ``"/cpu:0"``).
       sparse_as_dense_bytes: sparse gradients of tables up to this many bytes are reduced as one
         dense ``push_pull``; larger ones by ``allgather`` of indices and values (default 256 KiB).
+      cross_barrier: let the next step start while lower-priority gradients of the previous
+        step are still being summed (results identical to synchronous training): each optimizer
+        update is applied asynchronously when its summed gradient arrives, and every read of a
+        variable waits only for that variable's pending update. Falls back to synchronous
+        updates where an update cannot be deferred (sparse gradients, gradient accumulation,
+        loss scaling); updates that read variables right after the optimizer (EMA, constraints,
+        weight decay) simply wait for them.
       sync_random_seed: when no TensorFlow global seed is set, set one (drawn on rank 0) on every
         worker, so that unseeded shuffles (``fit(shuffle=True)`` on arrays, ``Dataset.shuffle``)
         produce the same order everywhere and the shards of every global batch stay disjoint.
@@ -543,6 +613,7 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
                  device: Optional[str] = None,
                  sparse_as_dense_bytes: int = _DEFAULT_SPARSE_AS_DENSE_BYTES,
                  sync_random_seed: bool = True,
+                 cross_barrier: bool = True,
                  **runtime_options):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -552,7 +623,8 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
         self._schedule_requested = schedule
         self._schedule = _init_runtime(runtime, info, schedule, runtime_options)
         extended = ProphetExtended(self, device or "/cpu:0", info.rank, info.world_size,
-                                   sparse_as_dense_bytes=sparse_as_dense_bytes)
+                                   sparse_as_dense_bytes=sparse_as_dense_bytes,
+                                   cross_barrier=cross_barrier and info.world_size > 1)
         extended._cluster_resolver = cluster_resolver or _resolver_for(info)
         distribute_lib.Strategy.__init__(self, extended)
         distribute_lib.distribution_strategy_gauge.get_cell("V2").set("ProphetStrategy")
@@ -608,53 +680,7 @@ def _sync_global_seed(extended) -> None:
 
 
 def _init_runtime(runtime, info, schedule: str, options: dict) -> str:
-    """Starts the runtime; returns the schedule in effect.
-
-    A runtime built without the ``prophet`` policy rejects it at init ("unknown schedule"); the
-    strategy then falls back to ``priority`` (the same on every worker) and logs it once.
-    """
-    try:
-        runtime.init(info.rank, info.world_size, list(info.addresses), info.token,
-                     schedule=schedule, **options)
-    except Exception as e:  # noqa: BLE001 - only the "unknown schedule" case is handled
-        if schedule != "prophet" or "unknown schedule" not in str(e):
-            raise
-        _log_fallback("prophet", "priority", str(e))
-        runtime.init(info.rank, info.world_size, list(info.addresses), info.token,
-                     schedule="priority", **options)
-        return "priority"
-    return _effective_schedule(runtime, schedule)
-
-
-def _log_fallback(requested: str, effective: str, why: str = "") -> None:
-    if (requested, effective) in _schedule_fallback_logged:
-        return
-    _schedule_fallback_logged.add((requested, effective))
-    logger.warning("prophet_tf: schedule=%r is not available in this runtime%s; using %r.",
-                   requested, f" ({why})" if why else "", effective)
-
-
-def _effective_schedule(runtime, requested: str) -> str:
-    """Asks the runtime which policy it runs; logs once when it fell back to another one."""
-    effective = requested
-    cfg = None
-    for attr in ("config", "get_config"):
-        fn = getattr(runtime, attr, None)
-        if callable(fn):
-            try:
-                cfg = fn()
-            except Exception:  # noqa: BLE001 - informational only
-                cfg = None
-            break
-    if isinstance(cfg, dict):
-        effective = cfg.get("schedule", requested) or requested
-    else:
-        sched = getattr(runtime, "schedule", None)
-        if callable(sched):
-            try:
-                effective = sched() or requested
-            except Exception:  # noqa: BLE001
-                pass
-    if effective != requested:
-        _log_fallback(requested, effective)
+    """Starts the runtime with ``schedule``; returns it."""
+    runtime.init(info.rank, info.world_size, list(info.addresses), info.token, schedule=schedule, **options)
+    return schedule
     return effective

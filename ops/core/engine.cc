@@ -116,8 +116,14 @@ struct OutFrame {
   uint64_t op_id = 0;    // 0: not tied to an op's buffers
   std::string owned;     // the payload, copied, when the op it came from was failed mid-send
   std::function<void()> on_sent;
+  // Frames wait on a connection in priority order (larger first, FIFO among equals), so that a
+  // sum the next step's first layer needs never queues behind a large low-priority frame.
+  int64_t priority = 0;
   uint64_t total() const { return head.size() + payload_len; }
 };
+
+// Error notices jump every queue.
+constexpr int64_t kUrgentPriority = INT64_MAX;
 
 // A frame whose operation has not been submitted on this worker yet.
 struct EarlyFrame {
@@ -534,6 +540,7 @@ void Engine::Impl::StartBroadcast(Op* op) {
         meta.offset = op->parts[p].offset;
         meta.payload_bytes = op->parts[p].bytes;
         OutFrame f;
+        f.priority = op->req.priority;
         EncodeFrameMeta(meta, &f.head);
         f.payload = static_cast<const char*>(r.input) + meta.offset;
         f.payload_len = meta.payload_bytes;
@@ -576,6 +583,7 @@ void Engine::Impl::StartAllgather(Op* op) {
     meta.offset = 0;
     meta.payload_bytes = r.bytes;
     OutFrame f;
+    f.priority = op->req.priority;
     EncodeFrameMeta(meta, &f.head);
     f.payload = static_cast<const char*>(r.input);
     f.payload_len = r.bytes;
@@ -681,6 +689,7 @@ void Engine::Impl::MaybeFinishPartition(Op* op, uint32_t part) {
     meta.offset = p.offset;
     meta.payload_bytes = p.bytes;
     OutFrame f;
+    f.priority = op->req.priority;
     EncodeFrameMeta(meta, &f.head);
     f.payload = out;
     f.payload_len = p.bytes;
@@ -776,6 +785,7 @@ void Engine::Impl::FailEverywhere(Op* op, const std::string& message) {
     meta.round = op->round;
     meta.payload_bytes = message.size();
     OutFrame f;
+    f.priority = kUrgentPriority;
     EncodeFrameMeta(meta, &f.head);
     f.owned = message;
     f.payload = f.owned.data();
@@ -860,6 +870,7 @@ void Engine::Impl::Pump() {
     meta.offset = p.offset;
     meta.payload_bytes = p.bytes;
     OutFrame f;
+    f.priority = t.priority;
     EncodeFrameMeta(meta, &f.head);
     f.payload = static_cast<const char*>(op->req.input) + p.offset;
     f.payload_len = p.bytes;
@@ -871,7 +882,14 @@ void Engine::Impl::Pump() {
 void Engine::Impl::QueueFrame(int peer, OutFrame frame) {
   Conn& c = conns[peer];
   if (!c.open) return;
-  c.out.push_back(std::move(frame));
+  // Insert after every queued frame at least as urgent; a frame already started keeps its place.
+  auto at = c.out.end();
+  while (at != c.out.begin()) {
+    auto before = std::prev(at);
+    if (before->priority >= frame.priority || before->written > 0) break;
+    at = before;
+  }
+  c.out.insert(at, std::move(frame));
   // Not flushed here: Flush runs on_sent callbacks and PeerLost, which may finish (free) the op
   // the caller is still using. Run() flushes after every batch of work.
 }

@@ -139,7 +139,9 @@ class BroadcastOp : public ProphetOpBase {
 
 class AllgatherOp : public ProphetOpBase {
  public:
-  explicit AllgatherOp(OpKernelConstruction* ctx) : ProphetOpBase(ctx) {}
+  explicit AllgatherOp(OpKernelConstruction* ctx) : ProphetOpBase(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("priority", &priority_));
+  }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     OP_REQUIRES_ASYNC(ctx, ctx->input(0).dims() >= 1,
@@ -150,6 +152,7 @@ class AllgatherOp : public ProphetOpBase {
     Engine* engine = nullptr;
     OpRequest req;
     if (!Prepare(ctx, OpKind::kAllgather, &engine, &req)) return done();
+    req.priority = priority_;
     req.done = [ctx, done](const ::prophet::Status& s, const ::prophet::GatherResult* g) {
       if (!s.ok()) {
         ctx->SetStatus(ToTfStatus(s));
@@ -170,6 +173,9 @@ class AllgatherOp : public ProphetOpBase {
     };
     engine->Submit(std::move(req));
   }
+
+ private:
+  int64_t priority_ = 0;
 };
 
 }  // namespace
@@ -205,6 +211,7 @@ REGISTER_OP("ProphetAllgather")
     .Output("gathered: T")
     .Attr("T: {half, bfloat16, float, double, int32, int64, uint8, bool}")
     .Attr("tensor_name: string")
+    .Attr("priority: int = 0")
     .SetIsStateful()
     .SetShapeFn([](shape_inference::InferenceContext* c) {
       shape_inference::ShapeHandle input = c->input(0);
