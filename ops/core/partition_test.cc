@@ -75,13 +75,26 @@ TEST(FewestPartitionsThatFit) {
   std::vector<Partition> parts = MakePartitions("w", 9 * kMiB, 4, 2, kMiB);
   EXPECT_EQ(parts.size(), 9u);
   for (const Partition& p : parts) EXPECT_EQ(p.bytes, kMiB);
-  // One byte-element more than 4 partitions' worth needs a fifth.
-  parts = MakePartitions("w", 4 * kMiB + 4, 4, 2, kMiB);
+  // One byte-element more than 4 partitions' worth needs a fifth (one worker: no pipelining).
+  parts = MakePartitions("w", 4 * kMiB + 4, 4, 1, kMiB);
   EXPECT_EQ(parts.size(), 5u);
   // Small tensors stay whole.
   parts = MakePartitions("bias", 4000, 4, 4, kMiB);
   EXPECT_EQ(parts.size(), 1u);
   EXPECT_EQ(parts[0].bytes, 4000u);
+}
+
+TEST(MidSizeTensorsArePipelined) {
+  // Up to 4 partitions per worker, none below 256 KiB, even when one partition would fit.
+  std::vector<Partition> parts = MakePartitions("w", 4 * kMiB, 4, 2, 4 * kMiB);
+  EXPECT_EQ(parts.size(), 8u);
+  for (const Partition& p : parts) EXPECT_EQ(p.bytes, 512 * kKiB);
+  parts = MakePartitions("w", kMiB, 4, 2, 4 * kMiB);
+  EXPECT_EQ(parts.size(), 4u);
+  parts = MakePartitions("w", 300 * kKiB, 4, 2, 4 * kMiB);  // only the one-share-per-worker rule
+  EXPECT_EQ(parts.size(), 2u);
+  parts = MakePartitions("w", 64 * kMiB, 4, 3, 4 * kMiB);  // large: partition_bytes decides
+  EXPECT_EQ(parts.size(), 16u);
 }
 
 TEST(LargeTensorsAreSplitAcrossAllWorkers) {
