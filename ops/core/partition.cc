@@ -7,8 +7,8 @@
 namespace prophet {
 
 namespace {
-constexpr uint64_t kPipelinePartitionsPerWorker = 4;
-constexpr uint64_t kPipelineMinPartitionBytes = 256 * 1024;
+constexpr uint64_t kPipelinePartitionsPerWorker = 8;
+constexpr uint64_t kPipelineMinPartitionBytes = 128 * 1024;
 }  // namespace
 
 std::vector<Partition> MakePartitions(const std::string& name, uint64_t total_bytes, size_t element_size,
@@ -16,13 +16,13 @@ std::vector<Partition> MakePartitions(const std::string& name, uint64_t total_by
   const uint64_t elements = element_size ? total_bytes / element_size : 0;
   const uint64_t max_elems_per_part = std::max<uint64_t>(1, partition_bytes / std::max<size_t>(1, element_size));
   uint64_t parts = (elements + max_elems_per_part - 1) / max_elems_per_part;
-  if (world_size > 1 && total_bytes >= static_cast<uint64_t>(world_size) * min_split_bytes)
+  if (world_size > 1 && total_bytes >= static_cast<uint64_t>(world_size) * min_split_bytes) {
     parts = std::max<uint64_t>(parts, static_cast<uint64_t>(world_size));
-  // Pipelining: with several partitions per owner, the first sums travel back while later
-  // partitions are still arriving, so both directions of every link stay busy.
-  if (world_size > 1)
+    // Pipelining: with several partitions per owner, the first sums travel back while later
+    // partitions are still arriving, so both directions of every link stay busy.
     parts = std::max<uint64_t>(parts, std::min<uint64_t>(kPipelinePartitionsPerWorker * static_cast<uint64_t>(world_size),
                                                          total_bytes / kPipelineMinPartitionBytes));
+  }
   parts = std::max<uint64_t>(parts, 1);
   parts = std::min<uint64_t>(parts, std::max<uint64_t>(elements, 1));
 

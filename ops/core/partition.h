@@ -17,7 +17,7 @@ struct Partition {
 // Cuts `total_bytes` (a multiple of `element_size`) into partitions of at most `partition_bytes`,
 // on element boundaries. A tensor of at least `world_size * min_split_bytes` bytes is cut into at
 // least `world_size` partitions so that every worker sums a share of it, and a larger one into
-// up to 4 partitions per worker (none below 256 KiB) so that sums flow back while later
+// up to 8 partitions per worker (none below 128 KiB) so that sums flow back while later
 // partitions are still arriving. Owners go round-robin
 // from a start rank derived from the tensor name: the same on every worker, and different
 // tensors start on different ranks so small tensors spread too. Every tensor, even an empty one,

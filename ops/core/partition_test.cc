@@ -71,8 +71,9 @@ TEST(PartitionsCoverExactlyOnElementBoundaries) {
 }
 
 TEST(FewestPartitionsThatFit) {
-  // 9 MiB of float32 with 1 MiB partitions: exactly 9 partitions of 1 MiB.
-  std::vector<Partition> parts = MakePartitions("w", 9 * kMiB, 4, 2, kMiB);
+  // 9 MiB of float32 with 1 MiB partitions: exactly 9 partitions of 1 MiB (one worker: no
+  // pipelining, see MidSizeTensorsArePipelined).
+  std::vector<Partition> parts = MakePartitions("w", 9 * kMiB, 4, 1, kMiB);
   EXPECT_EQ(parts.size(), 9u);
   for (const Partition& p : parts) EXPECT_EQ(p.bytes, kMiB);
   // One byte-element more than 4 partitions' worth needs a fifth (one worker: no pipelining).
@@ -85,16 +86,16 @@ TEST(FewestPartitionsThatFit) {
 }
 
 TEST(MidSizeTensorsArePipelined) {
-  // Up to 4 partitions per worker, none below 256 KiB, even when one partition would fit.
+  // Up to 8 partitions per worker, none below 128 KiB, even when one partition would fit.
   std::vector<Partition> parts = MakePartitions("w", 4 * kMiB, 4, 2, 4 * kMiB);
-  EXPECT_EQ(parts.size(), 8u);
-  for (const Partition& p : parts) EXPECT_EQ(p.bytes, 512 * kKiB);
-  parts = MakePartitions("w", kMiB, 4, 2, 4 * kMiB);
-  EXPECT_EQ(parts.size(), 4u);
-  parts = MakePartitions("w", 300 * kKiB, 4, 2, 4 * kMiB);  // only the one-share-per-worker rule
-  EXPECT_EQ(parts.size(), 2u);
-  parts = MakePartitions("w", 64 * kMiB, 4, 3, 4 * kMiB);  // large: partition_bytes decides
   EXPECT_EQ(parts.size(), 16u);
+  for (const Partition& p : parts) EXPECT_EQ(p.bytes, 256 * kKiB);
+  parts = MakePartitions("w", kMiB, 4, 2, 4 * kMiB);
+  EXPECT_EQ(parts.size(), 8u);
+  parts = MakePartitions("w", 200 * kKiB, 4, 2, 4 * kMiB);  // only the one-share-per-worker rule
+  EXPECT_EQ(parts.size(), 2u);
+  parts = MakePartitions("w", 256 * kMiB, 4, 3, 4 * kMiB);  // large: partition_bytes decides
+  EXPECT_EQ(parts.size(), 64u);
 }
 
 TEST(LargeTensorsAreSplitAcrossAllWorkers) {
