@@ -5,15 +5,6 @@
 
 namespace prophet {
 
-namespace {
-
-bool LessUrgent(const SendTask& a, const SendTask& b) {
-  if (a.priority != b.priority) return a.priority < b.priority;
-  return a.enqueue_seq > b.enqueue_seq;
-}
-
-}  // namespace
-
 void ProphetPolicy::TaskHeap::Push(const SendTask& task) {
   heap_.push_back(task);
   std::push_heap(heap_.begin(), heap_.end(), LessUrgent);

@@ -6,14 +6,6 @@
 
 namespace prophet {
 
-namespace {
-// Heap order: higher priority first; among equals, the earlier arrival.
-bool LessUrgent(const SendTask& a, const SendTask& b) {
-  if (a.priority != b.priority) return a.priority < b.priority;
-  return a.enqueue_seq > b.enqueue_seq;
-}
-}  // namespace
-
 void FifoPolicy::Dequeue(uint64_t credit_bytes, int64_t /*now_ns*/, std::vector<SendTask>* out) {
   // Always release at least one task when any credit is left, so that a partition larger than the
   // whole credit still moves.

@@ -53,6 +53,13 @@ struct PolicySpan {
   uint64_t bytes = 0;
 };
 
+// Priority order: true when `a` is less urgent than `b` (lower priority; among equals, the later
+// arrival). A max-heap under this order pops the most urgent task.
+inline bool LessUrgent(const SendTask& a, const SendTask& b) {
+  if (a.priority != b.priority) return a.priority < b.priority;
+  return a.enqueue_seq > b.enqueue_seq;
+}
+
 class SchedulerPolicy {
  public:
   virtual ~SchedulerPolicy() = default;

@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "ops/core/engine.h"
 #include "ops/core/gate.h"
+#include "ops/tf/convert.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/function.h"
 #include "tensorflow/core/framework/op.h"
@@ -30,27 +31,11 @@ namespace {
 
 using ::prophet::GlobalGates;
 
-absl::Status ToTf(const ::prophet::Status& s) {
-  if (s.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(static_cast<int>(s.code())), s.message());
-}
-
-::prophet::Status FromTf(const absl::Status& s) {
-  if (s.ok()) return ::prophet::Status::OK();
-  return ::prophet::Status(static_cast<::prophet::Code>(static_cast<int>(s.code())), std::string(s.message()));
-}
+using prophet_adapter::FromTfStatus;
+using prophet_adapter::ToCoreType;
+using prophet_adapter::ToTfStatus;
 
 std::string GateKey(const ResourceHandle& h) { return absl::StrCat(h.container(), "/", h.name()); }
-
-bool ToCoreType(DataType dtype, ::prophet::DataType* out) {
-  switch (dtype) {
-    case DT_HALF: *out = ::prophet::DataType::kFloat16; return true;
-    case DT_BFLOAT16: *out = ::prophet::DataType::kBFloat16; return true;
-    case DT_FLOAT: *out = ::prophet::DataType::kFloat32; return true;
-    case DT_DOUBLE: *out = ::prophet::DataType::kFloat64; return true;
-    default: return false;
-  }
-}
 
 // The trace of this worker, or nullptr when no timeline is written.
 ::prophet::Timeline* ActiveTimeline() {
@@ -77,7 +62,7 @@ class GateOp : public AsyncOpKernel {
                          // in the forward pass, when that layer can start.
                          if (timeline) timeline->Complete("gate", var_name_, start, ::prophet::NowNs());
                          if (!s.ok())
-                           ctx->SetStatus(absl::Status(ToTf(s).code(), absl::StrCat("a pending update of this variable failed: ",
+                           ctx->SetStatus(absl::Status(ToTfStatus(s).code(), absl::StrCat("a pending update of this variable failed: ",
                                                                                     s.message())));
                          done();
                        });
@@ -175,7 +160,7 @@ class AsyncApplyOp : public AsyncOpKernel {
     const int64_t start = ::prophet::NowNs();
     state->flr->Run(opts, state->fhandle, state->args, &state->rets, [state, start](const absl::Status& s) {
       if (::prophet::Timeline* timeline = ActiveTimeline()) timeline->Complete("apply", state->name, start, ::prophet::NowNs());
-      Release(*state, FromTf(s));
+      Release(*state, FromTfStatus(s));
     });
   }
 

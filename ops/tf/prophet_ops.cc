@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "ops/core/engine.h"
+#include "ops/tf/convert.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -17,30 +18,9 @@ using ::prophet::Engine;
 using ::prophet::OpKind;
 using ::prophet::OpRequest;
 
-absl::Status ToTfStatus(const ::prophet::Status& s) {
-  if (s.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(static_cast<int>(s.code())), s.message());
-}
-
-bool ToCoreType(DataType dtype, ::prophet::DataType* out) {
-  switch (dtype) {
-    case DT_HALF: *out = ::prophet::DataType::kFloat16; return true;
-    case DT_BFLOAT16: *out = ::prophet::DataType::kBFloat16; return true;
-    case DT_FLOAT: *out = ::prophet::DataType::kFloat32; return true;
-    case DT_DOUBLE: *out = ::prophet::DataType::kFloat64; return true;
-    case DT_INT32: *out = ::prophet::DataType::kInt32; return true;
-    case DT_INT64: *out = ::prophet::DataType::kInt64; return true;
-    case DT_UINT8: *out = ::prophet::DataType::kUInt8; return true;
-    case DT_BOOL: *out = ::prophet::DataType::kBool; return true;
-    default: return false;
-  }
-}
-
-std::vector<int64_t> ShapeOf(const Tensor& t) {
-  std::vector<int64_t> dims;
-  for (int i = 0; i < t.dims(); ++i) dims.push_back(t.dim_size(i));
-  return dims;
-}
+using prophet_adapter::ShapeOf;
+using prophet_adapter::ToCoreType;
+using prophet_adapter::ToTfStatus;
 
 constexpr char kNotInitialised[] =
     "the prophet_tf runtime is not initialised in this process: create a prophet_tf.ProphetStrategy() or "
