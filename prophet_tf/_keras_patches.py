@@ -20,6 +20,8 @@ the original Keras method unchanged. ``install()`` is idempotent.
 from __future__ import annotations
 
 import functools
+import itertools
+import time
 import threading
 import weakref
 
@@ -56,7 +58,49 @@ def install() -> None:
         _patch_optimizer()
         _patch_loss_scale()
         _patch_predict()
+        _patch_step_markers()
         _installed = True
+
+
+# ---- timeline step markers ----------------------------------------------------------------
+
+def _patch_step_markers():
+    """Each call of the train function becomes a "step" span on the timeline (when one is written).
+
+    Forward and backward progress inside a step are already on the trace: a layer's forward pass
+    starts when its "gate" span ends, and the backward pass emits a "ready" instant per gradient.
+    """
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    cls = tf_trainer.TensorFlowTrainer
+    original = cls.make_train_function
+    if getattr(original, "_prophet_patched", False):
+        return
+
+    @functools.wraps(original)
+    def make_train_function(self, force=False):
+        result = original(self, force)
+        from prophet_tf import runtime
+
+        function = self.train_function
+        if (_model_extended(self) is None or function is None or getattr(function, "_prophet_marked", False)
+                or not runtime.timeline_enabled()):
+            return result
+        steps = itertools.count()
+
+        def marked(*args, **kwargs):
+            start = time.monotonic_ns()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                runtime.timeline_event("step", f"step {next(steps)}", start, time.monotonic_ns())
+
+        marked._prophet_marked = True
+        self.train_function = marked
+        return result
+
+    make_train_function._prophet_patched = True
+    cls.make_train_function = make_train_function
 
 
 # ---- metrics ------------------------------------------------------------------------------

@@ -79,6 +79,8 @@ def test_next_step_starts_before_previous_gradients_are_summed(tmp_path: Path) -
         crossed, steps = overlapping_steps(trace)
         print(f"rank {rank}: {crossed} of {steps} steps crossed the barrier")
         assert steps >= 20, steps
+        step_spans = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["name"].startswith("step ")]
+        assert len(step_spans) == 24, f"expected one step span per train step, got {len(step_spans)}"
         # Most steps should cross; a loaded CI machine may serialise a few.
         assert crossed >= steps // 3, f"rank {rank}: only {crossed} of {steps} steps crossed the barrier"
 
