@@ -67,7 +67,7 @@ SCHEDULES = ("prophet", "priority", "fifo")
 # Small collectives a step waits on (metrics, loss-scale flags, strategy.reduce) outrank every
 # gradient (priorities 1..number of gradients): queued behind low-priority gradients they would
 # put a barrier back at the end of every step.
-CONTROL_PRIORITY = 1 << 40
+CONTROL_PRIORITY = 1 << 40  # = kControlPriority in ops/core/scheduler.h: not profiled as a gradient
 
 # Options consumed by the strategy itself (everything else goes to ``runtime.init``).
 _DEFAULT_SPARSE_AS_DENSE_BYTES = 256 << 10

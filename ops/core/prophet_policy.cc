@@ -41,6 +41,7 @@ ProphetPolicy::ProphetPolicy(const ProphetOptions& options)
 }
 
 void ProphetPolicy::OnTensorReady(const TensorReady& ready) {
+  if (ready.priority >= kControlPriority) return;  // not a gradient: never profiled
   const std::string name = ready.name != nullptr ? *ready.name : std::string();
   if (profiler_.OnTensorReady(ready)) StartStep(ready.ready_ns);
   pending_ready_.push_back({name, ready.priority, ready.ready_ns, profiler_.steps_started()});
@@ -124,6 +125,10 @@ const std::string& ProphetPolicy::NameOf(const SendTask& task) {
 }
 
 void ProphetPolicy::Enqueue(const SendTask& task) {
+  if (task.priority >= kControlPriority) {
+    overdue_queue_.Push(task);  // drained before blocks and credit phase alike
+    return;
+  }
   const std::string& name = NameOf(task);
   const bool earlier_step = profiler_.steps_started() > 0 && task.ready_ns < step_origin_ns_;
   if (!earlier_step) wire_bytes_this_step_[name] += task.bytes;

@@ -81,6 +81,27 @@ class Harness {
       policy_->Enqueue(task);
     }
   }
+  // A control collective (metrics) at `offset_ns` of step `round`.
+  void Control(uint64_t round, int64_t offset_ns) {
+    names_.push_back(std::make_unique<std::string>("metrics"));
+    TensorReady ready;
+    ready.name = names_.back().get();
+    ready.round = round;
+    ready.priority = kControlPriority;
+    ready.bytes = 8;
+    ready.ready_ns = origin(round) + offset_ns;
+    policy_->OnTensorReady(ready);
+    const uint64_t request = next_request_++;
+    request_names_[request] = "metrics";
+    SendTask task;
+    task.request_id = request;
+    task.peer = 1;
+    task.priority = kControlPriority;
+    task.bytes = 8;
+    task.ready_ns = ready.ready_ns;
+    task.enqueue_seq = next_seq_++;
+    policy_->Enqueue(task);
+  }
   void ReadyAtProfiledTime(const std::string& name, uint64_t round) {
     Ready(name, round, LayerOf(name).offset_ns);
   }
@@ -197,6 +218,22 @@ TEST(PriorityFallbackThenBlocksWithoutPreemption) {
   EXPECT_EQ(h.Dequeue(kLargeCredit, 2, 10 * kMs + 3 * kMs / 10), std::string("g1,g5,g5"));
   EXPECT_EQ(h.policy().replans(), 0u);
   EXPECT_TRUE(h.policy().Describe().find("2 blocks") != std::string::npos);
+}
+
+TEST(ControlTrafficIsNeitherProfiledNorHeldBack) {
+  Harness h(120e6);
+  RunStepZero(&h);
+  h.Control(0, 30 * kMs);  // metrics at the end of every step, most urgent of all
+  EXPECT_EQ(h.Dequeue(kLargeCredit, 0, 30 * kMs), std::string("metrics"));
+  h.ReadyAtProfiledTime("g5", 1);
+  // The first layer is still g0: a step-end collective would otherwise hold every gradient
+  // outside a block until the step is over.
+  EXPECT_EQ(h.policy().plan().top_tensor, std::string("g0"));
+  EXPECT_EQ(h.Dequeue(kLargeCredit, 1, 0), std::string());
+  // In the middle of the block phase, control traffic goes at once.
+  h.Control(1, kMs);
+  EXPECT_EQ(h.Dequeue(kLargeCredit, 1, kMs), std::string("metrics"));
+  EXPECT_EQ(h.policy().open_block(), 0);
 }
 
 TEST(BlockLargerThanCreditIsReleasedOverSeveralCalls) {

@@ -53,6 +53,12 @@ struct PolicySpan {
   uint64_t bytes = 0;
 };
 
+// Priorities at or above this mark control traffic: small collectives a training step waits on
+// (metric state, loss-scale flags). Every policy sends them before any gradient, and Prophet
+// leaves them out of its profile (they are not gradients). ProphetStrategy's CONTROL_PRIORITY
+// has this value.
+constexpr int64_t kControlPriority = int64_t{1} << 40;
+
 // Priority order: true when `a` is less urgent than `b` (lower priority; among equals, the later
 // arrival). A max-heap under this order pops the most urgent task.
 inline bool LessUrgent(const SendTask& a, const SendTask& b) {
