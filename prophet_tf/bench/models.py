@@ -1,0 +1,223 @@
+"""Models and synthetic data for the training benchmark (``python -m prophet_tf.bench.train``).
+
+Three models, all built with random weights (nothing is downloaded) for small inputs:
+
+* ``resnet50``: ``keras.applications.ResNet50(weights=None, classes=10)`` on 32x32 RGB images
+  (23.6M parameters, 94 MB of float32 gradients, many small tensors).
+* ``vgg16``: ``keras.applications.VGG16(weights=None, classes=10)`` on 32x32 RGB images
+  (33.6M parameters, 134 MB of gradients; 56% of them in the two 4096-wide dense layers at the
+  end, which backpropagation produces first and the next forward pass needs last).
+* ``transformer``: a stack of Transformer encoder blocks (``MultiHeadAttention`` + feed-forward
+  + ``LayerNormalization``, post-norm, residuals) over synthetic token ids, mean-pooled into a
+  10-way classifier.
+
+The Transformer embeds tokens with :class:`DenseEmbedding` (one-hot times a matrix) instead of
+``keras.layers.Embedding``: the latter's gradient is a ``tf.IndexedSlices``, which every system
+reduces differently (all-gather of rows vs dense), so the bytes on the wire, and the lower bound,
+would differ between systems. With a dense embedding every system moves exactly
+:func:`gradient_bytes` per step.
+
+Data is synthetic, generated in-process from a fixed seed (:func:`synthetic_batch`); one batch is
+repeated, so input cost is negligible and identical for every system.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+__all__ = ["MODEL_NAMES", "ModelConfig", "DEFAULT_CONFIGS", "DenseEmbedding", "build_model",
+           "synthetic_batch", "gradient_bytes", "parameter_count", "config_for"]
+
+#: Models known to the benchmark, in the order they are run.
+MODEL_NAMES = ("resnet50", "vgg16", "transformer")
+NUM_CLASSES = 10
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Size parameters of a benchmark model (the ones not used by a model are ignored).
+
+    Attributes:
+      name: one of :data:`MODEL_NAMES`.
+      image_size: height = width of the input images (CNNs).
+      seq_len: tokens per example (Transformer).
+      vocab: vocabulary size (Transformer).
+      d_model: width of the Transformer.
+      heads: attention heads (``key_dim = d_model // heads``).
+      ff: hidden width of the feed-forward block.
+      blocks: number of encoder blocks.
+      classes: number of output classes.
+    """
+
+    name: str
+    image_size: int = 32
+    seq_len: int = 64
+    vocab: int = 512
+    d_model: int = 256
+    heads: int = 4
+    ff: int = 1024
+    blocks: int = 4
+    classes: int = NUM_CLASSES
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+#: Default configuration of every model.
+DEFAULT_CONFIGS: dict[str, ModelConfig] = {
+    "resnet50": ModelConfig("resnet50", image_size=32),
+    "vgg16": ModelConfig("vgg16", image_size=32),
+    "transformer": ModelConfig("transformer", seq_len=64, vocab=512, d_model=256, heads=4,
+                               ff=1024, blocks=4),
+}
+
+
+def config_for(name: str, **overrides: Any) -> ModelConfig:
+    """The default :class:`ModelConfig` of ``name`` with ``overrides`` applied."""
+    if name not in DEFAULT_CONFIGS:
+        raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODEL_NAMES)}")
+    return dataclasses.replace(DEFAULT_CONFIGS[name], **overrides)
+
+
+def _keras():
+    import keras  # lazy: the orchestrator never needs TensorFlow
+    return keras
+
+
+def _dense_embedding_class():
+    keras = _keras()
+
+    class _DenseEmbedding(keras.layers.Layer):
+        """Token embedding as ``one_hot(ids) @ W``: same result as ``Embedding``, dense gradient."""
+
+        def __init__(self, vocab: int, dim: int, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.vocab, self.dim = int(vocab), int(dim)
+
+        def build(self, input_shape: Any) -> None:
+            self.embeddings = self.add_weight(
+                name="embeddings", shape=(self.vocab, self.dim),
+                initializer=keras.initializers.RandomNormal(stddev=0.02))
+
+        def call(self, ids: Any) -> Any:
+            ops = keras.ops
+            return ops.matmul(ops.one_hot(ops.cast(ids, "int32"), self.vocab, dtype=self.compute_dtype),
+                              self.embeddings)
+
+        def compute_output_shape(self, input_shape: Any) -> tuple:
+            return tuple(input_shape) + (self.dim,)
+
+        def get_config(self) -> dict:
+            return {**super().get_config(), "vocab": self.vocab, "dim": self.dim}
+
+    return _DenseEmbedding
+
+
+_DENSE_EMBEDDING: Optional[type] = None
+
+
+def DenseEmbedding(vocab: int, dim: int, **kwargs: Any):  # noqa: N802 - used like a class
+    """A Keras layer mapping token ids ``[B, T]`` to ``[B, T, dim]`` with a dense gradient."""
+    global _DENSE_EMBEDDING
+    if _DENSE_EMBEDDING is None:
+        _DENSE_EMBEDDING = _dense_embedding_class()
+    return _DENSE_EMBEDDING(vocab, dim, **kwargs)
+
+
+def _encoder_block(x: Any, cfg: ModelConfig, i: int) -> Any:
+    layers = _keras().layers
+    attn = layers.MultiHeadAttention(cfg.heads, cfg.d_model // cfg.heads, name=f"block{i}_mha")(x, x)
+    x = layers.LayerNormalization(epsilon=1e-6, name=f"block{i}_ln1")(layers.Add()([x, attn]))
+    h = layers.Dense(cfg.ff, activation="gelu", name=f"block{i}_ff1")(x)
+    h = layers.Dense(cfg.d_model, name=f"block{i}_ff2")(h)
+    return layers.LayerNormalization(epsilon=1e-6, name=f"block{i}_ln2")(layers.Add()([x, h]))
+
+
+def _position_embedding_class():
+    keras = _keras()
+
+    class _AddPosition(keras.layers.Layer):
+        """Adds a learned position embedding ``[T, D]`` to ``[B, T, D]``."""
+
+        def build(self, input_shape: Any) -> None:
+            self.pos = self.add_weight(name="positions", shape=tuple(input_shape[1:]),
+                                       initializer=keras.initializers.RandomNormal(stddev=0.02))
+
+        def call(self, x: Any) -> Any:
+            return x + self.pos
+
+    return _AddPosition
+
+
+def build_transformer(cfg: ModelConfig) -> Any:
+    """``cfg.blocks`` post-norm encoder blocks over ``cfg.seq_len`` token ids, 10-way classifier."""
+    keras = _keras()
+    layers = keras.layers
+    if cfg.d_model % cfg.heads:
+        raise ValueError(f"d_model {cfg.d_model} must be divisible by heads {cfg.heads}")
+    ids = keras.Input(shape=(cfg.seq_len,), dtype="int32", name="token_ids")
+    x = DenseEmbedding(cfg.vocab, cfg.d_model, name="token_embedding")(ids)
+    x = _position_embedding_class()(name="position_embedding")(x)
+    for i in range(cfg.blocks):
+        x = _encoder_block(x, cfg, i)
+    x = layers.GlobalAveragePooling1D(name="pool")(x)
+    out = layers.Dense(cfg.classes, activation="softmax", name="classifier")(x)
+    return keras.Model(ids, out, name="transformer")
+
+
+def build_model(cfg: ModelConfig) -> Any:
+    """Builds the (uncompiled) Keras model described by ``cfg`` with random weights."""
+    keras = _keras()
+    if cfg.name == "resnet50":
+        return keras.applications.ResNet50(weights=None, input_shape=(cfg.image_size, cfg.image_size, 3),
+                                           classes=cfg.classes)
+    if cfg.name == "vgg16":
+        return keras.applications.VGG16(weights=None, input_shape=(cfg.image_size, cfg.image_size, 3),
+                                        classes=cfg.classes)
+    if cfg.name == "transformer":
+        return build_transformer(cfg)
+    raise ValueError(f"unknown model {cfg.name!r}; choose from {', '.join(MODEL_NAMES)}")
+
+
+def synthetic_batch(cfg: ModelConfig, batch: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """One batch of random inputs and labels for ``cfg`` (deterministic for a given seed)."""
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, cfg.classes, size=(batch,)).astype(np.int32)
+    if cfg.name == "transformer":
+        x = rng.integers(0, cfg.vocab, size=(batch, cfg.seq_len)).astype(np.int32)
+    else:
+        x = rng.random((batch, cfg.image_size, cfg.image_size, 3), dtype=np.float32)
+    return x, labels
+
+
+def parameter_count(model: Any) -> int:
+    """Number of trainable parameters."""
+    return int(sum(int(np.prod(w.shape)) for w in model.trainable_weights))
+
+
+def gradient_bytes(model: Any) -> int:
+    """Bytes of one full set of gradients (trainable weights, at their dtypes)."""
+    total = 0
+    for w in model.trainable_weights:
+        itemsize = np.dtype(getattr(w.dtype, "name", w.dtype)).itemsize
+        total += int(np.prod(w.shape)) * itemsize
+    return total
+
+
+def loss_name(cfg: ModelConfig) -> str:
+    """The Keras loss used for ``cfg`` (all models end in a softmax over class ids)."""
+    del cfg
+    return "sparse_categorical_crossentropy"
+
+
+def make_optimizer() -> Any:
+    """SGD with momentum: one slot per variable, cheap, the same for every system."""
+    return _keras().optimizers.SGD(learning_rate=1e-3, momentum=0.9)
+
+
+BuildFn = Callable[[ModelConfig], Any]

@@ -1,0 +1,264 @@
+"""Tests of the training benchmark (prophet_tf/bench/train.py): the pure parts, plus one small
+end-to-end run on loopback (a tiny Transformer, 2 workers, mwms and prophet, a few steps)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from prophet_tf.bench import train
+from prophet_tf.bench.train import (SYSTEMS, choose_bandwidth, choose_bandwidths, comm_bytes,
+                                    comm_time_s, format_bandwidth, format_markdown,
+                                    lower_bound_s, make_setting, median, parse_results,
+                                    step_periods, validate_settings, write_csv, write_json)
+
+REPO = Path(__file__).resolve().parents[1]
+MB = 1_000_000
+
+
+# ---------------------------------------------------------------- lower bound and bandwidths
+
+def test_comm_bytes_is_all_reduce_optimum():
+    assert comm_bytes(100 * MB, 1) == 0
+    assert comm_bytes(100 * MB, 2) == pytest.approx(100 * MB)
+    assert comm_bytes(100 * MB, 4) == pytest.approx(150 * MB)
+    with pytest.raises(ValueError):
+        comm_bytes(1, 0)
+
+
+def test_comm_time_and_lower_bound():
+    # 2 workers: 100 MB each way at 800 Mbit/s = 1 s
+    assert comm_time_s(100 * MB, 2, 800e6) == pytest.approx(1.0)
+    assert comm_time_s(100 * MB, 2, None) == 0.0
+    assert lower_bound_s(0.4, 100 * MB, 2, 800e6) == pytest.approx(1.0)   # network bound
+    assert lower_bound_s(1.5, 100 * MB, 2, 800e6) == pytest.approx(1.5)   # compute bound
+    assert lower_bound_s(0.4, 100 * MB, 2, None) == pytest.approx(0.4)    # unshaped
+    # 4 workers move 1.5x the gradient bytes
+    assert lower_bound_s(0.1, 100 * MB, 4, 800e6) == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("ratio", [0.3, 1.0, 3.0])
+def test_choose_bandwidth_gives_the_requested_ratio(n, ratio):
+    grad, compute = 134.6 * MB, 0.43
+    bw = choose_bandwidth(grad, n, compute, ratio)
+    assert comm_time_s(grad, n, bw) / compute == pytest.approx(ratio)
+    assert lower_bound_s(compute, grad, n, bw) == pytest.approx(compute * max(1.0, ratio))
+
+
+def test_choose_bandwidths_numbers_and_errors():
+    # 2 workers, 100 MB, 1 s compute: ratio 1 -> 800 Mbit/s; ratio 2 -> 400; ratio 0.5 -> 1600
+    assert choose_bandwidths(100 * MB, 2, 1.0, [0.5, 1, 2]) == [1.6e9, 8e8, 4e8]
+    assert all(float(b).is_integer() for b in choose_bandwidths(13_236_264, 3, 0.37, [0.3, 3]))
+    for bad in [dict(ratio=0), dict(ratio=-1), dict(compute_s=0)]:
+        kw = {**dict(gradient_bytes=MB, workers=2, compute_s=1.0, ratio=1.0), **bad}
+        with pytest.raises(ValueError):
+            choose_bandwidth(**kw)
+    with pytest.raises(ValueError):
+        choose_bandwidth(MB, 1, 1.0, 1.0)
+
+
+def test_step_periods_and_median():
+    begins = [0.0, 5.0, 5.5, 6.1, 6.6, 7.2]
+    assert step_periods(begins, 0) == pytest.approx([5.0, 0.5, 0.6, 0.5, 0.6])
+    assert step_periods(begins, 2) == pytest.approx([0.6, 0.5, 0.6])
+    assert step_periods(begins, 10) == []
+    assert median(step_periods(begins, 1)) == pytest.approx(0.55)
+    assert math.isnan(median([]))
+    with pytest.raises(ValueError):
+        step_periods(begins, -1)
+
+
+def test_format_bandwidth():
+    assert format_bandwidth(None) == "unshaped"
+    assert format_bandwidth(2.5e9) == "2.5 Gbit/s"
+    assert format_bandwidth(204_123_456) == "204 Mbit/s"
+    assert format_bandwidth(64_000) == "64 kbit/s"
+
+
+# ---------------------------------------------------------------- settings, JSON, table, CSV
+
+def _setting(mwms=1.0, prophet=0.6, bw=800e6):
+    return make_setting("vgg16", 2, bw, compute_s=0.5, gradient_bytes=50 * MB,
+                        batch_per_worker=16,
+                        step_s={"prophet": prophet, "prophet_nocross": 0.7, "priority": 0.65,
+                                "fifo": 0.8, "mwms": mwms},
+                        ratio=1.0, extra={"prophet": {"schedule_effective": "prophet"}},
+                        notes=["a note"])
+
+
+def test_make_setting_derived_numbers():
+    st = _setting()
+    assert st["lower_bound_s"] == pytest.approx(0.5)       # 50 MB at 800 Mbit/s = 0.5 s = compute
+    assert st["global_batch"] == 32
+    p = st["results"]["prophet"]
+    assert p["step_s_median"] == pytest.approx(0.6)
+    assert p["samples_per_s"] == pytest.approx(32 / 0.6)
+    assert p["speedup_vs_mwms"] == pytest.approx(1.0 / 0.6)
+    assert p["ratio_to_lower_bound"] == pytest.approx(1.2)
+    assert p["schedule_effective"] == "prophet"
+    assert st["results"]["mwms"]["speedup_vs_mwms"] == pytest.approx(1.0)
+    assert list(st["results"]) == list(SYSTEMS)
+
+
+def test_make_setting_failed_and_missing_systems():
+    st = make_setting("transformer", 2, None, 0.2, MB, 8, {"prophet": None, "mwms": float("nan")})
+    assert st["bandwidth_bps"] is None and st["comm_compute_ratio"] is None
+    assert st["results"]["prophet"] == {"step_s_median": None, "samples_per_s": None,
+                                        "speedup_vs_mwms": None, "ratio_to_lower_bound": None}
+    assert set(st["results"]) == {"prophet", "mwms"}
+    # failed mwms: no speed-ups anywhere
+    st = make_setting("vgg16", 2, 1e9, 0.2, MB, 8, {"prophet": 0.3, "mwms": None})
+    assert st["results"]["prophet"]["speedup_vs_mwms"] is None
+
+
+def test_write_json_schema(tmp_path):
+    settings = [_setting(), make_setting("transformer", 2, None, 0.2, MB, 8,
+                                         {"prophet": None, "mwms": float("nan")})]
+    path = tmp_path / "sub" / "out.json"
+    write_json(str(path), settings)
+    data = json.loads(path.read_text())
+    assert isinstance(data, list) and len(data) == 2
+    for st in data:
+        assert {"model", "workers", "bandwidth_bps", "compute_s", "lower_bound_s",
+                "results"} <= set(st)
+        assert isinstance(st["model"], str) and isinstance(st["workers"], int)
+        for system, res in st["results"].items():
+            assert system in SYSTEMS
+            assert {"step_s_median", "samples_per_s"} <= set(res)
+    assert data[0]["bandwidth_bps"] == 800e6
+    assert data[1]["bandwidth_bps"] is None
+    assert data[1]["results"]["mwms"]["step_s_median"] is None   # NaN -> null
+    validate_settings(data)
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda st: st.pop("model"),
+    lambda st: st.update(workers="2"),
+    lambda st: st.update(bandwidth_bps=-1),
+    lambda st: st["results"].update(single={"step_s_median": 1, "samples_per_s": 1}),
+    lambda st: st["results"]["prophet"].pop("samples_per_s"),
+    lambda st: st["results"]["prophet"].update(step_s_median="fast"),
+])
+def test_validate_settings_rejects(mutate):
+    st = json.loads(json.dumps(_setting()))
+    mutate(st)
+    with pytest.raises(ValueError):
+        validate_settings([st])
+
+
+def test_format_markdown_table():
+    text = format_markdown([_setting(), _setting(mwms=None, bw=400e6)])
+    lines = text.strip().splitlines()
+    assert lines[0].startswith("| model | N | batch | comm/comp | link |")
+    assert set(lines[1].replace("|", "")) == {"-"}
+    ncols = lines[0].count("|")
+    assert all(line.count("|") == ncols for line in lines)
+    assert len(lines) == 2 + 2 * len(SYSTEMS)
+    first = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert first[:8] == ["vgg16", "2", "32", "1", "800 Mbit/s", "500", "500", "prophet"]
+    assert first[8:] == ["600", "53.3", "1.67x", "1.20"]
+    second = [c.strip() for c in lines[3].strip("|").split("|")]
+    assert second[:7] == [""] * 7 and second[7] == "prophet_nocross"
+    # missing mwms in the second setting: n/a speed-ups
+    assert "n/a" in lines[2 + len(SYSTEMS)]
+
+
+def test_write_csv(tmp_path):
+    path = tmp_path / "r.csv"
+    write_csv(str(path), [_setting()])
+    rows = list(csv.DictReader(path.open()))
+    assert [r["system"] for r in rows] == list(SYSTEMS)
+    assert float(rows[0]["step_s_median"]) == pytest.approx(0.6)
+    assert rows[0]["schedule_effective"] == "prophet"
+    assert rows[1]["schedule_effective"] == ""
+
+
+def test_plot_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "chart.png"
+    train.plot([_setting(), _setting(bw=400e6)], str(path), title="t")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_foreign_cores():
+    runs = {0: {"window_s": 10.0, "window_machine_busy_s": 25.0, "window_cpu_s": 10.0},
+            1: {"window_s": 10.1, "window_machine_busy_s": 25.0, "window_cpu_s": 10.0}}
+    assert train.foreign_cores(runs) == pytest.approx(0.5)
+    runs[1]["window_cpu_s"] = 20.0                       # never negative
+    assert train.foreign_cores(runs) == 0.0
+    runs[1]["window_cpu_s"] = None
+    assert train.foreign_cores(runs) is None
+    assert train.foreign_cores({}) is None
+    busy = train.machine_busy_s()
+    assert busy is None or busy > 0
+
+
+def test_noisy_measurement_is_flagged():
+    st = _setting()
+    st["results"]["fifo"]["foreign_cores"] = 0.8
+    assert "fifo (noisy: other programs used 0.8 cores)" in format_markdown([st])
+
+
+def test_parse_results():
+    lines = ['[rank 1] RESULT {"a": 1}', "[rank 0] noise", '[rank 0] RESULT {"step_s_median": 0.5}',
+             "RESULT {}"]
+    assert parse_results(lines) == {1: {"a": 1}, 0: {"step_s_median": 0.5}}
+
+
+# ---------------------------------------------------------------- command line
+
+def _run(args, timeout):
+    env = dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("TF_CONFIG", None)
+    return subprocess.run([sys.executable, "-m", "prophet_tf.bench.train", *args], cwd=REPO,
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=timeout)
+
+
+def test_bad_flags_are_usage_errors():
+    r = _run(["--models", "alexnet", "--loopback"], timeout=60)
+    assert r.returncode == 2 and "unknown model" in r.stdout
+    r = _run(["--workers", "9", "--loopback"], timeout=60)
+    assert r.returncode == 2 and "between 2 and 4" in r.stdout
+
+
+def test_without_root_says_use_loopback(monkeypatch, tmp_path):
+    from prophet_tf.bench.netem import NetemUnavailableError
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    opts = train.SweepOptions(models=["transformer"], workers=[2], ratios=[1.0],
+                              systems=list(SYSTEMS), out=str(tmp_path))
+    with pytest.raises(NetemUnavailableError, match="--loopback"):
+        train.run_sweep(opts)
+    assert not list(tmp_path.iterdir())   # failed before running anything
+
+
+def test_end_to_end_loopback_smoke(tmp_path):
+    """Tiny Transformer, 2 workers on loopback, mwms + prophet, 3 steps (about 30-50 s)."""
+    out, js = tmp_path / "out", tmp_path / "r.json"
+    t0 = time.monotonic()
+    r = _run(["--loopback", "--models", "transformer", "--systems", "prophet,mwms",
+              "--model_options", '{"transformer": {"blocks": 1, "d_model": 32, "ff": 64, '
+              '"seq_len": 8, "vocab": 64}}', "--batch", "4", "--steps", "3", "--warmup", "1",
+              "--out", str(out), "--json", str(js)], timeout=240)
+    assert r.returncode == 0, r.stdout[-4000:]
+    data = json.loads(js.read_text())
+    validate_settings(data)
+    assert len(data) == 1
+    st = data[0]
+    assert st["model"] == "transformer" and st["workers"] == 2 and st["bandwidth_bps"] is None
+    assert set(st["results"]) == {"prophet", "mwms"}
+    for res in st["results"].values():
+        assert res["step_s_median"] > 0 and res["samples_per_s"] > 0
+    for name in ("results.md", "results.csv", "results.json", "results.png"):
+        assert (out / name).stat().st_size > 0
+    assert "| transformer | 2 | 8 |" in (out / "results.md").read_text()
+    print(f"smoke run: {time.monotonic() - t0:.0f} s")
