@@ -340,7 +340,11 @@ def write_csv(path: str, settings: Sequence[Mapping[str, Any]]) -> None:
 
 
 def plot(settings: Sequence[Mapping[str, Any]], path: str, title: str = "") -> None:
-    """Bar chart: speed-up over mwms per system and setting; a line marks mwms / lower bound."""
+    """Bar chart: speed-up over mwms per system and setting.
+
+    A dashed line marks mwms / lower bound (the best possible speed-up); a dotted one the same
+    with the compute time of N workers sharing the machine, when it was measured.
+    """
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -367,6 +371,10 @@ def plot(settings: Sequence[Mapping[str, Any]], path: str, title: str = "") -> N
             if m and st["lower_bound_s"]:
                 ax.hlines(m / st["lower_bound_s"], i - 0.45, i + 0.45, colors="black",
                           linestyles="dashed", label="bound" if i == 0 else None)
+            lbc = st.get("lower_bound_contended_s")
+            if m and lbc:
+                ax.hlines(m / lbc, i - 0.45, i + 0.45, colors="black", linestyles="dotted",
+                          label="bound, N workers' compute" if i == 0 else None)
         ax.axhline(1.0, color="black", linewidth=0.6)
         ax.set_xticks(range(len(sts)))
         ax.set_xticklabels([f"comm/comp {_fmt(st.get('comm_compute_ratio'), '.2g')}\n"
@@ -915,6 +923,9 @@ def run_sweep(opts: SweepOptions) -> list[dict]:
                 st = _run_setting(model, n, cfg, batch, ratio, bw, compute_s, gbytes, multi,
                                   opts, progress)
                 st["compute_contended_s"] = contended
+                # The same bound with the compute time of N workers sharing this machine.
+                st["lower_bound_contended_s"] = (None if contended is None else
+                                                 lower_bound_s(contended, gbytes, n, bw))
                 st["compute_single"] = single_info
                 st["compute_contended"] = contended_info
                 settings.append(st)
