@@ -576,9 +576,6 @@ def _aggregation_name(v) -> str:
 # Strategy
 # --------------------------------------------------------------------------------------------
 
-_schedule_fallback_logged = set()
-
-
 class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
     """Synchronous data-parallel training across worker processes with prophet_tf's runtime.
 
