@@ -262,3 +262,36 @@ def test_end_to_end_loopback_smoke(tmp_path):
         assert (out / name).stat().st_size > 0
     assert "| transformer | 2 | 8 |" in (out / "results.md").read_text()
     print(f"smoke run: {time.monotonic() - t0:.0f} s")
+
+
+# ---------------------------------------------------------------- models
+
+def test_models_config_and_synthetic_data():
+    from prophet_tf.bench import models
+    cfg = models.config_for("transformer", blocks=1, d_model=16, heads=2, ff=32, seq_len=4,
+                            vocab=11)
+    x, y = models.synthetic_batch(cfg, 3, seed=5)
+    assert x.shape == (3, 4) and x.dtype.name == "int32" and 0 <= x.min() and x.max() < 11
+    assert y.shape == (3,) and y.max() < cfg.classes
+    x2, _ = models.synthetic_batch(cfg, 3, seed=5)
+    assert (x == x2).all()
+    img = models.config_for("vgg16", image_size=32)
+    xi, _ = models.synthetic_batch(img, 2)
+    assert xi.shape == (2, 32, 32, 3) and xi.dtype.name == "float32"
+    with pytest.raises(ValueError, match="unknown model"):
+        models.config_for("alexnet")
+
+
+def test_transformer_gradients_are_dense_and_counted():
+    tf = pytest.importorskip("tensorflow")
+    from prophet_tf.bench import models
+    cfg = models.config_for("transformer", blocks=1, d_model=16, heads=2, ff=32, seq_len=4,
+                            vocab=11)
+    model = models.build_model(cfg)
+    x, y = models.synthetic_batch(cfg, 3)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(y, model(x)))
+    grads = tape.gradient(loss, model.trainable_weights)
+    assert all(isinstance(g, tf.Tensor) for g in grads)     # no IndexedSlices
+    assert models.gradient_bytes(model) == 4 * models.parameter_count(model)
+    assert models.parameter_count(model) == sum(int(tf.size(g)) for g in grads)

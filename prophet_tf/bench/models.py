@@ -24,12 +24,13 @@ repeated, so input cost is negligible and identical for every system.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 
 __all__ = ["MODEL_NAMES", "ModelConfig", "DEFAULT_CONFIGS", "DenseEmbedding", "build_model",
-           "synthetic_batch", "gradient_bytes", "parameter_count", "config_for"]
+           "build_transformer", "synthetic_batch", "gradient_bytes", "parameter_count",
+           "config_for", "loss_name", "make_optimizer"]
 
 #: Models known to the benchmark, in the order they are run.
 MODEL_NAMES = ("resnet50", "vgg16", "transformer")
@@ -104,8 +105,8 @@ def _dense_embedding_class():
 
         def call(self, ids: Any) -> Any:
             ops = keras.ops
-            return ops.matmul(ops.one_hot(ops.cast(ids, "int32"), self.vocab, dtype=self.compute_dtype),
-                              self.embeddings)
+            one_hot = ops.one_hot(ops.cast(ids, "int32"), self.vocab, dtype=self.compute_dtype)
+            return ops.matmul(one_hot, self.embeddings)
 
         def compute_output_shape(self, input_shape: Any) -> tuple:
             return tuple(input_shape) + (self.dim,)
@@ -129,7 +130,8 @@ def DenseEmbedding(vocab: int, dim: int, **kwargs: Any):  # noqa: N802 - used li
 
 def _encoder_block(x: Any, cfg: ModelConfig, i: int) -> Any:
     layers = _keras().layers
-    attn = layers.MultiHeadAttention(cfg.heads, cfg.d_model // cfg.heads, name=f"block{i}_mha")(x, x)
+    attn = layers.MultiHeadAttention(cfg.heads, cfg.d_model // cfg.heads,
+                                     name=f"block{i}_mha")(x, x)
     x = layers.LayerNormalization(epsilon=1e-6, name=f"block{i}_ln1")(layers.Add()([x, attn]))
     h = layers.Dense(cfg.ff, activation="gelu", name=f"block{i}_ff1")(x)
     h = layers.Dense(cfg.d_model, name=f"block{i}_ff2")(h)
@@ -171,12 +173,11 @@ def build_transformer(cfg: ModelConfig) -> Any:
 def build_model(cfg: ModelConfig) -> Any:
     """Builds the (uncompiled) Keras model described by ``cfg`` with random weights."""
     keras = _keras()
+    shape = (cfg.image_size, cfg.image_size, 3)
     if cfg.name == "resnet50":
-        return keras.applications.ResNet50(weights=None, input_shape=(cfg.image_size, cfg.image_size, 3),
-                                           classes=cfg.classes)
+        return keras.applications.ResNet50(weights=None, input_shape=shape, classes=cfg.classes)
     if cfg.name == "vgg16":
-        return keras.applications.VGG16(weights=None, input_shape=(cfg.image_size, cfg.image_size, 3),
-                                        classes=cfg.classes)
+        return keras.applications.VGG16(weights=None, input_shape=shape, classes=cfg.classes)
     if cfg.name == "transformer":
         return build_transformer(cfg)
     raise ValueError(f"unknown model {cfg.name!r}; choose from {', '.join(MODEL_NAMES)}")
@@ -219,5 +220,3 @@ def make_optimizer() -> Any:
     """SGD with momentum: one slot per variable, cheap, the same for every system."""
     return _keras().optimizers.SGD(learning_rate=1e-3, momentum=0.9)
 
-
-BuildFn = Callable[[ModelConfig], Any]

@@ -231,7 +231,8 @@ def validate_settings(settings: Sequence[Mapping[str, Any]]) -> None:
             raise ValueError(f"{where}: missing 'bandwidth_bps'")
         bw = st["bandwidth_bps"]
         if bw is not None and not (_finite(bw) and bw > 0):
-            raise ValueError(f"{where}: bandwidth_bps must be a positive number or null, got {bw!r}")
+            raise ValueError(f"{where}: bandwidth_bps must be a positive number or null, "
+                             f"got {bw!r}")
         for system, res in st["results"].items():
             if system not in SYSTEMS:
                 raise ValueError(f"{where}: unknown system {system!r} (expected one of {SYSTEMS})")
@@ -321,8 +322,8 @@ def format_markdown(settings: Sequence[Mapping[str, Any]]) -> str:
 
 
 CSV_FIELDS = ("model", "workers", "global_batch", "comm_compute_ratio", "bandwidth_bps",
-              "gradient_bytes", "compute_s", "compute_contended_s", "lower_bound_s", "system", "step_s_median",
-              "samples_per_s", "speedup_vs_mwms", "ratio_to_lower_bound", "schedule_effective",
+              "gradient_bytes", "compute_s", "compute_contended_s", "lower_bound_s", "system",
+              "step_s_median", "samples_per_s", "speedup_vs_mwms", "ratio_to_lower_bound", "schedule_effective",
               "cross_barrier", "foreign_cores", "attempts", "note", "error")
 
 
@@ -550,8 +551,8 @@ def run_worker(config: Mapping[str, Any]) -> None:
         "window_s": window[-1] - window[0] if len(window) > 1 else None,
         "window_cpu_s": cpu[-1] - cpu[0] if len(cpu) > 1 else None,
         "window_machine_busy_s": (busy_machine[-1] - busy_machine[0]
-                                  if len(busy_machine) > 1 and None not in busy_machine[::len(busy_machine) - 1]
-                                  else None),
+                                  if len(busy_machine) > 1 and busy_machine[0] is not None
+                                  and busy_machine[-1] is not None else None),
         "first_step_s": (timer.end[0] - timer.begin[0]) if timer.end else None,
         "startup_s": t_fit - t_start, "fit_s": t_done - t_fit,
         "params": models.parameter_count(model), "gradient_bytes": models.gradient_bytes(model),
@@ -849,8 +850,8 @@ def _measure(system: str, n: int, cluster: Any, cfg: Any, batch: int, opts: Swee
         foreign = foreign_cores(runs)
         facts = {"foreign_cores": foreign, "attempts": attempt + 1,
                  "launch_s": time.monotonic() - t0}
-        if best is None or (foreign is not None and
-                            (best[1]["foreign_cores"] is None or foreign < best[1]["foreign_cores"])):
+        kept = None if best is None else best[1]["foreign_cores"]
+        if best is None or (foreign is not None and (kept is None or foreign < kept)):
             best = (runs, facts)
         best[1]["attempts"] = attempt + 1
         if foreign is None or foreign <= opts.noise_cores or attempt >= opts.retries:
