@@ -307,11 +307,7 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
     def _experimental_distribute_dataset(self, dataset, options):
         if not self._multi:
             return super()._experimental_distribute_dataset(dataset, options)
-        if (options and options.experimental_replication_mode ==
-                distribute_lib.InputReplicationMode.PER_REPLICA):
-            raise NotImplementedError(
-                "InputReplicationMode.PER_REPLICA is only supported in "
-                "distribute_datasets_from_function.")
+        _check_replication_mode(options)
         return input_util.get_distributed_dataset(
             _data_sharded(dataset),
             self._input_workers_with_options(options),
@@ -321,11 +317,7 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
             options=options)
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
-        if (options and options.experimental_replication_mode ==
-                distribute_lib.InputReplicationMode.PER_REPLICA):
-            raise NotImplementedError(
-                "InputReplicationMode.PER_REPLICA is not supported by ProphetStrategy (one "
-                "replica per worker): use the default PER_WORKER mode.")
+        _check_replication_mode(options)
         return input_util.get_distributed_datasets_from_function(
             dataset_fn,
             self._input_workers_with_options(options),
@@ -530,6 +522,14 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
         x = t if wire == t.dtype else tf.cast(t, wire)
         y = _ops().allgather(x, name=name, priority=int(priority))
         return y if wire == t.dtype else tf.cast(y, t.dtype)
+
+
+def _check_replication_mode(options) -> None:
+    if (options and options.experimental_replication_mode ==
+            distribute_lib.InputReplicationMode.PER_REPLICA):
+        raise NotImplementedError(
+            "InputReplicationMode.PER_REPLICA is not supported by ProphetStrategy (one "
+            "replica per worker): use the default PER_WORKER mode.")
 
 
 def _data_sharded(dataset):
