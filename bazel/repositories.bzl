@@ -1,5 +1,6 @@
 """External repositories for prophet_tf (WORKSPACE mode)."""
 
+load("//bazel:openssl_configure.bzl", "openssl_configure")
 load("//bazel:tf_configure.bzl", "tf_configure")
 
 _STAND_INS = "bazel/stand_ins"
@@ -15,7 +16,7 @@ def _bazel_major():
     return int(digits) if digits else 0
 
 def prophet_tf_repositories():
-    """Declares @local_tf plus, for old Bazel, the offline stand-in repositories."""
+    """Declares @local_tf, @local_openssl plus, for old Bazel, the offline stand-in repositories."""
 
     # Bazel 4 (incl. Debian's bazel-bootstrap 4.2.3, which reports no version)
     # downloads rules_cc / rules_java / remote_coverage_tools from its built-in
@@ -38,3 +39,4 @@ def prophet_tf_repositories():
         )
 
     tf_configure(name = "local_tf")
+    openssl_configure(name = "local_openssl")

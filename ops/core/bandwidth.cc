@@ -8,13 +8,20 @@ namespace prophet {
 BandwidthMonitor::BandwidthMonitor(const BandwidthOptions& options) : options_(options) {
   if (!(options_.ewma_alpha > 0 && options_.ewma_alpha <= 1)) options_.ewma_alpha = 0.3;
   if (options_.min_sample_busy_ns < 1) options_.min_sample_busy_ns = 1;
+  if (options_.max_transfer_ns < 1) options_.max_transfer_ns = 1;
   if (options_.max_pending_samples < 1) options_.max_pending_samples = 1;
 }
 
 void BandwidthMonitor::OnTransfer(uint64_t bytes, int64_t start_ns, int64_t end_ns) {
   if (end_ns < start_ns) std::swap(start_ns, end_ns);  // a clock glitch must not poison the estimate
+  double counted_bytes = static_cast<double>(bytes);
+  if (end_ns - start_ns > options_.max_transfer_ns) {
+    // A round trip that waited for the peer: only its last part is a link measurement.
+    counted_bytes *= static_cast<double>(options_.max_transfer_ns) / static_cast<double>(end_ns - start_ns);
+    start_ns = end_ns - options_.max_transfer_ns;
+  }
   if (end_ns <= measured_until_ns_) return;  // a straggler wholly inside a measured window
-  Transfer transfer{start_ns, end_ns, static_cast<double>(bytes), end_ns - start_ns};
+  Transfer transfer{start_ns, end_ns, counted_bytes, end_ns - start_ns};
   if (start_ns < measured_until_ns_) {
     // Only its part after the measured windows is new; its bytes count in proportion to time.
     transfer.bytes *= static_cast<double>(end_ns - measured_until_ns_) /

@@ -46,6 +46,37 @@ TEST(IdleGapsAreNotCounted) {
   }
 }
 
+TEST(ARoundTripThatWaitedForThePeerDoesNotHoldTheEstimate) {
+  // First step: one push waits 30 s for its owner (tracing) while the link is idle. Then 1 MB
+  // every 10 ms, each taking 1 ms (1 GB/s). Taken whole, the 30 s round trip would hold every
+  // window back by 30 s and then count 30 s of busy time for its 1 MB.
+  BandwidthOptions options = WindowOf(2 * kMs, 1.0);
+  options.max_transfer_ns = 100 * kMs;
+  BandwidthMonitor monitor(options);
+  const int64_t t0 = 30'000 * kMs;
+  monitor.OnTransfer(kMB, 0, t0);
+  for (int i = 0; i < 30; ++i) monitor.OnTransfer(kMB, t0 + i * 10 * kMs, t0 + i * 10 * kMs + kMs);
+  EXPECT_TRUE(monitor.has_estimate());
+  // The long round trip counts 100 ms (1/300 of its 1 MB): the first window's rate is low, and
+  // the following ones are the link's.
+  EXPECT_NEAR(monitor.estimate_Bps(), 1e9, 1e3);
+  const std::vector<BandwidthSample> samples = monitor.TakeSamples();
+  EXPECT_TRUE(samples.size() >= 3u);
+  // Windows follow the latest completion (t0 + 291 ms) closely, not 30 s behind.
+  if (!samples.empty()) EXPECT_TRUE(samples.back().ts_ns >= t0 + 270 * kMs);
+}
+
+TEST(ASlowLinkKeepsItsRateWhenTransfersAreLong) {
+  // 1 MB partitions that each take 400 ms back to back (2.5 MB/s): clipped to their last 100 ms
+  // and a quarter of their bytes, the rate is the same.
+  BandwidthOptions options = WindowOf(150 * kMs, 1.0);
+  options.max_transfer_ns = 100 * kMs;
+  BandwidthMonitor monitor(options);
+  for (int i = 0; i < 6; ++i) monitor.OnTransfer(kMB, i * 400 * kMs, (i + 1) * 400 * kMs);
+  EXPECT_TRUE(monitor.has_estimate());
+  EXPECT_NEAR(monitor.estimate_Bps(), 2.5e6, 1e3);
+}
+
 TEST(OverlappingTransfersAreMerged) {
   // Two 1 MB transfers overlapping by 1 ms: busy 0..3 ms, 2 MB / 3 ms (summing durations: 4 ms).
   BandwidthMonitor monitor(WindowOf(3 * kMs));

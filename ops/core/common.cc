@@ -1,5 +1,6 @@
 #include "ops/core/common.h"
 
+#include <atomic>
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
@@ -69,14 +70,16 @@ std::string SecondsString(double seconds) {
 }
 
 namespace {
-int g_log_rank = -1;
+// Set by every engine start and read by every log line, possibly on other threads (the in-process
+// engine tests start several engines at once: a data race found by --config=tsan).
+std::atomic<int> g_log_rank{-1};
 int ReadLogLevel() {
   const char* env = std::getenv("PROPHET_LOG_LEVEL");
   return env ? std::atoi(env) : 1;
 }
 }  // namespace
 
-void SetLogRank(int rank) { g_log_rank = rank; }
+void SetLogRank(int rank) { g_log_rank.store(rank, std::memory_order_relaxed); }
 
 int LogLevel() {
   static const int level = ReadLogLevel();
@@ -91,7 +94,29 @@ void LogMessage(int level, const char* fmt, ...) {
   std::vsnprintf(buf, sizeof(buf), fmt, args);
   va_end(args);
   std::fprintf(stderr, "prophet_tf %s [rank %d]: %s\n", kNames[level < 0 ? 0 : (level > 3 ? 3 : level)],
-               g_log_rank, buf);
+               g_log_rank.load(std::memory_order_relaxed), buf);
+}
+
+void AppendJsonString(const std::string& text, std::string* out) {
+  out->push_back('"');
+  for (const char c : text) {
+    switch (c) {
+      case '"': out->append("\\\""); break;
+      case '\\': out->append("\\\\"); break;
+      case '\n': out->append("\\n"); break;
+      case '\r': out->append("\\r"); break;
+      case '\t': out->append("\\t"); break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          char buffer[8];
+          std::snprintf(buffer, sizeof(buffer), "\\u%04x", static_cast<unsigned>(c));
+          out->append(buffer);
+        } else {
+          out->push_back(c);
+        }
+    }
+  }
+  out->push_back('"');
 }
 
 }  // namespace prophet

@@ -59,6 +59,8 @@ inline int64_t NowNs() {
 
 std::string ShapeString(const std::vector<int64_t>& shape);
 std::string SecondsString(double seconds);  // "0.5 s", "60 s"
+// Appends `text` as a JSON string literal (quoted, escaped) to `out`.
+void AppendJsonString(const std::string& text, std::string* out);
 
 // Logging to stderr with a rank prefix; the level comes from PROPHET_LOG_LEVEL
 // (0 = errors, 1 = warnings (default), 2 = info, 3 = debug).

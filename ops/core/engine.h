@@ -4,11 +4,16 @@
 // the other workers by `name#round` (round = how many times this worker submitted that name
 // before), moves the bytes, sums them at each partition's owner and calls `done` on its own
 // thread. Requests may be submitted in any order on different workers.
+//
+// Inside (docs/design.md, "Core file map"): engine.cc owns the thread, the submission queue, the
+// pump and the lifecycle, and routes frames to operations; connection.* carries frames; the
+// collectives (push_pull.*, broadcast.*, allgather.* on collective.*) do the rest.
 #ifndef PROPHET_OPS_CORE_ENGINE_H_
 #define PROPHET_OPS_CORE_ENGINE_H_
 
 #include <atomic>
 #include <functional>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -17,28 +22,10 @@
 #include <vector>
 
 #include "ops/core/common.h"
-#include "ops/core/scheduler.h"
+#include "ops/core/engine_options.h"
 #include "ops/core/timeline.h"
 
 namespace prophet {
-
-struct EngineOptions {
-  int rank = 0;
-  int world_size = 1;
-  std::vector<std::string> addresses;
-  std::string token;
-  std::string schedule = "priority";
-  uint64_t partition_bytes = 4u << 20;
-  uint64_t credit_bytes = 16u << 20;
-  double replan_threshold = 0.2;    // prophet policy
-  double timeout_s = 60.0;          // an operation not finished by then fails on this worker
-  double connect_timeout_s = 60.0;  // bootstrap
-  int socket_buffer_bytes = 4 << 20;
-  std::string timeline_path;        // empty: no timeline
-};
-
-// Parses "key=value" lines (the C API's configuration string). Unknown keys are errors.
-Status ParseEngineOptions(const std::string& text, EngineOptions* options);
 
 enum class OpKind { kPushPull = 0, kBroadcast = 1, kAllgather = 2 };
 const char* OpKindName(OpKind kind);
@@ -73,6 +60,12 @@ class Engine {
   ~Engine();  // fails what is pending, closes the connections gracefully, joins the thread
 
   void Submit(OpRequest request);
+  // Schedules with policy `schedule` from the next moment no partition is queued (between steps),
+  // keeping the bandwidth measured so far. Fails for an unknown name.
+  Status SetSchedule(const std::string& schedule);
+  // PolicyStateJson of the current policy (scheduler.h), read on the engine thread; "{}" if the
+  // engine does not answer within 10 s.
+  std::string SchedulerStateJson();
   int rank() const { return options_.rank; }
   int world_size() const { return options_.world_size; }
   const EngineOptions& options() const { return options_; }

@@ -1,11 +1,6 @@
 // The real engine over loopback TCP: several Engines in one process, one thread each for Start.
 #include "ops/core/engine.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <poll.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -18,8 +13,8 @@
 #include <thread>
 #include <vector>
 
+#include "ops/core/socket_testing.h"
 #include "ops/core/testing.h"
-#include "ops/core/wire.h"
 
 namespace prophet {
 namespace {
@@ -37,31 +32,10 @@ void Fail(const std::string& what, int line) {
 }
 #define FAIL(what) Fail(what, __LINE__)
 
-double SecondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-
-// Free TCP ports: bound to port 0 at the same time (so they differ), then released.
-std::vector<int> FreePorts(int n) {
-  std::vector<int> fds, ports;
-  for (int i = 0; i < n; ++i) {
-    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    addr.sin_port = 0;
-    ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-    socklen_t len = sizeof(addr);
-    ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-    ports.push_back(ntohs(addr.sin_port));
-    fds.push_back(fd);
-  }
-  for (int fd : fds) ::close(fd);
-  return ports;
-}
+using testing::SecondsSince;
 
 std::vector<EngineOptions> ClusterOptions(int n, double timeout_s = 20.0) {
-  const std::vector<int> ports = FreePorts(n);
-  std::vector<std::string> addresses;
-  for (int p : ports) addresses.push_back("127.0.0.1:" + std::to_string(p));
+  const std::vector<std::string> addresses = testing::LoopbackAddresses(n);
   std::vector<EngineOptions> out(n);
   for (int r = 0; r < n; ++r) {
     out[r].rank = r;
@@ -357,171 +331,6 @@ TEST(ShapeMismatchFailsOnBothWorkers) {
   EXPECT_EQ(oy, 3.0f);
 }
 
-// Redirects stderr (where the engine logs) to a file for the lifetime of the object.
-class CaptureStderr {
- public:
-  CaptureStderr() {
-    std::fflush(stderr);
-    file_ = std::tmpfile();
-    saved_ = ::dup(2);
-    ::dup2(::fileno(file_), 2);
-  }
-  std::string Finish() {
-    if (saved_ < 0) return text_;
-    std::fflush(stderr);
-    ::dup2(saved_, 2);
-    ::close(saved_);
-    saved_ = -1;
-    std::rewind(file_);
-    char buf[4096];
-    size_t n;
-    while ((n = std::fread(buf, 1, sizeof(buf), file_)) > 0) text_.append(buf, n);
-    std::fclose(file_);
-    std::fprintf(stderr, "%s", text_.c_str());  // keep the log visible
-    return text_;
-  }
-  ~CaptureStderr() { Finish(); }
-
- private:
-  FILE* file_ = nullptr;
-  int saved_ = -1;
-  std::string text_;
-};
-
-int ConnectTo(int port, double timeout_s) {
-  const auto t0 = Clock::now();
-  while (SecondsSince(t0) < timeout_s) {
-    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    addr.sin_port = htons(static_cast<uint16_t>(port));
-    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) return fd;
-    ::close(fd);
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  return -1;
-}
-
-// Reads until EOF or `len` bytes, with a deadline. Returns the bytes read.
-size_t ReadSome(int fd, char* buf, size_t len, double timeout_s) {
-  size_t got = 0;
-  const auto t0 = Clock::now();
-  while (got < len && SecondsSince(t0) < timeout_s) {
-    pollfd p{fd, POLLIN, 0};
-    if (::poll(&p, 1, 100) <= 0) continue;
-    const ssize_t n = ::recv(fd, buf + got, len - got, 0);
-    if (n <= 0) break;
-    got += static_cast<size_t>(n);
-  }
-  return got;
-}
-
-bool ClosedByPeer(int fd, double timeout_s) {
-  char c;
-  const auto t0 = Clock::now();
-  while (SecondsSince(t0) < timeout_s) {
-    pollfd p{fd, POLLIN, 0};
-    if (::poll(&p, 1, 100) <= 0) continue;
-    const ssize_t n = ::recv(fd, &c, 1, 0);
-    return n <= 0;
-  }
-  return false;
-}
-
-TEST(GarbageClientsAreDroppedAndTheRealPeerConnects) {
-  const std::vector<EngineOptions> options = ClusterOptions(2);
-  const int port0 = std::stoi(options[0].addresses[0].substr(options[0].addresses[0].rfind(':') + 1));
-  CaptureStderr capture;
-  std::unique_ptr<Engine> e0, e1;
-  Status s0, s1;
-  std::thread t0([&] { s0 = Engine::Start(options[0], &e0); });
-
-  // 1. A Hello-sized block of junk: answered with a refusal naming the problem, then closed.
-  const int junk = ConnectTo(port0, 5.0);
-  EXPECT_TRUE(junk >= 0);
-  if (junk >= 0) {
-    char bytes[sizeof(Hello)];
-    for (size_t i = 0; i < sizeof(bytes); ++i) bytes[i] = static_cast<char>(0xA5 ^ (i * 37));
-    EXPECT_EQ(::send(junk, bytes, sizeof(bytes), MSG_NOSIGNAL), static_cast<ssize_t>(sizeof(bytes)));
-    HelloReply reply{};
-    EXPECT_EQ(ReadSome(junk, reinterpret_cast<char*>(&reply), sizeof(reply), 5.0), sizeof(reply));
-    reply.reason[sizeof(reply.reason) - 1] = '\0';
-    EXPECT_EQ(reply.accepted, 0);
-    EXPECT_TRUE(Contains(reply.reason, "bad magic"));
-    EXPECT_TRUE(ClosedByPeer(junk, 5.0));
-    ::close(junk);
-  }
-  // 2. An HTTP request that ends before a Hello's worth of bytes: dropped.
-  const int http = ConnectTo(port0, 5.0);
-  EXPECT_TRUE(http >= 0);
-  if (http >= 0) {
-    const char req[] = "GET / HTTP/1.0\r\n\r\n";
-    ::send(http, req, sizeof(req) - 1, MSG_NOSIGNAL);
-    ::shutdown(http, SHUT_WR);
-    EXPECT_TRUE(ClosedByPeer(http, 5.0));
-    ::close(http);
-  }
-  // 3. A well-formed Hello from a rank that does not exist: refused.
-  const int liar = ConnectTo(port0, 5.0);
-  if (liar >= 0) {
-    Hello h{kFrameMagic, kProtocolVersion, 0, 7, 2, HashString(options[0].token)};
-    ::send(liar, &h, sizeof(h), MSG_NOSIGNAL);
-    HelloReply reply{};
-    EXPECT_EQ(ReadSome(liar, reinterpret_cast<char*>(&reply), sizeof(reply), 5.0), sizeof(reply));
-    reply.reason[sizeof(reply.reason) - 1] = '\0';
-    EXPECT_EQ(reply.accepted, 0);
-    EXPECT_TRUE(Contains(reply.reason, "rank 7"));
-    ::close(liar);
-  }
-
-  // The real peer still connects.
-  std::thread t1([&] { s1 = Engine::Start(options[1], &e1); });
-  t0.join();
-  t1.join();
-  const std::string log = capture.Finish();
-  EXPECT_TRUE(s0.ok());
-  EXPECT_TRUE(s1.ok());
-  if (!s0.ok()) FAIL("rank 0: " + s0.message());
-  if (!s1.ok()) FAIL("rank 1: " + s1.message());
-  EXPECT_TRUE(Contains(log, "rejected a connection") && Contains(log, "bad magic"));
-  EXPECT_TRUE(Contains(log, "dropped an incoming connection"));
-  EXPECT_TRUE(Contains(log, "unexpected rank 7"));
-  if (!e0 || !e1) return;
-  int64_t a = 40, b = 2, oa = 0, ob = 0;
-  auto p0 = PushPull(e0.get(), "x", DataType::kInt64, {1}, &a, &oa, 8);
-  auto p1 = PushPull(e1.get(), "x", DataType::kInt64, {1}, &b, &ob, 8);
-  EXPECT_TRUE(AWAIT(*p0).ok());
-  EXPECT_TRUE(AWAIT(*p1).ok());
-  EXPECT_EQ(oa, 42);
-  EXPECT_EQ(ob, 42);
-}
-
-TEST(BadJobTokenIsRejectedClearly) {
-  std::vector<EngineOptions> options = ClusterOptions(2);
-  options[0].token = "job-a";
-  options[1].token = "job-b";
-  options[0].connect_timeout_s = 1.0;  // rank 0 waits for a rank 1 that never passes
-  options[1].connect_timeout_s = 5.0;
-  CaptureStderr capture;
-  const auto t0 = Clock::now();
-  std::vector<Status> status;
-  auto engines = StartCluster(options, &status);
-  const double elapsed = SecondsSince(t0);
-  const std::string log = capture.Finish();
-  EXPECT_TRUE(!engines[0] && !engines[1]);
-  // The connecting side is told why at once.
-  EXPECT_TRUE(status[1].code() == Code::kFailedPrecondition);
-  EXPECT_TRUE(Contains(status[1].message(), "job token mismatch"));
-  EXPECT_TRUE(Contains(status[1].message(), options[1].addresses[0]));
-  // The listening side logs the refusal and gives up at its deadline, naming the missing rank.
-  EXPECT_TRUE(status[0].code() == Code::kDeadlineExceeded);
-  EXPECT_TRUE(Contains(status[0].message(), "rank(s) 1"));
-  EXPECT_TRUE(Contains(log, "job token mismatch"));
-  EXPECT_TRUE(elapsed < 5.0);
-  std::printf("bad token: rank 1: %s\nrank 0: %s\n", status[1].message().c_str(), status[0].message().c_str());
-}
-
 TEST(DeadPeerFailsPendingOpsWithUnavailable) {
   auto engines = StartCluster(ClusterOptions(2));
   if (!engines[0] || !engines[1]) return;
@@ -531,22 +340,27 @@ TEST(DeadPeerFailsPendingOpsWithUnavailable) {
   auto p_big = PushPull(engines[0].get(), "orphan/big", DataType::kFloat32, {static_cast<int64_t>(big.size())},
                         big.data(), big_out.data(), 4 * big.size());
   auto p_small = PushPull(engines[0].get(), "orphan/small", DataType::kFloat32, {1}, &small, &small_out, 4);
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  // Rank 1 has the partitions once its engine received bytes (it holds them as early frames).
+  for (int i = 0; i < 2000 && Contains(engines[1]->StatsJson(), "\"bytes_received\": 0,"); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_TRUE(!Contains(engines[1]->StatsJson(), "\"bytes_received\": 0,"));
   EXPECT_TRUE(p_big->future.wait_for(std::chrono::seconds(0)) == std::future_status::timeout);
   const auto killed = Clock::now();
   engines[1].reset();  // rank 1 goes away
+  // Noticed from the closed connection, not from the operation timeout (20 s): any bound below it
+  // proves that; a tighter one would only measure how loaded the machine is.
   for (auto* p : {p_big.get(), p_small.get()}) {
-    const Status s = AWAIT(*p, 1.0);
+    const Status s = AWAIT(*p, 10.0);
     EXPECT_TRUE(s.code() == Code::kUnavailable);
     EXPECT_TRUE(Contains(s.message(), "rank 1"));
   }
   const double waited = SecondsSince(killed);
   std::printf("dead peer noticed after %.3f s\n", waited);
-  EXPECT_TRUE(waited < 1.0);
+  EXPECT_TRUE(waited < 10.0);
   // Later requests fail at once, with the same reason.
   float z = 0, oz = 0;
   auto p_after = PushPull(engines[0].get(), "after", DataType::kFloat32, {1}, &z, &oz, 4);
-  const Status s = AWAIT(*p_after, 1.0);
+  const Status s = AWAIT(*p_after, 10.0);
   EXPECT_TRUE(s.code() == Code::kUnavailable && Contains(s.message(), "rank 1"));
 }
 
@@ -556,12 +370,15 @@ TEST(OpWithoutPeerSubmissionTimesOut) {
   std::vector<float> in(1000, 1.0f), out(1000);
   const auto t0 = Clock::now();
   auto p = PushPull(engines[0].get(), "lonely", DataType::kFloat32, {1000}, in.data(), out.data(), 4000);
-  const Status s = AWAIT(*p, 5.0);
+  const Status s = AWAIT(*p, 20.0);
   const double elapsed = SecondsSince(t0);
   std::printf("timeout after %.3f s: %s\n", elapsed, s.message().c_str());
   EXPECT_TRUE(s.code() == Code::kDeadlineExceeded);
   EXPECT_TRUE(Contains(s.message(), "'lonely'") && Contains(s.message(), "rank(s) 1"));
-  EXPECT_TRUE(elapsed >= 0.45 && elapsed < 1.5);
+  // Never before timeout_s. After it, the verdict waits for the peers' answers to a probe (bounded
+  // by a grace of at least 1 s): the upper bound only tells 0.5 s from the default 60 s, with room
+  // for a machine many times slower than this one.
+  EXPECT_TRUE(elapsed >= 0.45 && elapsed < 15.0);
   // The engine is still usable for operations both workers submit.
   float a = 1, b = 2, oa = 0, ob = 0;
   auto q0 = PushPull(engines[0].get(), "together", DataType::kFloat32, {1}, &a, &oa, 4);
@@ -569,6 +386,164 @@ TEST(OpWithoutPeerSubmissionTimesOut) {
   EXPECT_TRUE(AWAIT(*q0).ok());
   EXPECT_TRUE(AWAIT(*q1).ok());
   EXPECT_EQ(oa, 3.0f);
+}
+
+size_t Count(const std::string& haystack, const std::string& needle) {
+  size_t n = 0;
+  for (size_t at = haystack.find(needle); at != std::string::npos; at = haystack.find(needle, at + 1)) ++n;
+  return n;
+}
+
+std::unique_ptr<Pending> Broadcast(Engine* e, const std::string& name, const std::vector<int64_t>& shape,
+                                   const float* input, float* output, int root) {
+  auto p = std::make_unique<Pending>();
+  OpRequest r;
+  r.kind = OpKind::kBroadcast;
+  r.name = name;
+  r.dtype = DataType::kFloat32;
+  r.shape = shape;
+  r.input = input;
+  r.output = output;
+  r.bytes = 4;
+  for (int64_t d : shape) r.bytes *= static_cast<uint64_t>(d);
+  r.root_rank = root;
+  auto promise = p->promise;
+  r.done = [promise](const Status& s, const GatherResult*) { promise->set_value(s); };
+  e->Submit(std::move(r));
+  return p;
+}
+
+TEST(AStallNamesOnlyTheRanksBehindAndEverySurvivorSaysTheSame) {
+  // Rank 1 never submits; ranks 0 and 2 do. Each partition has an owner (0, 1 or 2), so rank 0
+  // also waits for rank 2's sums, which wait for rank 1: only rank 1 is behind.
+  auto engines = StartCluster(ClusterOptions(3, /*timeout_s=*/0.5));
+  if (!engines[0] || !engines[1] || !engines[2]) return;
+  std::vector<float> in0(3 * kMB / 4 * 3, 1.0f), in2(in0.size(), 2.0f), out0(in0.size()), out2(in0.size());
+  const int64_t elements = static_cast<int64_t>(in0.size());
+  auto p0 = PushPull(engines[0].get(), "stalled/grad", DataType::kFloat32, {elements}, in0.data(), out0.data(), 4 * in0.size());
+  auto p2 = PushPull(engines[2].get(), "stalled/grad", DataType::kFloat32, {elements}, in2.data(), out2.data(), 4 * in2.size());
+  const Status s0 = AWAIT(*p0, 10.0), s2 = AWAIT(*p2, 10.0);
+  std::printf("rank 0: %s\nrank 2: %s\n", s0.message().c_str(), s2.message().c_str());
+  for (const Status* s : {&s0, &s2}) {
+    EXPECT_TRUE(s->code() == Code::kDeadlineExceeded);
+    EXPECT_TRUE(Contains(s->message(), "rank(s) 1 did not reach it"));
+    EXPECT_EQ(Count(s->message(), "rank(s)"), 1u);  // nobody else is named
+  }
+  EXPECT_EQ(s0.message(), s2.message());
+  // The rank that was behind hears the verdict too: when it gets there, it fails the same way.
+  auto p1 = PushPull(engines[1].get(), "stalled/grad", DataType::kFloat32, {elements}, in0.data(), out0.data(), 4 * in0.size());
+  const Status s1 = AWAIT(*p1, 10.0);
+  EXPECT_TRUE(s1.code() == Code::kDeadlineExceeded && s1.message() == s0.message());
+  // Everyone carries on with the next operation.
+  float a = 1, oa = 0, b = 2, ob = 0, c = 3, oc = 0;
+  auto q0 = PushPull(engines[0].get(), "after", DataType::kFloat32, {1}, &a, &oa, 4);
+  auto q1 = PushPull(engines[1].get(), "after", DataType::kFloat32, {1}, &b, &ob, 4);
+  auto q2 = PushPull(engines[2].get(), "after", DataType::kFloat32, {1}, &c, &oc, 4);
+  EXPECT_TRUE(AWAIT(*q0).ok() && AWAIT(*q1).ok() && AWAIT(*q2).ok());
+  EXPECT_EQ(oa, 6.0f);
+}
+
+TEST(ABroadcastRootHearsThePeersConflictWhenThatPeerGoesAway) {
+  // The root finishes a broadcast once its data is sent; the receiver finds the shapes differ,
+  // fails, and (its program raising) exits. The root's next operation must say why.
+  auto engines = StartCluster(ClusterOptions(2));
+  if (!engines[0] || !engines[1]) return;
+  std::vector<float> w0(2, 1.0f), o0(2), w1(3, 0.0f), o1(3);
+  auto b0 = Broadcast(engines[0].get(), "init/kernel", {2}, w0.data(), o0.data(), 0);
+  auto b1 = Broadcast(engines[1].get(), "init/kernel", {3}, w1.data(), o1.data(), 0);
+  const Status s1 = AWAIT(*b1);
+  EXPECT_TRUE(s1.code() == Code::kInvalidArgument && Contains(s1.message(), "[2]") && Contains(s1.message(), "[3]"));
+  EXPECT_TRUE(AWAIT(*b0).ok());
+  float x = 1, ox = 0;
+  auto next = PushPull(engines[0].get(), "next", DataType::kFloat32, {1}, &x, &ox, 4);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the error notice arrives first
+  engines[1].reset();
+  const Status s0 = AWAIT(*next, 5.0);
+  std::printf("root: %s\n", s0.message().c_str());
+  EXPECT_TRUE(s0.code() == Code::kUnavailable && Contains(s0.message(), "rank 1"));
+  EXPECT_TRUE(Contains(s0.message(), "[2]") && Contains(s0.message(), "[3]") && Contains(s0.message(), "init/kernel"));
+  // Every message names its operation once: one that was pending, and one submitted afterwards.
+  EXPECT_EQ(Count(s0.message(), "'next'"), 1u);
+  auto later = PushPull(engines[0].get(), "later", DataType::kFloat32, {1}, &x, &ox, 4);
+  const Status s_later = AWAIT(*later, 5.0);
+  EXPECT_TRUE(s_later.code() == Code::kUnavailable && Count(s_later.message(), "'later'") == 1);
+  EXPECT_EQ(Count(s_later.message(), "'next'"), 0u);
+}
+
+TEST(ASurvivorThatSeesAnotherSurvivorLeaveFirstNamesTheLostRank) {
+  // Rank 1 goes away; rank 0 sees it, fails and leaves. Rank 2 reads rank 0's connection first
+  // (its engine thread is held inside a callback while both happen, as a busy worker would be),
+  // so rank 0's close reaches it before rank 1's: it must still name rank 1, as rank 0 does.
+  auto engines = StartCluster(ClusterOptions(3));
+  if (!engines[0] || !engines[1] || !engines[2]) return;
+  std::promise<void> held, release;
+  std::shared_future<void> released = release.get_future().share();
+  std::vector<float> w(4, 1.0f), o0(4), o1(4), o2(4);
+  OpRequest gate;
+  gate.kind = OpKind::kBroadcast;
+  gate.name = "gate";
+  gate.shape = {4};
+  gate.input = w.data();
+  gate.output = o2.data();
+  gate.bytes = 16;
+  // Rank 2 completes it on a frame from rank 0, so it goes on reading rank 0's connection after.
+  gate.done = [&held, released](const Status&, const GatherResult*) {
+    held.set_value();
+    released.wait_for(std::chrono::seconds(60));  // bounded: a failing test must not hang
+  };
+  engines[2]->Submit(std::move(gate));
+  engines[2]->SchedulerStateJson();  // answered after the gate has started: its frame is not early
+  auto b0 = Broadcast(engines[0].get(), "gate", {4}, w.data(), o0.data(), 0);
+  auto b1 = Broadcast(engines[1].get(), "gate", {4}, w.data(), o1.data(), 0);
+  if (held.get_future().wait_for(std::chrono::seconds(20)) != std::future_status::ready) {
+    FAIL("rank 2 never completed the gate broadcast");
+    release.set_value();
+    return;
+  }
+  EXPECT_TRUE(AWAIT(*b0).ok() && AWAIT(*b1).ok());
+  float x = 1, ox = 0;
+  auto pending0 = PushPull(engines[0].get(), "x", DataType::kFloat32, {1}, &x, &ox, 4);
+  engines[1].reset();
+  const Status s0 = AWAIT(*pending0, 10.0);
+  EXPECT_TRUE(s0.code() == Code::kUnavailable && Contains(s0.message(), "rank 1 ("));
+  engines[0].reset();  // rank 0 leaves after its failure, as its program would
+  release.set_value();
+  float y = 1, oy = 0;
+  auto after = PushPull(engines[2].get(), "after", DataType::kFloat32, {1}, &y, &oy, 4);
+  const Status s2 = AWAIT(*after, 10.0);
+  std::printf("rank 0: %s\nrank 2: %s\n", s0.message().c_str(), s2.message().c_str());
+  EXPECT_TRUE(s2.code() == Code::kUnavailable && Contains(s2.message(), "lost the connection to rank 1 ("));
+  EXPECT_TRUE(!Contains(s2.message(), "lost the connection to rank 0"));
+}
+
+TEST(ALateReceiverGetsABroadcastWhoseRootSentEverythingAndLeft) {
+  // The root's broadcast ends once its data is sent; the root's program then exits. A receiver
+  // that starts the broadcast only afterwards holds every partition already (early frames): it
+  // gets the data. What the frames here cannot complete fails, naming the root.
+  auto engines = StartCluster(ClusterOptions(2));
+  if (!engines[0] || !engines[1]) return;
+  std::vector<float> weights(3 * kMB / 4 + 5);  // four partitions of at most 1 MiB
+  for (size_t i = 0; i < weights.size(); ++i) weights[i] = static_cast<float>(i % 1009) - 7.5f;
+  const std::vector<int64_t> shape = {static_cast<int64_t>(weights.size())};
+  std::vector<float> root_out(weights.size()), late_out(weights.size(), 0.0f);
+  auto sent = Broadcast(engines[0].get(), "init/weights", shape, weights.data(), root_out.data(), 0);
+  EXPECT_TRUE(AWAIT(*sent).ok());
+  engines[0].reset();  // the root leaves
+  // Rank 1 knows once its next operation fails for the lost root.
+  float x = 1, ox = 0;
+  auto probe = PushPull(engines[1].get(), "probe", DataType::kFloat32, {1}, &x, &ox, 4);
+  const Status lost = AWAIT(*probe, 10.0);
+  EXPECT_TRUE(lost.code() == Code::kUnavailable && Contains(lost.message(), "lost the connection to rank 0"));
+  auto late = Broadcast(engines[1].get(), "init/weights", shape, weights.data(), late_out.data(), 0);
+  const Status got = AWAIT(*late, 10.0);
+  if (!got.ok()) FAIL("the late receiver failed: " + got.message());
+  EXPECT_TRUE(late_out == weights);
+  // A broadcast the root never sent cannot complete.
+  std::vector<float> never(4);
+  auto missing = Broadcast(engines[1].get(), "init/bias", {4}, never.data(), never.data(), 0);
+  const Status s = AWAIT(*missing, 10.0);
+  EXPECT_TRUE(s.code() == Code::kUnavailable && Contains(s.message(), "'init/bias'") &&
+              Contains(s.message(), "lost the connection to rank 0"));
 }
 
 TEST(SingleWorkerReturnsInput) {
@@ -582,6 +557,51 @@ TEST(SingleWorkerReturnsInput) {
   auto p = PushPull(e.get(), "solo", DataType::kInt64, {3}, in.data(), out.data(), 24, /*average=*/true);
   EXPECT_TRUE(AWAIT(*p).ok());
   EXPECT_TRUE(out == in);
+}
+
+// ProphetStrategy(schedule="auto"): the policy switches between steps, the bandwidth measured so far
+// carries over, and the prophet policy's profile of ready times is readable from another thread.
+TEST(ScheduleSwitchesBetweenStepsAndStateIsReadable) {
+  std::vector<EngineOptions> options = ClusterOptions(2);
+  for (EngineOptions& o : options) o.schedule = "prophet";
+  std::vector<std::unique_ptr<Engine>> engines = StartCluster(options);
+  if (!engines[0] || !engines[1]) return;
+  std::vector<float> in(256 * 1024, 1.0f), out0(in.size()), out1(in.size());
+  // Steps: two tensors per round, so the profiler sees steps (round 0 is its warm-up). A bandwidth
+  // sample needs 2 ms of busy link, which four steps of 1 MiB give on a slow machine but not on a
+  // fast one, so the steps go on until the first sample (bounded: the estimate must come).
+  for (int step = 0; step < 4 || (step < 400 && Contains(engines[0]->SchedulerStateJson(), "\"bandwidth_samples\": 0,"));
+       ++step) {
+    std::vector<std::unique_ptr<Pending>> pending;
+    for (const char* name : {"grad/b", "grad/a"}) {
+      pending.push_back(PushPull(engines[0].get(), name, DataType::kFloat32, {256 * 1024}, in.data(), out0.data(),
+                                 in.size() * 4, false, name[5] == 'a' ? 2 : 1));
+      pending.push_back(PushPull(engines[1].get(), name, DataType::kFloat32, {256 * 1024}, in.data(), out1.data(),
+                                 in.size() * 4, false, name[5] == 'a' ? 2 : 1));
+      for (auto& p : pending) EXPECT_TRUE(AWAIT(*p).ok());
+      pending.clear();
+    }
+  }
+  const std::string state = engines[0]->SchedulerStateJson();
+  EXPECT_TRUE(Contains(state, "\"schedule\": \"prophet\""));
+  EXPECT_TRUE(Contains(state, "\"name\": \"grad/a\", \"priority\": 2, \"bytes\": 1048576"));
+  EXPECT_TRUE(!Contains(state, "\"bandwidth_samples\": 0,"));
+  EXPECT_TRUE(!engines[0]->SetSchedule("lifo").ok());
+  EXPECT_TRUE(engines[0]->SetSchedule("fifo").ok());
+  // The switch happens at the first pump that finds nothing queued (an operation submitted with
+  // the request is sent first, by the old policy).
+  auto a = PushPull(engines[0].get(), "after", DataType::kFloat32, {4}, in.data(), out0.data(), 16);
+  auto b = PushPull(engines[1].get(), "after", DataType::kFloat32, {4}, in.data(), out1.data(), 16);
+  EXPECT_TRUE(AWAIT(*a).ok() && AWAIT(*b).ok());
+  std::string after = engines[0]->SchedulerStateJson();
+  for (int i = 0; i < 400 && !Contains(after, "\"schedule\": \"fifo\""); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    after = engines[0]->SchedulerStateJson();
+  }
+  EXPECT_TRUE(Contains(after, "\"schedule\": \"fifo\""));
+  EXPECT_TRUE(Contains(after, "\"profile\": null"));      // fifo profiles nothing
+  EXPECT_TRUE(!Contains(after, "\"bandwidth_samples\": 0,"));  // the estimate carried over
+  EXPECT_TRUE(Contains(engines[0]->StatsJson(), "\"schedule\": \"fifo\""));
 }
 
 }  // namespace

@@ -56,10 +56,37 @@ struct Plan {
 
 Plan MakePlan(const Profile& profile, double bandwidth_Bps);
 
-// Why `plan` no longer fits `profile` and `bandwidth_Bps`, or "" when it still does. A re-plan is
-// due when the stage structure changed (number of stages, or a tensor moved, appeared or left), or
-// when the bandwidth or any stage interval moved by more than `threshold` (relative, e.g. 0.2)
-// from the value the plan was made with.
+// What a step that follows `plan` is expected to look like on the link when its gradients become
+// ready at `profile`'s offsets and the link carries `bandwidth_Bps`: one link sending one tensor
+// after another under the policy's rules (blocks in order, each taking its members as they become
+// ready, a later block's ready data going out rather than the link idling, tensors in no block
+// held until the first layer is ready, then everything in priority order). Offsets from the
+// step's origin.
+struct StepForecast {
+  int64_t first_layer_sent_ns = 0;  // the first layer's gradient is out: the next step can start
+  int64_t all_sent_ns = 0;          // the last gradient is out
+};
+StepForecast ForecastStep(const Plan& plan, const Profile& profile, double bandwidth_Bps);
+
+// A plan whose ready times moved is replaced only when a new plan is forecast to save more than
+// this fraction of the new plan's time to send everything (see ReplanReason).
+constexpr double kMinForecastGain = 0.05;
+
+// +1 / -1 when `bandwidth_Bps` is above / below the plan's bandwidth by more than `threshold`
+// (relative), else 0.
+int BandwidthMoved(const Plan& plan, double bandwidth_Bps, double threshold);
+
+// Why `plan` should be replaced for `profile` and `bandwidth_Bps`, or "" when it should be kept.
+//  - Tensors appeared or left: always (the plan does not know them).
+//  - The bandwidth moved by more than `threshold` (relative, e.g. 0.2) from the plan's: always,
+//    so a real change of the link is followed at the next step.
+//  - The stage structure or a stage interval moved (more than `threshold`): only when the plan
+//    is forecast (ForecastStep) to deliver the first layer or the last gradient later than a plan
+//    made for the new profile, by more than kMinForecastGain of the new plan's time to send
+//    everything. Ready times jitter from step to step when the CPU delays the backward ops, and
+//    stage boundaries move with them (a gap just above or below twice the mean gap); a plan made
+//    for one jittered profile sends the next one as well as a fresh plan would, and re-planning
+//    at every step only moves block boundaries around.
 std::string ReplanReason(const Plan& plan, const Profile& profile, double bandwidth_Bps,
                          double threshold);
 

@@ -67,7 +67,9 @@ ReadyTimeProfiler::ReadyTimeProfiler(const ProfilerOptions& options) : options_(
 
 bool ReadyTimeProfiler::OnTensorReady(const TensorReady& ready) {
   bool new_step = false;
-  if (!step_open_ || ready.round > step_round_) {
+  const bool long_gap = step_open_ && options_.max_ready_gap_ns > 0 &&
+                        ready.ready_ns - step_last_ready_ns_ > options_.max_ready_gap_ns;
+  if (!step_open_ || ready.round > step_round_ || long_gap) {
     if (step_open_) CloseStep();
     step_open_ = true;
     step_round_ = ready.round;
@@ -75,6 +77,7 @@ bool ReadyTimeProfiler::OnTensorReady(const TensorReady& ready) {
     ++steps_started_;
     new_step = true;
   }
+  step_last_ready_ns_ = std::max(step_last_ready_ns_, ready.ready_ns);
   const std::string name = ready.name != nullptr ? *ready.name : std::string();
   // A name seen twice in one step (its counter lagged, then caught up) keeps its first sighting.
   if (open_step_.count(name) == 0) {

@@ -44,6 +44,11 @@ struct ProfilerOptions {
   // mean gap (the paper uses 2) and larger than min_stage_gap_ns (0 keeps the paper's rule).
   double stage_gap_factor = 2.0;
   int64_t min_stage_gap_ns = 0;
+  // A tensor ready this long after the open step's previous one opens a new step, whatever its
+  // round. Per-name rounds alone cannot tell steps apart when another model trains (its names
+  // start again at round 0): its gradients would join the last step of the previous model with
+  // offsets of seconds, and a plan made from them would hold pushes back for that long.
+  int64_t max_ready_gap_ns = 1'000'000'000;
 };
 
 struct ProfiledTensor {
@@ -111,6 +116,7 @@ class ReadyTimeProfiler {
   bool step_open_ = false;
   uint64_t step_round_ = 0;
   int64_t step_origin_ns_ = 0;
+  int64_t step_last_ready_ns_ = 0;
   uint64_t steps_started_ = 0;
   uint64_t steps_closed_ = 0;
   std::map<std::string, Observation> open_step_;  // first observation of each name in the step

@@ -180,6 +180,27 @@ TEST(LaggingRoundIsAttributedToTheOpenStep) {
   EXPECT_EQ(profiler.profile().steps_observed, 2u);
 }
 
+TEST(AnotherModelAfterALongGapOpensANewStep) {
+  ReadyTimeProfiler profiler(NoWarmup());
+  for (uint64_t round = 0; round < 8; ++round) FeedStep(&profiler, round, Trace());
+  // A second model trains 4 s later: its names start at round 0, below the open step's round 7.
+  const std::vector<Event> other = {{"b1", 1, 0}, {"b0", 2, kMs}};
+  const int64_t origin = 1'000 * kMs + 7 * 100 * kMs + 4'000 * kMs;
+  bool opened = false;
+  for (const Event& e : other) {
+    TensorReady ready;
+    ready.name = &e.name;
+    ready.round = 0;
+    ready.priority = e.priority;
+    ready.ready_ns = origin + e.offset_ns;
+    opened = profiler.OnTensorReady(ready) || opened;
+  }
+  EXPECT_TRUE(opened);
+  EXPECT_EQ(profiler.step_origin_ns(), origin);
+  profiler.EndStep();
+  EXPECT_EQ(OffsetOf(profiler.profile(), "b0"), kMs);  // not 4 s after the other model's step
+}
+
 TEST(StepOriginIsTheFirstReadyTensor) {
   ReadyTimeProfiler profiler(NoWarmup());
   std::vector<Event> late_start = Trace();

@@ -5,46 +5,15 @@
 
 namespace prophet {
 
-void ProphetPolicy::TaskHeap::Push(const SendTask& task) {
-  heap_.push_back(task);
-  std::push_heap(heap_.begin(), heap_.end(), LessUrgent);
-}
-
-SendTask ProphetPolicy::TaskHeap::Pop() {
-  std::pop_heap(heap_.begin(), heap_.end(), LessUrgent);
-  SendTask task = heap_.back();
-  heap_.pop_back();
-  return task;
-}
-
-void ProphetPolicy::TaskHeap::MoveAllTo(TaskHeap* other) {
-  for (const SendTask& task : heap_) other->Push(task);
-  heap_.clear();
-}
-
-bool ProphetPolicy::Drain(TaskHeap* heap, CreditWindow* window, std::vector<SendTask>* out) {
-  while (!heap->empty()) {
-    const uint64_t bytes = heap->top().bytes;
-    const bool fits = window->credit > 0 &&
-                      (!window->released_any || window->used + bytes <= window->credit);
-    if (!fits) return false;
-    window->used += bytes;
-    window->released_any = true;
-    out->push_back(heap->Pop());
-  }
-  return true;
-}
-
 ProphetPolicy::ProphetPolicy(const ProphetOptions& options)
-    : options_(options), profiler_(options.profiler), bandwidth_(options.bandwidth) {
-  if (!(options_.replan_threshold >= 0)) options_.replan_threshold = 0.2;
+    : SchedulerPolicy(options.bandwidth), options_(options), profiler_(options.profiler) {
+  if (!(options_.replan_threshold >= 0)) options_.replan_threshold = kDefaultReplanThreshold;
 }
 
 void ProphetPolicy::OnTensorReady(const TensorReady& ready) {
   if (ready.priority >= kControlPriority) return;  // not a gradient: never profiled
   const std::string name = ready.name != nullptr ? *ready.name : std::string();
   if (profiler_.OnTensorReady(ready)) StartStep(ready.ready_ns);
-  pending_ready_.push_back({name, ready.priority, ready.ready_ns, profiler_.steps_started()});
   wire_bytes_this_step_.emplace(name, 0);  // a tensor with no remote partition pushes 0 bytes
 
   if (!blocks_active_) return;
@@ -59,27 +28,30 @@ void ProphetPolicy::OnTensorReady(const TensorReady& ready) {
 void ProphetPolicy::StartStep(int64_t origin_ns) {
   EndPhaseSpan(origin_ns);
   // Whatever the previous step left queued is sent first (see Dequeue).
-  for (TaskHeap& queue : block_queues_) queue.MoveAllTo(&overdue_queue_);
+  for (PriorityTaskQueue& queue : block_queues_) queue.MoveAllTo(&overdue_queue_);
   late_queue_.MoveAllTo(&overdue_queue_);
   credit_queue_.MoveAllTo(&overdue_queue_);
 
-  const uint64_t step = profiler_.steps_started();
-  pending_ready_.erase(std::remove_if(pending_ready_.begin(), pending_ready_.end(),
-                                      [step](const PendingReady& p) { return p.step + 2 <= step; }),
-                       pending_ready_.end());
-  for (auto it = name_of_request_.begin(); it != name_of_request_.end();) {
-    it = it->second.step + 2 <= step ? name_of_request_.erase(it) : std::next(it);
-  }
   wire_bytes_last_step_.swap(wire_bytes_this_step_);
   wire_bytes_this_step_.clear();
 
   step_origin_ns_ = origin_ns;
+  const uint64_t replans_before = replans_;
   MaybeReplan();
+  if (replans_ != replans_before) {
+    // The timeline marks where the plan changed and why (e.g. the link rate moved).
+    PhaseSpan replanned;
+    replanned.label = "re-plan: " + last_replan_reason_ + " -> " + plan_.Summary();
+    replanned.start_ns = replanned.end_ns = origin_ns;
+    replanned.instant = true;
+    finished_spans_.push_back(std::move(replanned));
+    if (finished_spans_.size() > 1024) finished_spans_.erase(finished_spans_.begin());
+  }
   blocks_active_ = has_plan_ && !plan_.blocks.empty();
   credit_phase_ = !blocks_active_;
   open_block_ = 0;
   ready_this_step_.clear();
-  block_queues_.assign(plan_.blocks.size(), TaskHeap());
+  block_queues_.assign(plan_.blocks.size(), PriorityTaskQueue());
   block_missing_.clear();
   for (const PlanBlock& block : plan_.blocks) {
     block_missing_.push_back(static_cast<int>(block.members.size()));
@@ -87,41 +59,35 @@ void ProphetPolicy::StartStep(int64_t origin_ns) {
 }
 
 void ProphetPolicy::MaybeReplan() {
-  if (!profiler_.has_profile() || !bandwidth_.has_estimate()) return;
+  if (!profiler_.has_profile() || !bandwidth()->has_estimate()) return;
   // Plan with the bytes this worker actually pushed per tensor (partitions it owns stay local).
   Profile profile = profiler_.profile();
   for (ProfiledTensor& tensor : profile.tensors) {
     auto it = wire_bytes_last_step_.find(tensor.name);
     if (it != wire_bytes_last_step_.end()) tensor.bytes = it->second;
   }
-  const double bandwidth = bandwidth_.estimate_Bps();
+  const double bandwidth_Bps = bandwidth()->estimate_Bps();
   if (!has_plan_) {
-    plan_ = MakePlan(profile, bandwidth);
+    plan_ = MakePlan(profile, bandwidth_Bps);
     has_plan_ = true;
+    bandwidth_moved_before_ = 0;
     return;
   }
-  std::string reason = ReplanReason(plan_, profile, bandwidth, options_.replan_threshold);
+  // A bandwidth change counts once two step starts in a row see it in the same direction: the
+  // estimate of a link shared with other workers' pushes and results, on a busy CPU, swings by
+  // +-40% from one step to the next around a steady rate, while a real change lasts. Until then
+  // the plan is judged (and made) at its own bandwidth; everything else counts at once.
+  const int bandwidth_moved = BandwidthMoved(plan_, bandwidth_Bps, options_.replan_threshold);
+  const bool confirmed = bandwidth_moved != 0 && bandwidth_moved == bandwidth_moved_before_;
+  bandwidth_moved_before_ = bandwidth_moved;
+  const double judged_Bps = bandwidth_moved != 0 && !confirmed ? plan_.bandwidth_Bps
+                                                               : bandwidth_Bps;
+  std::string reason = ReplanReason(plan_, profile, judged_Bps, options_.replan_threshold);
   if (reason.empty()) return;
-  plan_ = MakePlan(profile, bandwidth);
+  plan_ = MakePlan(profile, judged_Bps);
+  bandwidth_moved_before_ = 0;
   ++replans_;
   last_replan_reason_ = std::move(reason);
-}
-
-const std::string& ProphetPolicy::NameOf(const SendTask& task) {
-  // The TensorReady announcing this task's tensor has the same priority and ready time. Search
-  // it first (newest first) so that a request id reused by the engine is re-bound.
-  for (auto it = pending_ready_.rbegin(); it != pending_ready_.rend(); ++it) {
-    if (it->priority == task.priority && it->ready_ns == task.ready_ns) {
-      RequestName& entry = name_of_request_[task.request_id];
-      entry.name = it->name;
-      entry.step = it->step;
-      pending_ready_.erase(std::next(it).base());
-      return entry.name;
-    }
-  }
-  RequestName& entry = name_of_request_[task.request_id];
-  if (entry.step == 0) entry.step = profiler_.steps_started();  // unknown: sent in credit phase
-  return entry.name;
 }
 
 void ProphetPolicy::Enqueue(const SendTask& task) {
@@ -129,7 +95,7 @@ void ProphetPolicy::Enqueue(const SendTask& task) {
     overdue_queue_.Push(task);  // drained before blocks and credit phase alike
     return;
   }
-  const std::string& name = NameOf(task);
+  const std::string& name = task.name;
   const bool earlier_step = profiler_.steps_started() > 0 && task.ready_ns < step_origin_ns_;
   if (!earlier_step) wire_bytes_this_step_[name] += task.bytes;
 
@@ -192,7 +158,7 @@ std::vector<ProphetPolicy::PhaseSpan> ProphetPolicy::TakeSpans() {
 }
 
 void ProphetPolicy::EndBlocks() {
-  for (TaskHeap& queue : block_queues_) queue.MoveAllTo(&credit_queue_);
+  for (PriorityTaskQueue& queue : block_queues_) queue.MoveAllTo(&credit_queue_);
   late_queue_.MoveAllTo(&credit_queue_);
   open_block_ = static_cast<int>(block_queues_.size());
 }
@@ -203,11 +169,10 @@ int64_t ProphetPolicy::CreditDeadlineNs() const {
 }
 
 void ProphetPolicy::Dequeue(uint64_t credit_bytes, int64_t now_ns, std::vector<SendTask>* out) {
-  CreditWindow window;
-  window.credit = credit_bytes;
-  if (!Drain(&overdue_queue_, &window, out)) return;
+  CreditWindow window(credit_bytes);
+  if (!window.Release(&overdue_queue_, out)) return;
   if (!blocks_active_) {
-    Drain(&credit_queue_, &window, out);
+    window.Release(&credit_queue_, out);
     return;
   }
   if (!credit_phase_ && now_ns >= CreditDeadlineNs()) credit_phase_ = true;
@@ -216,7 +181,7 @@ void ProphetPolicy::Dequeue(uint64_t credit_bytes, int64_t now_ns, std::vector<S
   while (open_block_ < blocks) {
     // No preemption: the open block's queued partitions go before anything else.
     const size_t released_before = out->size();
-    const bool drained = Drain(&block_queues_[open_block_], &window, out);
+    const bool drained = window.Release(&block_queues_[open_block_], out);
     NoteReleased(*out, released_before, now_ns, open_block_);
     if (!drained) return;
     if (credit_phase_) {
@@ -230,12 +195,12 @@ void ProphetPolicy::Dequeue(uint64_t credit_bytes, int64_t now_ns, std::vector<S
     ++open_block_;
   }
   if (!credit_phase_) {
-    Drain(&late_queue_, &window, out);
+    window.Release(&late_queue_, out);
     return;  // the rest waits for the first layer
   }
   EndBlocks();
   const size_t released_before = out->size();
-  const bool drained = Drain(&credit_queue_, &window, out);
+  const bool drained = window.Release(&credit_queue_, out);
   NoteReleased(*out, released_before, now_ns, /*block=*/-1);
   if (drained) EndPhaseSpan(now_ns);
 }
@@ -249,13 +214,9 @@ std::string ProphetPolicy::BlockLabel(int block) const {
   return buffer;
 }
 
-void ProphetPolicy::OnTransferDone(const TransferDone& done) {
-  bandwidth_.OnTransfer(done.task.bytes, done.sent_ns, done.done_ns);
-}
-
 size_t ProphetPolicy::queued() const {
   size_t total = late_queue_.size() + credit_queue_.size() + overdue_queue_.size();
-  for (const TaskHeap& queue : block_queues_) total += queue.size();
+  for (const PriorityTaskQueue& queue : block_queues_) total += queue.size();
   return total;
 }
 
@@ -276,7 +237,7 @@ std::string ProphetPolicy::Describe() const {
     out += profiler_.has_profile() ? "priority order (no bandwidth estimate yet)"
                                    : "priority order (no profile yet)";
     char buffer[64];
-    std::snprintf(buffer, sizeof(buffer), ", %.1f MB/s", bandwidth_.estimate_Bps() / 1e6);
+    std::snprintf(buffer, sizeof(buffer), ", %.1f MB/s", bandwidth()->estimate_Bps() / 1e6);
     return out + buffer;
   }
   out += plan_.Summary();

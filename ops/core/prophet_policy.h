@@ -5,8 +5,11 @@
 //  - Before a profile and a bandwidth estimate exist (first steps), or when the plan has no block
 //    (e.g. all gradients ready at once), the policy behaves exactly like PriorityPolicy.
 //  - At the start of every step the plan is (re)made if none exists or if ReplanReason() says the
-//    plan no longer fits (bandwidth or a stage interval moved by more than replan_threshold,
-//    stages changed). Plans change only at step boundaries, so one step follows one plan.
+//    plan no longer fits: the bandwidth moved by more than replan_threshold (seen at two step
+//    starts in a row, in the same direction), tensors
+//    appeared or left, or the ready times moved so that a new plan is forecast to send the step
+//    clearly faster (a stage structure that only jitters keeps its plan). Plans change only at
+//    step boundaries, so one step follows one plan.
 //  - Blocks are sent one after another, in plan order (see planner.h for how they are formed):
 //      * the open block releases its members' partitions as soon as they are queued, highest
 //        priority first, under the byte credit; nothing else is released while any of them is
@@ -25,8 +28,7 @@
 //    than the re-plan threshold), the credit phase starts anyway at its expected ready offset
 //    x (1 + replan_threshold) (NextWakeupNs reports that time).
 //  - Tasks of an earlier step still queued when a step opens are sent first, in priority order.
-// Tasks are matched to tensor names through the TensorReady that precedes their Enqueue (same
-// priority and ready time; the request id then identifies later partitions).
+// Every SendTask carries its tensor's name, which places it in its block.
 #ifndef PROPHET_OPS_CORE_PROPHET_POLICY_H_
 #define PROPHET_OPS_CORE_PROPHET_POLICY_H_
 
@@ -34,10 +36,8 @@
 #include <memory>
 #include <set>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
-#include "ops/core/bandwidth.h"
 #include "ops/core/planner.h"
 #include "ops/core/profiler.h"
 #include "ops/core/scheduler.h"
@@ -45,8 +45,8 @@
 namespace prophet {
 
 struct ProphetOptions {
-  // Re-plan when the bandwidth or a stage interval moved by more than this fraction.
-  double replan_threshold = 0.2;
+  // Re-plan when the bandwidth moved by more than this fraction (see ReplanReason for the rest).
+  double replan_threshold = kDefaultReplanThreshold;
   ProfilerOptions profiler;
   BandwidthOptions bandwidth;
 };
@@ -59,7 +59,6 @@ class ProphetPolicy : public SchedulerPolicy {
   void OnTensorReady(const TensorReady& ready) override;
   void Enqueue(const SendTask& task) override;
   void Dequeue(uint64_t credit_bytes, int64_t now_ns, std::vector<SendTask>* out) override;
-  void OnTransferDone(const TransferDone& done) override;
   size_t queued() const override;
   int64_t NextWakeupNs() const override;
   std::string Describe() const override;
@@ -75,7 +74,7 @@ class ProphetPolicy : public SchedulerPolicy {
   uint64_t replans() const { return replans_; }
   const std::string& last_replan_reason() const { return last_replan_reason_; }
   const ReadyTimeProfiler& profiler() const { return profiler_; }
-  BandwidthMonitor* bandwidth() { return &bandwidth_; }
+  const ReadyTimeProfiler* ready_time_profiler() const override { return &profiler_; }
 
   // For the timeline's "block" track: when each block released its first task until it ended,
   // and the credit phase from its start until its queue ran empty (times are Dequeue's now_ns).
@@ -85,32 +84,8 @@ class ProphetPolicy : public SchedulerPolicy {
   std::vector<PolicySpan> TakeSpans() override;
 
  private:
-  // Max-heap on (priority, -enqueue_seq): the same order as PriorityPolicy.
-  class TaskHeap {
-   public:
-    void Push(const SendTask& task);
-    SendTask Pop();
-    const SendTask& top() const { return heap_.front(); }
-    bool empty() const { return heap_.empty(); }
-    size_t size() const { return heap_.size(); }
-    void MoveAllTo(TaskHeap* other);
-
-   private:
-    std::vector<SendTask> heap_;
-  };
-  // The engine's credit for one Dequeue call: the first task always goes when any credit is left
-  // (a task larger than the whole credit still moves), later ones only if they fit.
-  struct CreditWindow {
-    uint64_t credit = 0;
-    uint64_t used = 0;
-    bool released_any = false;
-  };
-  // Releases tasks from `heap` while the credit allows; true when `heap` is now empty.
-  static bool Drain(TaskHeap* heap, CreditWindow* window, std::vector<SendTask>* out);
-
   void StartStep(int64_t origin_ns);
   void MaybeReplan();
-  const std::string& NameOf(const SendTask& task);
   bool LaterBlockQueued() const;
   void EndBlocks();  // credit phase: what is left of the blocks joins the credit queue
   int64_t CreditDeadlineNs() const;
@@ -122,11 +97,11 @@ class ProphetPolicy : public SchedulerPolicy {
 
   ProphetOptions options_;
   ReadyTimeProfiler profiler_;
-  BandwidthMonitor bandwidth_;
 
   bool has_plan_ = false;
   Plan plan_;
   uint64_t replans_ = 0;
+  int bandwidth_moved_before_ = 0;  // BandwidthMoved at the previous step start
   std::string last_replan_reason_;
 
   // The open step.
@@ -134,27 +109,13 @@ class ProphetPolicy : public SchedulerPolicy {
   bool blocks_active_ = false;
   bool credit_phase_ = true;          // true = plain priority order
   int open_block_ = 0;                // == blocks.size() once every block ended
-  std::vector<TaskHeap> block_queues_;
+  std::vector<PriorityTaskQueue> block_queues_;
   std::vector<int> block_missing_;    // members of each block not yet ready in this step
   std::set<std::string> ready_this_step_;
-  TaskHeap late_queue_;     // members of closed blocks, when no block is open
-  TaskHeap credit_queue_;   // fallback order, and tensors sent in the credit phase
-  TaskHeap overdue_queue_;  // tasks of an earlier step
+  PriorityTaskQueue late_queue_;     // members of closed blocks, when no block is open
+  PriorityTaskQueue credit_queue_;   // fallback order, and tensors sent in the credit phase
+  PriorityTaskQueue overdue_queue_;  // tasks of an earlier step
 
-  // Task -> tensor name. TensorReady events wait here for their first partition.
-  // Both are forgotten two steps after they were made, which bounds their size.
-  struct PendingReady {
-    std::string name;
-    int64_t priority = 0;
-    int64_t ready_ns = 0;
-    uint64_t step = 0;
-  };
-  struct RequestName {
-    std::string name;
-    uint64_t step = 0;
-  };
-  std::vector<PendingReady> pending_ready_;
-  std::unordered_map<uint64_t, RequestName> name_of_request_;
   // Bytes this worker pushed per tensor (what the link carries, in the bandwidth's unit); the plan
   // uses the last complete step's values.
   std::map<std::string, uint64_t> wire_bytes_this_step_;

@@ -71,6 +71,8 @@ class Harness {
     request_names_[request] = name;
     for (int p = 0; p < layer.partitions; ++p) {
       SendTask task;
+      task.name = name;
+      task.round = round;
       task.request_id = request;
       task.partition = p;
       task.peer = 1;
@@ -94,6 +96,8 @@ class Harness {
     const uint64_t request = next_request_++;
     request_names_[request] = "metrics";
     SendTask task;
+    task.name = "metrics";
+    task.round = round;
     task.request_id = request;
     task.peer = 1;
     task.priority = kControlPriority;
@@ -315,6 +319,93 @@ TEST(ReplansWhenBandwidthDrops) {
     EXPECT_EQ(Members(plan.blocks[1]), std::string("g2"));
   }
   EXPECT_TRUE(h.policy().Describe().find("replans") != std::string::npos);
+  // The timeline gets one mark per re-plan, at the origin of the step that follows the new plan.
+  int marks = 0;
+  for (const ProphetPolicy::PhaseSpan& span : h.policy().TakeSpans()) {
+    if (!span.instant) continue;
+    ++marks;
+    EXPECT_TRUE(span.label.find("re-plan: bandwidth") == 0);
+    EXPECT_EQ(span.tasks, 0u);
+  }
+  EXPECT_EQ(static_cast<uint64_t>(marks), h.policy().replans());
+}
+
+// The CPU delays the backward ops by a different amount at every step: g4 is ready anywhere from
+// 0.1 to 5 ms, g3/g2 from 10 to 13 ms, g1/g0 from 20 to 23 ms. The profile's stage structure
+// moves with it (2 or 3 stages), but the plan made for the first profile sends every such step
+// as well as a new one would: no re-plan. Then the link slows down for real: re-plan.
+TEST(JitterDoesNotReplanButABandwidthChangeDoes) {
+  Harness h(120e6);
+  RunStepZero(&h);
+  uint64_t seed = 7;
+  auto jitter = [&seed](int64_t range_ns) {
+    seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
+    return static_cast<int64_t>((seed >> 33) % static_cast<uint64_t>(range_ns));
+  };
+  auto run_jittered_step = [&](uint64_t round) {
+    const int64_t g4 = kMs / 10 + jitter(5 * kMs);
+    const int64_t middle = 10 * kMs + jitter(3 * kMs);
+    const int64_t last = 20 * kMs + jitter(3 * kMs);
+    const std::pair<const char*, int64_t> order[] = {
+        {"g5", 0}, {"g4", g4}, {"g3", middle}, {"g2", middle + kMs / 10},
+        {"g1", last}, {"g0", last + kMs / 10}};
+    for (const auto& [name, offset] : order) {
+      h.Ready(name, round, offset);
+      h.Dequeue(kLargeCredit, round, offset);
+    }
+    h.Dequeue(kLargeCredit, round, 60 * kMs);  // the rest, before the next step
+  };
+  // The first plan comes from step 0's unjittered times; the first jittered steps may replace it
+  // once (the profile's window fills with jittered times), and then it must stay.
+  uint64_t round = 1;
+  for (; round <= 5; ++round) run_jittered_step(round);
+  const uint64_t settled_replans = h.policy().replans();
+  EXPECT_TRUE(settled_replans <= 1u);
+  int stage_count_changes = 0;
+  size_t stages = h.policy().profiler().profile().stages.size();
+  for (; round <= 40; ++round) {
+    run_jittered_step(round);
+    const size_t now = h.policy().profiler().profile().stages.size();
+    if (now != stages) ++stage_count_changes;
+    stages = now;
+  }
+  EXPECT_TRUE(h.policy().has_plan());
+  EXPECT_TRUE(stage_count_changes >= 5);  // the jitter did move the stage structure
+  EXPECT_EQ(h.policy().replans(), settled_replans);
+
+  // The link slows to 40 MB/s: the next plan follows within a few steps (the estimate needs
+  // samples of the slower link), whatever the jitter.
+  h.set_link_Bps(40e6);
+  const uint64_t changed_at = round;
+  while (h.policy().replans() == settled_replans && round < changed_at + 20) run_jittered_step(round++);
+  EXPECT_TRUE(h.policy().replans() > settled_replans);
+  EXPECT_TRUE(h.policy().last_replan_reason().find("bandwidth") == 0);
+  EXPECT_TRUE(h.policy().plan().bandwidth_Bps < 0.8 * 120e6);
+}
+
+// The bandwidth estimate swings from one step to the next (a link shared with the peer's traffic,
+// a busy CPU): the link alternates between 60 and 200 MB/s. A plan follows a change only when two
+// step starts in a row see it in the same direction, so the swings do not re-plan; a lasting
+// change does, one step later.
+TEST(ASwingingEstimateDoesNotReplan) {
+  Harness h(120e6);
+  RunStepZero(&h);
+  h.RunProfiledStep(1);
+  EXPECT_TRUE(h.policy().has_plan());
+  int swings = 0;  // step starts whose estimate is beyond the threshold from the plan's
+  for (uint64_t round = 2; round < 20; ++round) {
+    h.set_link_Bps(round % 2 == 0 ? 60e6 : 200e6);
+    h.RunProfiledStep(round);
+    const double estimate = h.policy().bandwidth()->estimate_Bps();
+    if (BandwidthMoved(h.policy().plan(), estimate, kDefaultReplanThreshold) != 0) ++swings;
+  }
+  EXPECT_TRUE(swings >= 5);
+  EXPECT_EQ(h.policy().replans(), 0u);
+  h.set_link_Bps(40e6);
+  uint64_t round = 20;
+  while (h.policy().replans() == 0 && round < 40) h.RunProfiledStep(round++);
+  EXPECT_TRUE(h.policy().replans() == 1u);
+  EXPECT_TRUE(h.policy().last_replan_reason().find("bandwidth") == 0);
 }
 
 TEST(PhaseSpansForTheTimeline) {

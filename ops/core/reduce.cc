@@ -1,6 +1,7 @@
 #include "ops/core/reduce.h"
 
 #include <cstring>
+#include <utility>
 
 namespace prophet {
 
@@ -94,6 +95,7 @@ bool SumInto(DataType dtype, void* dst, const void* src, size_t count) {
 }
 
 bool SumTo(DataType dtype, void* dst, const void* a, const void* b, size_t count) {
+  if (dst == b) std::swap(a, b);  // addition commutes, also in floating point
   switch (dtype) {
     case DataType::kFloat32:
       SumToLoop(static_cast<float*>(dst), static_cast<const float*>(a), static_cast<const float*>(b), count);

@@ -304,8 +304,8 @@ TEST(DivideByEveryDtype) {
   EXPECT_EQ(x[2], 0);
 }
 
-// SumTo(dst, a, b) = a + b, written to dst (also when dst aliases a): bit-identical to copying a
-// and then SumInto(b), for every dtype.
+// SumTo(dst, a, b) = a + b, written to dst (also when dst aliases a or b): bit-identical to
+// copying a and then SumInto(b), for every dtype.
 TEST(SumToMatchesCopyThenSumInto) {
   std::mt19937_64 rng(6);
   const DataType dtypes[] = {DataType::kFloat16, DataType::kBFloat16, DataType::kFloat32,
@@ -352,6 +352,9 @@ TEST(SumToMatchesCopyThenSumInto) {
       EXPECT_TRUE(dst == ref);
       alias = a;
       EXPECT_TRUE(SumTo(dtype, alias.data(), alias.data(), b.data(), n));  // dst == a
+      EXPECT_TRUE(alias == ref);
+      alias = b;
+      EXPECT_TRUE(SumTo(dtype, alias.data(), a.data(), alias.data(), n));  // dst == b (received in place)
       EXPECT_TRUE(alias == ref);
     }
   }

@@ -13,10 +13,23 @@
 #include <string>
 #include <vector>
 
+#include "ops/core/bandwidth.h"
+
 namespace prophet {
+
+class ReadyTimeProfiler;
+
+// The policies MakePolicy knows, and the one every entry point (EngineOptions, SchedulerOptions,
+// the Python package through the C API) uses when none is asked for.
+inline constexpr const char* kScheduleNames[] = {"prophet", "priority", "fifo"};
+inline constexpr char kDefaultSchedule[] = "prophet";
+// prophet: re-plan when the bandwidth or a stage interval moved by more than this fraction.
+constexpr double kDefaultReplanThreshold = 0.2;
 
 // One partition of one tensor waiting to be pushed to the rank that owns it.
 struct SendTask {
+  std::string name;         // the tensor's logical name, identical on every worker
+  uint64_t round = 0;       // how many times this worker submitted that name before
   uint64_t request_id = 0;  // engine's id of the operation
   int partition = 0;        // partition index inside the tensor
   int peer = 0;             // destination rank
@@ -43,20 +56,21 @@ struct TransferDone {
   int64_t done_ns = 0;      // last byte of the reply received
 };
 
-// A stretch of time a policy spent in one phase (a Prophet block, the credit phase), for the
-// timeline's "block" track.
+// A stretch of time a policy spent in one phase (a Prophet block, the credit phase), or a moment
+// (a re-plan), for the timeline's "block" track.
 struct PolicySpan {
   std::string label;
   int64_t start_ns = 0;
   int64_t end_ns = 0;
   size_t tasks = 0;   // tasks released during the span
   uint64_t bytes = 0;
+  bool instant = false;  // a moment at start_ns, not a stretch of time
 };
 
 // Priorities at or above this mark control traffic: small collectives a training step waits on
 // (metric state, loss-scale flags). Every policy sends them before any gradient, and Prophet
-// leaves them out of its profile (they are not gradients). ProphetStrategy's CONTROL_PRIORITY
-// has this value.
+// leaves them out of its profile (they are not gradients). Python reads this value through the
+// C API (prophet_tf/_library.py: ProphetStrategy's CONTROL_PRIORITY).
 constexpr int64_t kControlPriority = int64_t{1} << 40;
 
 // Priority order: true when `a` is less urgent than `b` (lower priority; among equals, the later
@@ -66,8 +80,60 @@ inline bool LessUrgent(const SendTask& a, const SendTask& b) {
   return a.enqueue_seq > b.enqueue_seq;
 }
 
+// A max-heap under LessUrgent: the most urgent task on top.
+class PriorityTaskQueue {
+ public:
+  void Push(const SendTask& task);
+  SendTask Pop();
+  const SendTask& top() const { return heap_.front(); }
+  bool empty() const { return heap_.empty(); }
+  size_t size() const { return heap_.size(); }
+  void MoveAllTo(PriorityTaskQueue* other);
+
+ private:
+  std::vector<SendTask> heap_;
+};
+
+// Arrival order.
+class FifoTaskQueue {
+ public:
+  void Push(const SendTask& task) { queue_.push_back(task); }
+  SendTask Pop();
+  const SendTask& top() const { return queue_.front(); }
+  bool empty() const { return queue_.empty(); }
+  size_t size() const { return queue_.size(); }
+
+ private:
+  std::deque<SendTask> queue_;
+};
+
+// The engine's byte credit for one Dequeue call: the first task goes whenever any credit is left
+// (so that a task larger than the whole credit still moves), later ones only while they fit.
+class CreditWindow {
+ public:
+  explicit CreditWindow(uint64_t credit_bytes) : credit_(credit_bytes) {}
+  bool Admits(uint64_t bytes) const { return credit_ > 0 && (used_ == 0 || used_ + bytes <= credit_); }
+
+  // Moves tasks from the top of `queue` to `out` while they are admitted; true when `queue` ran
+  // empty (false: the credit is used up).
+  template <typename TaskQueue>
+  bool Release(TaskQueue* queue, std::vector<SendTask>* out) {
+    while (!queue->empty()) {
+      if (!Admits(queue->top().bytes)) return false;
+      used_ += queue->top().bytes;
+      out->push_back(queue->Pop());
+    }
+    return true;
+  }
+
+ private:
+  uint64_t credit_;
+  uint64_t used_ = 0;
+};
+
 class SchedulerPolicy {
  public:
+  explicit SchedulerPolicy(const BandwidthOptions& bandwidth = BandwidthOptions()) : bandwidth_(bandwidth) {}
   virtual ~SchedulerPolicy() = default;
   virtual const char* name() const = 0;
 
@@ -80,7 +146,11 @@ class SchedulerPolicy {
   // engine calls again after the next event or at NextWakeupNs().
   virtual void Dequeue(uint64_t credit_bytes, int64_t now_ns, std::vector<SendTask>* out) = 0;
   // Feedback: a transfer finished (credit is returned by the engine, not by the policy).
-  virtual void OnTransferDone(const TransferDone& /*d*/) {}
+  void OnTransferDone(const TransferDone& d) { bandwidth_.OnTransfer(d.task.bytes, d.sent_ns, d.done_ns); }
+  // This worker's link goodput, measured from the completed transfers: the one estimate that both
+  // the planner and the timeline's bandwidth counter read.
+  BandwidthMonitor* bandwidth() { return &bandwidth_; }
+  const BandwidthMonitor* bandwidth() const { return &bandwidth_; }
   virtual size_t queued() const = 0;
   // Monotonic time at which Dequeue should be called again even without new events, or -1.
   virtual int64_t NextWakeupNs() const { return -1; }
@@ -88,40 +158,51 @@ class SchedulerPolicy {
   virtual std::string Describe() const { return name(); }
   // Drains the finished phase spans (policies without phases have none).
   virtual std::vector<PolicySpan> TakeSpans() { return {}; }
+  // When this worker's gradients become ready, if the policy profiles them (prophet), else null.
+  virtual const ReadyTimeProfiler* ready_time_profiler() const { return nullptr; }
+
+ private:
+  BandwidthMonitor bandwidth_;
 };
 
 // First come, first served: the order in which partitions became ready.
 class FifoPolicy : public SchedulerPolicy {
  public:
   const char* name() const override { return "fifo"; }
-  void Enqueue(const SendTask& task) override { queue_.push_back(task); }
+  void Enqueue(const SendTask& task) override { queue_.Push(task); }
   void Dequeue(uint64_t credit_bytes, int64_t now_ns, std::vector<SendTask>* out) override;
   size_t queued() const override { return queue_.size(); }
 
  private:
-  std::deque<SendTask> queue_;
+  FifoTaskQueue queue_;
 };
 
 // ByteScheduler / P3: the most urgent ready partition first, under the engine's byte credit.
 class PriorityPolicy : public SchedulerPolicy {
  public:
   const char* name() const override { return "priority"; }
-  void Enqueue(const SendTask& task) override;
+  void Enqueue(const SendTask& task) override { queue_.Push(task); }
   void Dequeue(uint64_t credit_bytes, int64_t now_ns, std::vector<SendTask>* out) override;
-  size_t queued() const override { return heap_.size(); }
+  size_t queued() const override { return queue_.size(); }
 
  private:
-  std::vector<SendTask> heap_;  // max-heap on (priority, -enqueue_seq)
+  PriorityTaskQueue queue_;
 };
 
+// The byte credit is not here: the engine applies it on every Dequeue call.
 struct SchedulerOptions {
-  std::string policy = "priority";  // fifo | priority | prophet
-  uint64_t credit_bytes = 16u << 20;
-  double replan_threshold = 0.2;  // prophet: re-plan when bandwidth or intervals move this much
+  std::string policy = kDefaultSchedule;  // one of kScheduleNames
+  double replan_threshold = kDefaultReplanThreshold;
 };
 
 // Returns nullptr and sets *error for an unknown policy name.
 std::unique_ptr<SchedulerPolicy> MakePolicy(const SchedulerOptions& options, std::string* error);
+
+// The policy's state for the Python package (ProphetStrategy(schedule="auto") decides from it):
+// {"schedule": ..., "bandwidth_Bps": ..., "bandwidth_samples": ..., "profile": null or
+//  {"steps_observed": ..., "step_origin_ns": ..., "tensors": [{"name", "priority", "bytes",
+//  "ready_offset_ns"}, ...]}}. step_origin_ns is the open step's first gradient (-1: none).
+std::string PolicyStateJson(const SchedulerPolicy& policy);
 
 }  // namespace prophet
 

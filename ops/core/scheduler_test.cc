@@ -209,7 +209,7 @@ TEST(MakePolicyByName) {
   p = MakePolicy(o, &error);
   EXPECT_TRUE(p != nullptr && std::string(p->name()) == "priority");
   EXPECT_TRUE(error.empty());
-  EXPECT_EQ(std::string(SchedulerOptions().policy), std::string("priority"));  // the default exists
+  EXPECT_EQ(std::string(SchedulerOptions().policy), std::string("prophet"));  // the default exists
   p = MakePolicy(SchedulerOptions(), &error);
   EXPECT_TRUE(p != nullptr);
   for (const char* bad : {"bytescheduler", "", "FIFO", "priority "}) {

@@ -6,6 +6,8 @@
 #include <cmath>
 #include <cstring>
 
+#include "ops/core/common.h"
+
 namespace prophet {
 
 namespace {
@@ -23,28 +25,6 @@ int64_t MonotonicNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
       .count();
-}
-
-void AppendEscaped(const std::string& text, std::string* out) {
-  out->push_back('"');
-  for (const char c : text) {
-    switch (c) {
-      case '"': out->append("\\\""); break;
-      case '\\': out->append("\\\\"); break;
-      case '\n': out->append("\\n"); break;
-      case '\r': out->append("\\r"); break;
-      case '\t': out->append("\\t"); break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          char buffer[8];
-          std::snprintf(buffer, sizeof(buffer), "\\u%04x", static_cast<unsigned>(c));
-          out->append(buffer);
-        } else {
-          out->push_back(c);
-        }
-    }
-  }
-  out->push_back('"');
 }
 
 // Nanoseconds as microseconds with three decimals, exactly (no double rounding).
@@ -65,7 +45,8 @@ bool LooksLikeJsonObject(const std::string& text) {
 
 }  // namespace
 
-bool Timeline::Open(const std::string& path, int rank, std::string* error) {
+bool Timeline::Open(const std::string& path, int rank, std::string* error,
+                    const std::string& process_label) {
   std::lock_guard<std::mutex> lock(mu_);
   if (file_ != nullptr) {
     *error = "timeline already open";
@@ -84,7 +65,9 @@ bool Timeline::Open(const std::string& path, int rank, std::string* error) {
   next_extra_track_id_ = 100;
 
   std::string event = "{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":" + std::to_string(rank) +
-                      ",\"args\":{\"name\":\"worker " + std::to_string(rank) + "\"}}";
+                      ",\"args\":{\"name\":";
+  AppendJsonString(process_label + " " + std::to_string(rank), &event);
+  event += "}}";
   AppendEventLocked(event);
   event = "{\"name\":\"process_sort_index\",\"ph\":\"M\",\"pid\":" + std::to_string(rank) +
           ",\"args\":{\"sort_index\":" + std::to_string(rank) + "}}";
@@ -109,7 +92,7 @@ int Timeline::TrackIdLocked(const char* track) {
   // Name the row and fix its position, once per track.
   std::string event = "{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":" + std::to_string(rank_) +
                       ",\"tid\":" + std::to_string(id) + ",\"args\":{\"name\":";
-  AppendEscaped(key, &event);
+  AppendJsonString(key, &event);
   event += "}}";
   AppendEventLocked(event);
   event = "{\"name\":\"thread_sort_index\",\"ph\":\"M\",\"pid\":" + std::to_string(rank_) +
@@ -131,9 +114,9 @@ void Timeline::WriteComplete(const char* track, const std::string& name, int64_t
   if (file_ == nullptr) return;  // closed since the enabled() check
   const int tid = TrackIdLocked(track);
   std::string event = "{\"name\":";
-  AppendEscaped(name, &event);
+  AppendJsonString(name, &event);
   event += ",\"cat\":";
-  AppendEscaped(track != nullptr ? track : "", &event);
+  AppendJsonString(track != nullptr ? track : "", &event);
   event += ",\"ph\":\"X\",\"ts\":";
   AppendMicros(start_ns, &event);
   event += ",\"dur\":";
@@ -145,7 +128,7 @@ void Timeline::WriteComplete(const char* track, const std::string& name, int64_t
       event += args_json;
     } else {
       event += "{\"detail\":";
-      AppendEscaped(args_json, &event);
+      AppendJsonString(args_json, &event);
       event += "}";
     }
   }
@@ -159,7 +142,7 @@ void Timeline::WriteInstant(const char* track, const std::string& name, int64_t 
   if (file_ == nullptr) return;
   const int tid = TrackIdLocked(track);
   std::string event = "{\"name\":";
-  AppendEscaped(name, &event);
+  AppendJsonString(name, &event);
   event += ",\"ph\":\"i\",\"s\":\"t\",\"ts\":";
   AppendMicros(ts_ns, &event);
   event += ",\"pid\":" + std::to_string(rank_) + ",\"tid\":" + std::to_string(tid) + "}";
@@ -172,7 +155,7 @@ void Timeline::WriteCounter(const char* name, int64_t ts_ns, double value) {
   std::lock_guard<std::mutex> lock(mu_);
   if (file_ == nullptr) return;
   std::string event = "{\"name\":";
-  AppendEscaped(name != nullptr ? name : "", &event);
+  AppendJsonString(name != nullptr ? name : "", &event);
   event += ",\"ph\":\"C\",\"ts\":";
   AppendMicros(ts_ns, &event);
   char value_text[40];

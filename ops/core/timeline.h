@@ -33,8 +33,10 @@ class Timeline {
   Timeline& operator=(const Timeline&) = delete;
 
   // Creates (truncates) `path`. False with *error set when it cannot be written or when a file is
-  // already open.
-  bool Open(const std::string& path, int rank, std::string* error);
+  // already open. The worker's process is named "<process_label> <rank>" (a simulated run's trace
+  // says "predicted worker 0", so that it is told apart from a real one drawn beside it).
+  bool Open(const std::string& path, int rank, std::string* error,
+            const std::string& process_label = "worker");
   bool enabled() const { return enabled_.load(std::memory_order_relaxed); }
 
   // A span on `track` (phase "X"). `args_json` is a JSON object ("{\"bytes\":4096}") shown in the

@@ -10,63 +10,767 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include <atomic>
+#include <algorithm>
 #include <cstring>
-#include <mutex>
-#include <thread>
+#include <list>
+#include <memory>
 
+#include "ops/core/handshake.h"
 #include "ops/core/wire.h"
 
 namespace prophet {
 
 namespace {
 
+constexpr int64_t kNsPerSecond = 1000000000;
+// One TCP connection attempt: a peer whose SYNs vanish is retried with a fresh socket (and a
+// fresh name resolution: in Kubernetes a pod's address appears when it starts).
+constexpr int64_t kAttemptTimeoutNs = 5 * kNsPerSecond;
+constexpr int64_t kProgressLogNs = 10 * kNsPerSecond;
+constexpr int64_t kPollSliceMs = 100;  // the deadline is honoured to within this
+// Incoming connections that have not sent a hello yet; beyond this the oldest is dropped, so a
+// flood cannot exhaust file descriptors while real peers still get through.
+constexpr size_t kMaxPendingIncoming = 512;
+constexpr int kDroppedLogLines = 5;
+
 std::string Errno(int err) { return std::string(std::strerror(err)); }
 
-// Reads or writes exactly `len` bytes on a blocking socket, giving up at `deadline_ns`.
-bool IoExact(int fd, void* buf, size_t len, bool write, int64_t deadline_ns) {
-  char* p = static_cast<char*>(buf);
+void SetNonBlocking(int fd) {
+  const int flags = ::fcntl(fd, F_GETFL, 0);
+  ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+}
+
+std::string SockaddrString(const sockaddr_storage& a) {
+  char host[INET6_ADDRSTRLEN] = "?";
+  int port = 0;
+  if (a.ss_family == AF_INET) {
+    const auto* in = reinterpret_cast<const sockaddr_in*>(&a);
+    ::inet_ntop(AF_INET, &in->sin_addr, host, sizeof(host));
+    port = ntohs(in->sin_port);
+    return std::string(host) + ":" + std::to_string(port);
+  }
+  if (a.ss_family == AF_INET6) {
+    const auto* in6 = reinterpret_cast<const sockaddr_in6*>(&a);
+    ::inet_ntop(AF_INET6, &in6->sin6_addr, host, sizeof(host));
+    port = ntohs(in6->sin6_port);
+    return "[" + std::string(host) + "]:" + std::to_string(port);
+  }
+  return "?";
+}
+
+// Every address `host` resolves to, with `port`.
+Status ResolveAll(const std::string& host, int port, bool passive, std::vector<sockaddr_storage>* out) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV | (passive ? AI_PASSIVE : 0);
+  addrinfo* res = nullptr;
+  const int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res);
+  if (rc != 0 || res == nullptr)
+    return Status(Code::kUnavailable, "cannot resolve host '" + host + "': " + gai_strerror(rc));
+  out->clear();
+  for (addrinfo* ai = res; ai != nullptr; ai = ai->ai_next) {
+    sockaddr_storage s{};
+    std::memcpy(&s, ai->ai_addr, ai->ai_addrlen);
+    out->push_back(s);
+  }
+  ::freeaddrinfo(res);
+  return Status::OK();
+}
+
+uint32_t HeartbeatMs(double heartbeat_s) { return static_cast<uint32_t>(heartbeat_s * 1000 + 0.5); }
+
+socklen_t SockaddrLen(const sockaddr_storage& a) {
+  return a.ss_family == AF_INET6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in);
+}
+
+// Sends all of a small handshake message on a non-blocking socket. Its send buffer is empty at
+// this point, so this does not wait in practice; the deadline bounds a peer that reads nothing.
+bool SendAll(int fd, const void* data, size_t len) {
+  const char* p = static_cast<const char*>(data);
+  const int64_t deadline = NowNs() + kNsPerSecond;
   while (len > 0) {
-    const int64_t left_ms = (deadline_ns - NowNs()) / 1000000;
-    if (left_ms <= 0) return false;
-    pollfd pfd{fd, static_cast<short>(write ? POLLOUT : POLLIN), 0};
-    const int r = ::poll(&pfd, 1, static_cast<int>(left_ms > 1000 ? 1000 : left_ms));
-    if (r < 0 && errno != EINTR) return false;
-    if (r <= 0) continue;
-    const ssize_t n = write ? ::send(fd, p, len, MSG_NOSIGNAL) : ::recv(fd, p, len, 0);
-    if (n == 0) return false;
-    if (n < 0) {
-      if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK) continue;
-      return false;
+    const ssize_t n = ::send(fd, p, len, MSG_NOSIGNAL);
+    if (n > 0) {
+      p += n;
+      len -= static_cast<size_t>(n);
+      continue;
     }
-    p += n;
-    len -= static_cast<size_t>(n);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) && NowNs() < deadline) {
+      pollfd pfd{fd, POLLOUT, 0};
+      ::poll(&pfd, 1, 10);
+      continue;
+    }
+    return false;
   }
   return true;
 }
 
-void SetNonBlocking(int fd, bool on) {
-  const int flags = ::fcntl(fd, F_GETFL, 0);
-  ::fcntl(fd, F_SETFL, on ? (flags | O_NONBLOCK) : (flags & ~O_NONBLOCK));
+enum class ReadResult { kPartial, kComplete, kClosed };
+
+// Reads up to `want` bytes in total into `buf` without reading past them: whatever follows on the
+// socket (the engine's first frames) stays there.
+ReadResult ReadUpTo(int fd, std::string* buf, size_t want, int* err) {
+  while (buf->size() < want) {
+    char chunk[512];
+    const size_t ask = std::min(sizeof(chunk), want - buf->size());
+    const ssize_t n = ::recv(fd, chunk, ask, 0);
+    if (n > 0) {
+      buf->append(chunk, static_cast<size_t>(n));
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return ReadResult::kPartial;
+    *err = n == 0 ? 0 : errno;
+    return ReadResult::kClosed;
+  }
+  return ReadResult::kComplete;
 }
 
-Status Resolve(const std::string& address, sockaddr_storage* out, socklen_t* out_len) {
+// One handshake in progress, in either direction.
+struct Session {
+  enum Stage {
+    kConnecting,     // outgoing: TCP connect in progress
+    kAwaitVerdict,   // outgoing: ClientHello sent, waiting for kChallenge or a rejection
+    kAwaitChallenge, // outgoing: nonce_a + mac_a
+    kAwaitFinal,     // outgoing: proof sent, waiting for the final verdict
+    kAwaitPrefix,    // incoming: the first bytes of a hello
+    kAwaitHello,     // incoming: the rest of the ClientHello
+    kAwaitProof,     // incoming: the connector's MAC
+  };
+  int fd = -1;
+  bool outgoing = false;
+  int peer = -1;  // outgoing: the rank dialled; incoming: the claimed rank, once known
+  Stage stage = kConnecting;
+  std::string in;
+  size_t want = 0;
+  int64_t deadline_ns = 0;
+  int64_t opened_ns = 0;
+  std::string from;  // remote address, for messages
+  ClientHello hello{};
+  uint8_t nonce_a[kNonceBytes] = {};
+  bool acceptor_proved_token = false;
+
+  void Expect(Stage next, size_t bytes) {
+    stage = next;
+    in.clear();
+    want = bytes;
+  }
+};
+
+// A lower rank this worker connects to.
+struct Dialled {
+  int64_t next_attempt_ns = 0;
+  int attempts = 0;
+  int refusals = 0;
+  // A TCP connection to it succeeded during this start-up: from then on a refusal means it died.
+  bool seen = false;
+  std::string last_problem;
+};
+
+// A connected, authenticated peer, until its kReady arrives.
+struct Connected {
+  int fd = -1;
+  std::string in;
+  bool have_header = false;
+  StartupNotice header{};
+  bool ready = false;
+};
+
+class Bootstrap {
+ public:
+  Bootstrap(const BootstrapOptions& o, int listen_fd)
+      : o_(o), n_(o.world_size), listen_fd_(listen_fd), dialled_(o.world_size), peers_(o.world_size) {
+    start_ns_ = NowNs();
+    deadline_ns_ = start_ns_ + static_cast<int64_t>(o.connect_timeout_s * 1e9);
+    handshake_ns_ = static_cast<int64_t>(o.handshake_timeout_s * 1e9);
+    next_progress_ns_ = start_ns_ + kProgressLogNs;
+  }
+
+  Status Run(std::vector<int>* fds);
+
+ private:
+  // --- connecting to lower ranks ---
+  void Dial(int peer, int64_t now);
+  void OnConnectFailed(int peer, int err);
+  void OnConnected(Session& s);
+  void OnOutgoingData(Session& s);
+  void RetryLater(Session& s, const std::string& problem);
+  // --- connections from higher ranks ---
+  void AcceptAll(int64_t now);
+  void OnIncomingData(Session& s);
+  void Drop(Session& s, const std::string& why);
+  void RejectFatal(Session& s, Code code, const std::string& to_peer, const std::string& here);
+  // --- after the handshake ---
+  void Establish(Session& s, int peer);
+  void OnNotice(int peer);
+  void SendReady();
+  // --- everything else ---
+  void Fatal(Code code, const std::string& message) {
+    if (fatal_.ok()) fatal_ = Status(code, message);
+  }
+  void Close(Session& s) {
+    if (s.fd >= 0) ::close(s.fd);
+    s.fd = -1;
+  }
+  void Expire(int64_t now);
+  std::string Waiting(bool final) const;
+  Status Failed(const Status& status);
+  void LogDropped() const;
+  bool AllConnected() const {
+    for (int r = 0; r < n_; ++r)
+      if (r != o_.rank && peers_[r].fd < 0) return false;
+    return true;
+  }
+  bool AllReady() const {
+    for (int r = 0; r < n_; ++r)
+      if (r != o_.rank && !peers_[r].ready) return false;
+    return true;
+  }
+  std::string Me() const { return "rank " + std::to_string(o_.rank) + " (" + o_.addresses[o_.rank] + ")"; }
+  std::string Rank(int r) const { return "rank " + std::to_string(r) + " at " + o_.addresses[r]; }
+
+  const BootstrapOptions& o_;
+  const int n_;
+  int listen_fd_;
+  int64_t start_ns_ = 0, deadline_ns_ = 0, handshake_ns_ = 0, next_progress_ns_ = 0;
+  std::vector<Dialled> dialled_;
+  std::vector<Connected> peers_;
+  std::list<Session> sessions_;
+  bool ready_sent_ = false;
+  Status fatal_;
+  int dropped_ = 0;
+  std::string first_drop_;
+};
+
+void Bootstrap::Dial(int peer, int64_t now) {
+  Dialled& d = dialled_[peer];
+  d.attempts++;
+  // Quick retries first (peers start within moments of each other), then a slower pace.
+  d.next_attempt_ns = now + (d.attempts < 20 ? 50 : 250) * int64_t{1000000};
   std::string host;
   int port = 0;
-  Status s = ParseAddress(address, &host, &port);
-  if (!s.ok()) return s;
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* res = nullptr;
-  const int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res);
-  if (rc != 0 || res == nullptr)
-    return Status(Code::kUnavailable, "cannot resolve host '" + host + "' of address '" + address +
-                                          "': " + gai_strerror(rc));
-  std::memcpy(out, res->ai_addr, res->ai_addrlen);
-  *out_len = res->ai_addrlen;
-  ::freeaddrinfo(res);
+  Status st = ParseAddress(o_.addresses[peer], &host, &port);
+  std::vector<sockaddr_storage> addrs;
+  if (st.ok()) st = ResolveAll(host, port, false, &addrs);
+  if (!st.ok()) {
+    // Name lookups block this thread: not more than one a second per peer.
+    d.next_attempt_ns = std::max(d.next_attempt_ns, now + kNsPerSecond);
+    d.last_problem = st.message();
+    return;
+  }
+  const sockaddr_storage& addr = addrs.front();
+  const int fd = ::socket(addr.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) {
+    d.last_problem = "socket(): " + Errno(errno);
+    return;
+  }
+  sessions_.emplace_back();
+  Session& s = sessions_.back();
+  s.fd = fd;
+  s.outgoing = true;
+  s.peer = peer;
+  s.from = SockaddrString(addr);
+  s.opened_ns = now;
+  s.stage = Session::kConnecting;
+  s.deadline_ns = std::min(deadline_ns_, now + kAttemptTimeoutNs);
+  if (::connect(fd, reinterpret_cast<const sockaddr*>(&addr), SockaddrLen(addr)) == 0) {
+    OnConnected(s);
+  } else if (errno != EINPROGRESS) {
+    const int err = errno;
+    Close(s);
+    OnConnectFailed(peer, err);
+  }
+}
+
+void Bootstrap::OnConnectFailed(int peer, int err) {
+  Dialled& d = dialled_[peer];
+  if (err == ECONNREFUSED) {
+    d.refusals++;
+    if (d.seen) {
+      Fatal(Code::kUnavailable,
+            Rank(peer) + " accepted a connection earlier in this start-up and now refuses connections: that "
+                         "worker exited, crashed or gave up during start-up; see its log");
+      return;
+    }
+    d.last_problem = "connection refused " + std::to_string(d.refusals) + " time(s): nothing listens there (yet)";
+    return;
+  }
+  d.last_problem = Errno(err);
+}
+
+void Bootstrap::OnConnected(Session& s) {
+  dialled_[s.peer].seen = true;
+  ClientHello& h = s.hello;
+  h.prefix = HelloPrefix{kFrameMagic, kProtocolVersion, 0};
+  h.rank = o_.rank;
+  h.world_size = n_;
+  h.acceptor_rank = s.peer;
+  h.heartbeat_ms = HeartbeatMs(o_.heartbeat_s);
+  Status st = RandomNonce(h.nonce);
+  if (!st.ok()) return Fatal(st.code(), st.message());
+  if (!SendAll(s.fd, &h, sizeof(h))) return RetryLater(s, "the connection closed before the handshake");
+  s.Expect(Session::kAwaitVerdict, sizeof(Verdict));
+  s.deadline_ns = std::min(deadline_ns_, NowNs() + handshake_ns_);
+}
+
+void Bootstrap::RetryLater(Session& s, const std::string& problem) {
+  dialled_[s.peer].last_problem = problem;
+  Close(s);
+}
+
+void Bootstrap::OnOutgoingData(Session& s) {
+  int err = 0;
+  const ReadResult r = ReadUpTo(s.fd, &s.in, s.want, &err);
+  if (r == ReadResult::kClosed)
+    return RetryLater(s, "rank " + std::to_string(s.peer) + " closed the connection during the handshake" +
+                             (err ? " (" + Errno(err) + ")" : ""));
+  if (r == ReadResult::kPartial) return;
+  const int peer = s.peer;
+  if (s.stage == Session::kAwaitVerdict || s.stage == Session::kAwaitFinal) {
+    Verdict v;
+    std::memcpy(&v, s.in.data(), sizeof(v));
+    v.reason[sizeof(v.reason) - 1] = '\0';
+    if (v.magic != kFrameMagic) {
+      Close(s);
+      return Fatal(Code::kFailedPrecondition,
+                   Rank(peer) + " is answered by something that is not a prophet_tf worker (bad magic in its reply): "
+                                "check the addresses in TF_CONFIG");
+    }
+    const auto status = static_cast<VerdictStatus>(v.status);
+    if (status == VerdictStatus::kRejected) {
+      Close(s);
+      return Fatal(Code::kFailedPrecondition, Rank(peer) + " rejected this worker: " + v.reason);
+    }
+    if (status == VerdictStatus::kAborted) {
+      Close(s);
+      return Fatal(Code::kUnavailable, "the start-up of the job failed on rank " + std::to_string(peer) + ": " + v.reason);
+    }
+    if (s.stage == Session::kAwaitVerdict && status == VerdictStatus::kChallenge) {
+      s.Expect(Session::kAwaitChallenge, sizeof(Challenge));
+      s.deadline_ns = std::min(deadline_ns_, NowNs() + handshake_ns_);
+      return;
+    }
+    if (s.stage == Session::kAwaitFinal && status == VerdictStatus::kAccepted && s.acceptor_proved_token)
+      return Establish(s, peer);
+    Close(s);
+    if (s.stage == Session::kAwaitFinal && status == VerdictStatus::kAccepted)
+      return Fatal(Code::kFailedPrecondition,
+                   "job token mismatch: " + Rank(peer) + " accepted this worker without proving that it holds the "
+                   "job token: it is not a worker of this job");
+    return Fatal(Code::kFailedPrecondition, Rank(peer) + " broke the handshake protocol (verdict " +
+                                                std::to_string(v.status) + "): is it the same prophet_tf version?");
+  }
+  if (s.stage == Session::kAwaitChallenge) {
+    Challenge c;
+    std::memcpy(&c, s.in.data(), sizeof(c));
+    std::memcpy(s.nonce_a, c.nonce, kNonceBytes);
+    const HandshakeParams params{n_, o_.rank, peer};
+    uint8_t expected[kMacBytes];
+    HandshakeMac(o_.token, HandshakeRole::kAcceptor, params, s.hello.nonce, c.nonce, expected);
+    s.acceptor_proved_token = MacEqual(expected, c.mac);
+    // The proof goes out even when the acceptor's did not verify: then the acceptor's check fails
+    // too, and both sides report the mismatch at once.
+    ClientProof proof;
+    HandshakeMac(o_.token, HandshakeRole::kConnector, params, s.hello.nonce, c.nonce, proof.mac);
+    if (!SendAll(s.fd, &proof, sizeof(proof)))
+      return RetryLater(s, "rank " + std::to_string(peer) + " closed the connection during the handshake");
+    s.Expect(Session::kAwaitFinal, sizeof(Verdict));
+    s.deadline_ns = std::min(deadline_ns_, NowNs() + handshake_ns_);
+    if (!s.acceptor_proved_token) {
+      // Wait for the acceptor's own verdict (it names the mismatch from its side) briefly.
+      s.deadline_ns = std::min(s.deadline_ns, NowNs() + kNsPerSecond);
+    }
+  }
+}
+
+void Bootstrap::AcceptAll(int64_t now) {
+  while (true) {
+    sockaddr_storage from{};
+    socklen_t from_len = sizeof(from);
+    const int fd = ::accept4(listen_fd_, reinterpret_cast<sockaddr*>(&from), &from_len, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) return;  // EAGAIN, or a connection that went away before we got to it
+    size_t pending = 0;
+    Session* oldest = nullptr;
+    for (Session& s : sessions_) {
+      if (s.outgoing || s.fd < 0 || s.stage != Session::kAwaitPrefix) continue;
+      pending++;
+      if (oldest == nullptr || s.opened_ns < oldest->opened_ns) oldest = &s;
+    }
+    if (pending >= kMaxPendingIncoming && oldest != nullptr)
+      Drop(*oldest, "dropped to make room: more than " + std::to_string(kMaxPendingIncoming) +
+                        " connections were waiting to send a handshake");
+    sessions_.emplace_back();
+    Session& s = sessions_.back();
+    s.fd = fd;
+    s.outgoing = false;
+    s.from = SockaddrString(from);
+    s.opened_ns = now;
+    s.Expect(Session::kAwaitPrefix, sizeof(HelloPrefix));
+    s.deadline_ns = std::min(deadline_ns_, now + handshake_ns_);
+  }
+}
+
+void Bootstrap::Drop(Session& s, const std::string& why) {
+  dropped_++;
+  const std::string line = "a connection from " + s.from + " " + why;
+  if (first_drop_.empty()) first_drop_ = line;
+  if (dropped_ <= kDroppedLogLines) PROPHET_WARN("start-up: dropped %s", line.c_str());
+  Close(s);
+}
+
+// A peer that speaks the protocol but cannot join this job: it is told why, and this start-up
+// fails too (the job cannot form while one of its workers is misconfigured).
+void Bootstrap::RejectFatal(Session& s, Code code, const std::string& to_peer, const std::string& here) {
+  const Verdict v = MakeVerdict(VerdictStatus::kRejected, to_peer);
+  SendAll(s.fd, &v, sizeof(v));
+  Close(s);
+  PROPHET_ERROR("start-up: rejected a connection from %s: %s", s.from.c_str(), here.c_str());
+  Fatal(code, here);
+}
+
+void Bootstrap::OnIncomingData(Session& s) {
+  int err = 0;
+  const ReadResult r = ReadUpTo(s.fd, &s.in, s.want, &err);
+  if (r == ReadResult::kClosed) {
+    if (s.stage == Session::kAwaitPrefix && s.in.empty()) {
+      Close(s);  // a port probe (connect, then close): not worth a line
+      dropped_++;
+      return;
+    }
+    return Drop(s, "closed during the handshake");
+  }
+  if (r == ReadResult::kPartial) return;
+  const std::string me = "rank " + std::to_string(o_.rank);
+  if (s.stage == Session::kAwaitPrefix) {
+    HelloPrefix p;
+    std::memcpy(&p, s.in.data(), sizeof(p));
+    if (p.magic != kFrameMagic) return Drop(s, "sent no prophet_tf handshake (bad magic)");
+    if (p.version != kProtocolVersion) {
+      return RejectFatal(
+          s, Code::kFailedPrecondition,
+          "protocol version " + std::to_string(p.version) + " but " + me + " speaks " +
+              std::to_string(kProtocolVersion) + ": install the same prophet_tf on every worker",
+          "a worker speaking protocol version " + std::to_string(p.version) + " connected from " + s.from +
+              ", but this worker speaks version " + std::to_string(kProtocolVersion) +
+              ": install the same prophet_tf on every worker");
+    }
+    s.hello.prefix = p;
+    s.Expect(Session::kAwaitHello, sizeof(ClientHello) - sizeof(HelloPrefix));
+    return;
+  }
+  if (s.stage == Session::kAwaitHello) {
+    std::memcpy(reinterpret_cast<char*>(&s.hello) + sizeof(HelloPrefix), s.in.data(), s.in.size());
+    const ClientHello& h = s.hello;
+    s.peer = h.rank;
+    const std::string who = "rank " + std::to_string(h.rank) + " (from " + s.from + ")";
+    if (h.world_size != n_)
+      return RejectFatal(s, Code::kFailedPrecondition,
+                         "world size " + std::to_string(h.world_size) + " but " + me + " was started with " +
+                             std::to_string(n_) + ": every worker needs the same TF_CONFIG cluster",
+                         who + " was started with world size " + std::to_string(h.world_size) +
+                             " but this worker with " + std::to_string(n_) +
+                             ": every worker needs the same TF_CONFIG cluster");
+    if (h.acceptor_rank != o_.rank)
+      return RejectFatal(s, Code::kFailedPrecondition,
+                         "you connected to " + o_.addresses[o_.rank] + " expecting rank " +
+                             std::to_string(h.acceptor_rank) + ", but that is " + me +
+                             ": the cluster addresses differ between the workers",
+                         who + " connected here expecting rank " + std::to_string(h.acceptor_rank) +
+                             ", but this worker is " + me + ": the cluster addresses differ between the workers");
+    if (h.heartbeat_ms != HeartbeatMs(o_.heartbeat_s))
+      return RejectFatal(s, Code::kFailedPrecondition,
+                         "heartbeat_s " + SecondsString(h.heartbeat_ms / 1e3) + " but " + me + " uses " +
+                             SecondsString(o_.heartbeat_s) + ": every worker needs the same heartbeat_s",
+                         who + " uses heartbeat_s " + SecondsString(h.heartbeat_ms / 1e3) + " but this worker " +
+                             SecondsString(o_.heartbeat_s) + ": every worker needs the same heartbeat_s");
+    if (h.rank <= o_.rank || h.rank >= n_)
+      return RejectFatal(s, Code::kFailedPrecondition,
+                         "rank " + std::to_string(h.rank) + " cannot connect to " + me +
+                             " (only higher ranks connect to lower ones): do two workers have the same task index?",
+                         who + " connected to this worker (" + me + "), but only ranks " +
+                             std::to_string(o_.rank + 1) + ".." + std::to_string(n_ - 1) +
+                             " connect here: do two workers have the same task index?");
+    Status st = RandomNonce(s.nonce_a);
+    if (!st.ok()) return Fatal(st.code(), st.message());
+    const Verdict v = MakeVerdict(VerdictStatus::kChallenge);
+    Challenge c;
+    std::memcpy(c.nonce, s.nonce_a, kNonceBytes);
+    HandshakeMac(o_.token, HandshakeRole::kAcceptor, HandshakeParams{n_, h.rank, o_.rank}, h.nonce, s.nonce_a, c.mac);
+    std::string out(reinterpret_cast<const char*>(&v), sizeof(v));
+    out.append(reinterpret_cast<const char*>(&c), sizeof(c));
+    if (!SendAll(s.fd, out.data(), out.size())) return Drop(s, "closed during the handshake");
+    s.Expect(Session::kAwaitProof, sizeof(ClientProof));
+    s.deadline_ns = std::min(deadline_ns_, NowNs() + handshake_ns_);
+    return;
+  }
+  // kAwaitProof
+  ClientProof proof;
+  std::memcpy(&proof, s.in.data(), sizeof(proof));
+  uint8_t expected[kMacBytes];
+  HandshakeMac(o_.token, HandshakeRole::kConnector, HandshakeParams{n_, s.peer, o_.rank}, s.hello.nonce, s.nonce_a,
+               expected);
+  const std::string who = "rank " + std::to_string(s.peer) + " (from " + s.from + ")";
+  if (!MacEqual(expected, proof.mac))
+    return RejectFatal(s, Code::kFailedPrecondition,
+                       "job token mismatch: " + me + " could not verify your proof of the job token; "
+                       "PROPHET_JOB_TOKEN must be identical on every worker",
+                       "job token mismatch: " + who + " could not prove that it holds this job's token: its "
+                       "PROPHET_JOB_TOKEN differs from this worker's (or the connection replayed a recorded "
+                       "handshake); PROPHET_JOB_TOKEN must be identical on every worker");
+  if (peers_[s.peer].fd >= 0) {
+    // Authenticated, but the rank is taken: keep the first, refuse the second, say so.
+    const Verdict v = MakeVerdict(VerdictStatus::kRejected,
+                                  "rank " + std::to_string(s.peer) + " is already connected to " + me +
+                                      ": do two workers have the same task index?");
+    SendAll(s.fd, &v, sizeof(v));
+    PROPHET_WARN("start-up: rejected a second connection claiming %s: that rank is already connected "
+                 "(two workers with the same task index?)", who.c_str());
+    Close(s);
+    return;
+  }
+  const Verdict v = MakeVerdict(VerdictStatus::kAccepted);
+  if (!SendAll(s.fd, &v, sizeof(v))) return Drop(s, "closed during the handshake");
+  Establish(s, s.peer);
+}
+
+void Bootstrap::Establish(Session& s, int peer) {
+  peers_[peer].fd = s.fd;
+  s.fd = -1;
+}
+
+void Bootstrap::SendReady() {
+  ready_sent_ = true;
+  StartupNotice ready{kStartupNoticeMagic, static_cast<uint8_t>(NoticeKind::kReady), 0, 0};
+  for (int r = 0; r < n_; ++r)
+    if (peers_[r].fd >= 0 && !SendAll(peers_[r].fd, &ready, sizeof(ready)))
+      Fatal(Code::kUnavailable, Rank(r) + " closed its connection during start-up: that worker exited, crashed "
+                                          "or gave up; see its log");
+}
+
+void Bootstrap::OnNotice(int peer) {
+  Connected& c = peers_[peer];
+  int err = 0;
+  const size_t want = c.have_header ? sizeof(StartupNotice) + c.header.reason_len : sizeof(StartupNotice);
+  const ReadResult r = ReadUpTo(c.fd, &c.in, want, &err);
+  if (r == ReadResult::kClosed)
+    return Fatal(Code::kUnavailable, Rank(peer) + " closed its connection during start-up" +
+                                         (err ? " (" + Errno(err) + ")" : "") +
+                                         ": that worker exited, crashed or gave up; see its log");
+  if (r == ReadResult::kPartial) return;
+  if (!c.have_header) {
+    std::memcpy(&c.header, c.in.data(), sizeof(StartupNotice));
+    if (c.header.magic != kStartupNoticeMagic || c.header.reason_len > kMaxNoticeReasonBytes ||
+        (c.header.kind != static_cast<uint8_t>(NoticeKind::kReady) &&
+         c.header.kind != static_cast<uint8_t>(NoticeKind::kAbort)))
+      return Fatal(Code::kInternal, Rank(peer) + " sent an invalid start-up notice");
+    c.have_header = true;
+    if (c.header.reason_len > 0) return OnNotice(peer);  // the reason may already be here
+  }
+  if (c.header.kind == static_cast<uint8_t>(NoticeKind::kAbort)) {
+    const std::string reason = c.in.substr(sizeof(StartupNotice));
+    const Code code = c.header.code == static_cast<uint8_t>(Code::kDeadlineExceeded) ? Code::kDeadlineExceeded
+                      : c.header.code == static_cast<uint8_t>(Code::kFailedPrecondition) ? Code::kFailedPrecondition
+                                                                                         : Code::kUnavailable;
+    return Fatal(code, "the start-up of the job failed on rank " + std::to_string(peer) + ": " + reason);
+  }
+  c.ready = true;
+}
+
+void Bootstrap::Expire(int64_t now) {
+  for (Session& s : sessions_) {
+    if (s.fd < 0 || now < s.deadline_ns) continue;
+    if (!s.outgoing) {
+      Drop(s, "sent no complete handshake within " + SecondsString(o_.handshake_timeout_s));
+      continue;
+    }
+    if (s.stage == Session::kConnecting) {
+      RetryLater(s, "no answer to the connection request within " +
+                        SecondsString(static_cast<double>(kAttemptTimeoutNs) / kNsPerSecond) +
+                        " (packets dropped: a firewall, a wrong address, or the host is down)");
+    } else if (s.stage == Session::kAwaitFinal && !s.acceptor_proved_token) {
+      Close(s);
+      Fatal(Code::kFailedPrecondition,
+            "job token mismatch: " + Rank(s.peer) + " could not prove that it holds this job's token: "
+            "PROPHET_JOB_TOKEN must be identical on every worker (or that address is not a worker of this job)");
+    } else {
+      RetryLater(s, "the connection was accepted but rank " + std::to_string(s.peer) +
+                        " did not complete the handshake within " + SecondsString(o_.handshake_timeout_s) +
+                        " (a stopped or hung process, or not a prophet_tf worker)");
+    }
+  }
+}
+
+// What start-up is still waiting for, e.g. for the timeout message or the progress log.
+std::string Bootstrap::Waiting(bool final) const {
+  std::string out;
+  auto add = [&](const std::string& part) { out += (out.empty() ? "" : "; ") + part; };
+  const std::string within = final ? " within " + SecondsString(o_.connect_timeout_s) : " yet";
+  for (int r = 0; r < o_.rank; ++r) {
+    if (peers_[r].fd >= 0) continue;
+    const Dialled& d = dialled_[r];
+    add("could not connect to " + Rank(r) + within + " (" + std::to_string(d.attempts) + " attempts" +
+        (d.last_problem.empty() ? "" : "; last problem: " + d.last_problem) +
+        "): is that worker started, with the same TF_CONFIG, and reachable?");
+  }
+  std::string missing;
+  for (int r = o_.rank + 1; r < n_; ++r)
+    if (peers_[r].fd < 0) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+  if (!missing.empty())
+    add("rank(s) " + missing + " did not connect to this worker (" + o_.addresses[o_.rank] + ")" + within +
+        ": are they started with the same TF_CONFIG and PROPHET_JOB_TOKEN?");
+  if (out.empty()) {
+    std::string unready;
+    for (int r = 0; r < n_; ++r)
+      if (r != o_.rank && !peers_[r].ready) unready += (unready.empty() ? "" : ", ") + std::to_string(r);
+    add("every worker connected to this one, but rank(s) " + unready + " did not finish connecting to the others" +
+        within + " (see their logs)");
+  }
+  return out;
+}
+
+void Bootstrap::LogDropped() const {
+  if (dropped_ > kDroppedLogLines)
+    PROPHET_WARN("start-up: dropped %d connections in all that were not workers of this job (the first: %s)",
+                 dropped_, first_drop_.c_str());
+}
+
+Status Bootstrap::Failed(const Status& status) {
+  // Tell the connected peers why, so that they fail now too instead of at their deadline.
+  const std::string reason = status.message().substr(0, kMaxNoticeReasonBytes);
+  StartupNotice abort{kStartupNoticeMagic, static_cast<uint8_t>(NoticeKind::kAbort),
+                      static_cast<uint8_t>(status.code()), static_cast<uint16_t>(reason.size())};
+  std::string notice(reinterpret_cast<const char*>(&abort), sizeof(abort));
+  notice += reason;
+  for (Connected& c : peers_) {
+    if (c.fd < 0) continue;
+    SendAll(c.fd, notice.data(), notice.size());
+    ::close(c.fd);
+    c.fd = -1;
+  }
+  // Connectors in the middle of their handshake, or still in the listen queue, hear it too.
+  if (listen_fd_ >= 0) AcceptAll(NowNs());
+  const Verdict v = MakeVerdict(VerdictStatus::kAborted, status.message());
+  for (Session& s : sessions_) {
+    if (s.fd >= 0 && !s.outgoing) SendAll(s.fd, &v, sizeof(v));
+    Close(s);
+  }
+  LogDropped();
+  return status;
+}
+
+Status Bootstrap::Run(std::vector<int>* fds) {
+  std::vector<pollfd> pfds;
+  std::vector<Session*> owners;  // parallel to pfds: the session, or nullptr
+  std::vector<int> notice_peer;  // parallel to pfds: the connected peer, or -1
+  while (true) {
+    int64_t now = NowNs();
+    if (!fatal_.ok()) return Failed(fatal_);
+    if (!ready_sent_ && AllConnected()) SendReady();
+    if (!fatal_.ok()) return Failed(fatal_);
+    if (ready_sent_ && AllReady()) break;
+    if (now >= deadline_ns_) return Failed(Status(Code::kDeadlineExceeded, Waiting(true)));
+    if (now >= next_progress_ns_) {
+      PROPHET_WARN("start-up: still waiting after %.0f s (connect_timeout_s %s): %s", (now - start_ns_) / 1e9,
+                   SecondsString(o_.connect_timeout_s).c_str(), Waiting(false).c_str());
+      next_progress_ns_ = now + kProgressLogNs;
+    }
+    for (int r = 0; r < o_.rank; ++r) {
+      if (peers_[r].fd >= 0 || now < dialled_[r].next_attempt_ns) continue;
+      const bool dialling = std::any_of(sessions_.begin(), sessions_.end(),
+                                        [r](const Session& s) { return s.fd >= 0 && s.outgoing && s.peer == r; });
+      if (!dialling) Dial(r, now);
+    }
+    if (!fatal_.ok()) continue;
+    sessions_.remove_if([](const Session& s) { return s.fd < 0; });
+
+    pfds.clear();
+    owners.clear();
+    notice_peer.clear();
+    int64_t wake_ns = std::min(deadline_ns_, now + kPollSliceMs * 1000000);
+    if (listen_fd_ >= 0) {
+      pfds.push_back({listen_fd_, POLLIN, 0});
+      owners.push_back(nullptr);
+      notice_peer.push_back(-1);
+    }
+    for (Session& s : sessions_) {
+      pfds.push_back({s.fd, static_cast<short>(s.stage == Session::kConnecting ? POLLOUT : POLLIN), 0});
+      owners.push_back(&s);
+      notice_peer.push_back(-1);
+      wake_ns = std::min(wake_ns, s.deadline_ns);
+    }
+    for (int r = 0; r < n_; ++r) {
+      // A peer that is ready may already be sending the engine's frames: leave them unread.
+      if (peers_[r].fd < 0 || peers_[r].ready) continue;
+      pfds.push_back({peers_[r].fd, POLLIN, 0});
+      owners.push_back(nullptr);
+      notice_peer.push_back(r);
+    }
+    for (int r = 0; r < o_.rank; ++r)
+      if (peers_[r].fd < 0) wake_ns = std::min(wake_ns, std::max(now, dialled_[r].next_attempt_ns));
+    const int timeout_ms = static_cast<int>(std::max<int64_t>(0, (wake_ns - now + 999999) / 1000000));
+    const int ready = ::poll(pfds.data(), pfds.size(), timeout_ms);
+    if (ready < 0 && errno != EINTR) return Failed(Status(Code::kInternal, "poll(): " + Errno(errno)));
+    now = NowNs();
+    for (size_t i = 0; ready > 0 && i < pfds.size() && fatal_.ok(); ++i) {
+      if (pfds[i].revents == 0) continue;
+      if (notice_peer[i] >= 0) {
+        OnNotice(notice_peer[i]);
+        continue;
+      }
+      Session* s = owners[i];
+      if (s == nullptr) {
+        AcceptAll(now);
+        continue;
+      }
+      if (s->fd < 0) continue;  // closed by an earlier event of this round
+      if (s->stage == Session::kConnecting) {
+        int err = 0;
+        socklen_t len = sizeof(err);
+        ::getsockopt(s->fd, SOL_SOCKET, SO_ERROR, &err, &len);
+        if (err == 0) {
+          OnConnected(*s);
+        } else {
+          const int peer = s->peer;
+          Close(*s);
+          OnConnectFailed(peer, err);
+        }
+      } else if (s->outgoing) {
+        OnOutgoingData(*s);
+      } else {
+        OnIncomingData(*s);
+      }
+    }
+    if (fatal_.ok()) Expire(NowNs());
+  }
+  LogDropped();
+  for (Session& s : sessions_) Close(s);
+  fds->assign(n_, -1);
+  for (int r = 0; r < n_; ++r) (*fds)[r] = peers_[r].fd;
   return Status::OK();
+}
+
+int OpenListener(const sockaddr_storage& addr, int* err) {
+  const int fd = ::socket(addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) {
+    *err = errno;
+    return -1;
+  }
+  int one = 1, zero = 0;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  if (addr.ss_family == AF_INET6) {
+    const auto* in6 = reinterpret_cast<const sockaddr_in6*>(&addr);
+    // The IPv6 wildcard also takes IPv4 connections.
+    if (IN6_IS_ADDR_UNSPECIFIED(&in6->sin6_addr)) ::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero));
+  }
+  if (::bind(fd, reinterpret_cast<const sockaddr*>(&addr), SockaddrLen(addr)) != 0 || ::listen(fd, SOMAXCONN) != 0) {
+    *err = errno;
+    ::close(fd);
+    return -1;
+  }
+  SetNonBlocking(fd);
+  return fd;
 }
 
 }  // namespace
@@ -103,182 +807,72 @@ Status Listen(const BootstrapOptions& o, int* listen_fd) {
   int port = 0;
   Status s = ParseAddress(o.addresses[o.rank], &host, &port);
   if (!s.ok()) return s;
-  // Listen on every interface: in Kubernetes the address in TF_CONFIG is a service name that
-  // resolves to an address the pod cannot bind.
-  const int fd = ::socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  int fd4 = -1;
-  int use_fd = fd;
-  int zero = 0, one = 1;
+  const std::string where = "rank " + std::to_string(o.rank) + ", address " + o.addresses[o.rank];
+  const bool chosen = !o.bind_host.empty();
+  std::vector<sockaddr_storage> candidates;
+  s = ResolveAll(chosen ? o.bind_host : host, port, /*passive=*/true, &candidates);
+  if (!s.ok() && chosen)
+    return Status(Code::kInvalidArgument, "bind_host (PROPHET_BIND_HOST) '" + o.bind_host + "': " + s.message());
+  int err = 0;
+  int fd = -1;
+  std::string tried;
+  for (const sockaddr_storage& a : candidates) {
+    fd = OpenListener(a, &err);
+    if (fd >= 0) break;
+    tried += (tried.empty() ? "" : ", ") + SockaddrString(a);
+    if (err != EADDRNOTAVAIL) break;
+  }
+  if (fd < 0 && !chosen && (!s.ok() || err == EADDRNOTAVAIL)) {
+    // Kubernetes and other NATed set-ups name a worker by an address the worker itself cannot own
+    // (a Service); its peers reach it through that name while it listens on its own interfaces.
+    PROPHET_WARN("%s: '%s' %s, so this worker listens on every interface (port %d) instead; peers are still "
+                 "authenticated by the job token. Set PROPHET_BIND_HOST (runtime option bind_host) to this machine's "
+                 "own address (e.g. the pod IP) to listen on that one only.",
+                 where.c_str(), host.c_str(),
+                 s.ok() ? ("resolves to " + tried + ", which is not an address of this machine").c_str()
+                        : ("does not resolve here (" + s.message() + ")").c_str(),
+                 port);
+    sockaddr_storage any{};
+    auto* in6 = reinterpret_cast<sockaddr_in6*>(&any);
+    in6->sin6_family = AF_INET6;
+    in6->sin6_addr = in6addr_any;
+    in6->sin6_port = htons(static_cast<uint16_t>(port));
+    fd = OpenListener(any, &err);
+    if (fd < 0 && err == EAFNOSUPPORT) {  // a host without IPv6
+      sockaddr_storage any4{};
+      auto* in4 = reinterpret_cast<sockaddr_in*>(&any4);
+      in4->sin_family = AF_INET;
+      in4->sin_addr.s_addr = htonl(INADDR_ANY);
+      in4->sin_port = htons(static_cast<uint16_t>(port));
+      fd = OpenListener(any4, &err);
+    }
+  }
   if (fd >= 0) {
-    ::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero));
-  } else {
-    fd4 = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    use_fd = fd4;
+    *listen_fd = fd;
+    return Status::OK();
   }
-  if (use_fd < 0) return Status(Code::kInternal, "socket(): " + Errno(errno));
-  ::setsockopt(use_fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  int rc;
-  if (use_fd == fd) {
-    sockaddr_in6 addr{};
-    addr.sin6_family = AF_INET6;
-    addr.sin6_addr = in6addr_any;
-    addr.sin6_port = htons(static_cast<uint16_t>(port));
-    rc = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  } else {
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_ANY);
-    addr.sin_port = htons(static_cast<uint16_t>(port));
-    rc = ::bind(fd4, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  }
-  if (rc != 0) {
-    const int err = errno;
-    ::close(use_fd);
-    if (err == EADDRINUSE)
-      return Status(Code::kUnavailable,
-                    "port " + std::to_string(port) + " (rank " + std::to_string(o.rank) + ", address " +
-                        o.addresses[o.rank] +
-                        ") is already in use: another process holds it (a stale worker? see `ss -ltnp "
-                        "'sport = :" + std::to_string(port) + "'`); stop it or choose another port in TF_CONFIG");
-    return Status(Code::kUnavailable, "cannot bind port " + std::to_string(port) + ": " + Errno(err));
-  }
-  if (::listen(use_fd, 128) != 0) {
-    const int err = errno;
-    ::close(use_fd);
-    return Status(Code::kUnavailable, "listen(): " + Errno(err));
-  }
-  *listen_fd = use_fd;
-  return Status::OK();
+  if (err == EADDRINUSE)
+    return Status(Code::kUnavailable,
+                  "port " + std::to_string(port) + " (" + where +
+                      ") is already in use: another process holds it (a stale worker? see `ss -ltnp "
+                      "'sport = :" + std::to_string(port) + "'`); stop it or choose another port in TF_CONFIG");
+  if (err == EADDRNOTAVAIL)
+    return Status(Code::kInvalidArgument, "cannot listen on bind_host (PROPHET_BIND_HOST) '" + o.bind_host +
+                                              "' (" + tried + "): it is not an address of this machine");
+  return Status(Code::kUnavailable, "cannot listen on " + (tried.empty() ? host : tried) + " port " +
+                                        std::to_string(port) + " (" + where + "): " + Errno(err));
 }
 
 Status ConnectAll(const BootstrapOptions& o, int listen_fd, std::vector<int>* fds) {
-  const int n = o.world_size;
-  fds->assign(n, -1);
-  const int64_t deadline = NowNs() + static_cast<int64_t>(o.connect_timeout_s * 1e9);
-  const uint64_t token_hash = HashString(o.token);
-  std::mutex mu;
-  std::string accept_error;
-  std::atomic<int> accepted{0};
-  const int expected_accepts = n - 1 - o.rank;  // ranks above us connect to us
-
-  // Accept connections from higher ranks on a helper thread while we connect to lower ranks.
-  std::thread acceptor([&] {
-    while (accepted.load() < expected_accepts && NowNs() < deadline) {
-      pollfd pfd{listen_fd, POLLIN, 0};
-      if (::poll(&pfd, 1, 200) <= 0) continue;
-      const int fd = ::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
-      if (fd < 0) continue;
-      Hello hello{};
-      HelloReply reply{};
-      reply.magic = kFrameMagic;
-      reply.version = kProtocolVersion;
-      // A silent or slow client gets a few seconds, not the whole bootstrap.
-      if (!IoExact(fd, &hello, sizeof(hello), false, std::min(deadline, NowNs() + int64_t{5000000000}))) {
-        PROPHET_WARN("dropped an incoming connection that sent no valid handshake");
-        ::close(fd);
-        continue;
-      }
-      std::string reason;
-      if (hello.magic != kFrameMagic) {
-        reason = "not a prophet_tf peer (bad magic)";
-      } else if (hello.version != kProtocolVersion) {
-        reason = "protocol version " + std::to_string(hello.version) + " but this worker speaks " +
-                 std::to_string(kProtocolVersion) + ": install the same prophet_tf on every worker";
-      } else if (hello.world_size != n) {
-        reason = "world size " + std::to_string(hello.world_size) + " but this worker was started with " +
-                 std::to_string(n) + ": every worker needs the same TF_CONFIG cluster";
-      } else if (hello.token_hash != token_hash) {
-        reason = "job token mismatch: PROPHET_JOB_TOKEN differs between workers (a worker of another job?)";
-      } else if (hello.rank <= o.rank || hello.rank >= n) {
-        reason = "unexpected rank " + std::to_string(hello.rank);
-      } else {
-        std::lock_guard<std::mutex> lock(mu);
-        if ((*fds)[hello.rank] != -1) reason = "rank " + std::to_string(hello.rank) + " is already connected";
-      }
-      reply.accepted = reason.empty() ? 1 : 0;
-      std::snprintf(reply.reason, sizeof(reply.reason), "%s", reason.c_str());
-      const bool sent = IoExact(fd, &reply, sizeof(reply), true, NowNs() + int64_t{5000000000});
-      if (!reason.empty() || !sent) {
-        if (hello.magic == kFrameMagic)
-          PROPHET_WARN("rejected a connection from a peer claiming rank %d: %s", hello.rank,
-                       reason.empty() ? "reply failed" : reason.c_str());
-        else
-          PROPHET_WARN("rejected a connection that is not a prophet_tf peer (bad magic in the handshake)");
-        ::close(fd);
-        continue;
-      }
-      std::lock_guard<std::mutex> lock(mu);
-      (*fds)[hello.rank] = fd;
-      accepted.fetch_add(1);
-    }
-    if (accepted.load() < expected_accepts) {
-      std::lock_guard<std::mutex> lock(mu);
-      accept_error = "timed out waiting for connections from higher ranks";
-    }
-  });
-
-  Status result = Status::OK();
-  for (int peer = 0; peer < o.rank && result.ok(); ++peer) {
-    sockaddr_storage addr{};
-    socklen_t addr_len = 0;
-    int attempts = 0;
-    while (true) {
-      Status s = Resolve(o.addresses[peer], &addr, &addr_len);
-      int fd = -1;
-      if (s.ok()) {
-        fd = ::socket(addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-        if (fd >= 0 && ::connect(fd, reinterpret_cast<sockaddr*>(&addr), addr_len) == 0) {
-          Hello hello{kFrameMagic, kProtocolVersion, 0, o.rank, n, token_hash};
-          HelloReply reply{};
-          const int64_t hs_deadline = std::min(deadline, NowNs() + int64_t{10000000000});
-          if (IoExact(fd, &hello, sizeof(hello), true, hs_deadline) &&
-              IoExact(fd, &reply, sizeof(reply), false, hs_deadline)) {
-            if (reply.accepted == 1 && reply.magic == kFrameMagic) {
-              std::lock_guard<std::mutex> lock(mu);
-              (*fds)[peer] = fd;
-              break;
-            }
-            reply.reason[sizeof(reply.reason) - 1] = '\0';
-            ::close(fd);
-            result = Status(Code::kFailedPrecondition, "rank " + std::to_string(peer) + " at " +
-                                                           o.addresses[peer] + " rejected this worker: " +
-                                                           (reply.magic == kFrameMagic ? reply.reason : "not a prophet_tf peer"));
-            break;
-          }
-        }
-        if (fd >= 0) ::close(fd);
-      }
-      if (NowNs() >= deadline) {
-        result = Status(Code::kDeadlineExceeded,
-                        "could not connect to rank " + std::to_string(peer) + " at " + o.addresses[peer] +
-                            " within " + SecondsString(o.connect_timeout_s) + " (" + std::to_string(attempts) + " attempts" + (s.ok() ? "" : ": " + s.message()) +
-                            "): is that worker started, with the same TF_CONFIG, and reachable?");
-        break;
-      }
-      ++attempts;
-      std::this_thread::sleep_for(std::chrono::milliseconds(attempts < 20 ? 50 : 250));
-    }
-  }
-  acceptor.join();
+  Bootstrap bootstrap(o, listen_fd);
+  Status s = bootstrap.Run(fds);
   ::close(listen_fd);
-  if (result.ok() && !accept_error.empty()) {
-    std::string missing;
-    for (int r = o.rank + 1; r < n; ++r)
-      if ((*fds)[r] == -1) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
-    result = Status(Code::kDeadlineExceeded,
-                    "rank(s) " + missing + " did not connect to this worker (" + o.addresses[o.rank] + ") within " +
-                        SecondsString(o.connect_timeout_s) + ": are they started with the same TF_CONFIG and PROPHET_JOB_TOKEN?");
+  if (!s.ok()) {
+    fds->assign(o.world_size, -1);
+    return s;
   }
-  if (!result.ok()) {
-    for (int& fd : *fds)
-      if (fd >= 0) ::close(fd), fd = -1;
-    return result;
-  }
-  for (int fd : *fds) {
-    if (fd < 0) continue;
-    TuneSocket(fd, o.socket_buffer_bytes);
-    SetNonBlocking(fd, true);
-  }
+  for (int fd : *fds)
+    if (fd >= 0) TuneSocket(fd, o.socket_buffer_bytes);
   return Status::OK();
 }
 

@@ -1,10 +1,22 @@
 // Connection set-up between the workers of one job.
 //
 // Every pair of ranks shares one persistent TCP connection: the higher rank connects to the lower
-// rank's listening port (retrying until the deadline, since peers start at different times), sends
-// a Hello with its rank, the world size, the protocol version and a hash of the job token, and the
-// lower rank answers. A connection that fails the handshake is logged and dropped; the listener
-// keeps waiting for the right peer, so a port scanner or a worker of another job cannot crash it.
+// rank's listening port (retrying until the deadline, since peers start at different times) and
+// both authenticate with the job token (handshake.h). One thread runs the whole start-up with
+// non-blocking sockets: connection attempts, any number of incoming handshakes at once (each with
+// a short deadline, so idle or garbage connections cannot starve the real peers), and the final
+// exchange that tells every worker that the whole job has formed.
+//
+// What ends start-up early, on every worker it reaches:
+//  - a peer that speaks the protocol but cannot join this job (another protocol version, world
+//    size or cluster description, a job token that does not verify): both sides fail at once,
+//    with the reason. This fails closed: a replayed or forged handshake also aborts the start-up;
+//  - a peer seen during this start-up that goes away (its connection closes, or its port that
+//    accepted a connection now refuses): it exited or crashed;
+//  - a kAbort notice from a connected peer whose own start-up failed.
+// Peers never seen (connections refused, no answer) are retried until `connect_timeout_s`: they
+// may simply not be started yet; a progress line every 10 s names them and the last problem.
+// Connections that send garbage or nothing are dropped and logged; they do not end start-up.
 #ifndef PROPHET_OPS_CORE_TRANSPORT_H_
 #define PROPHET_OPS_CORE_TRANSPORT_H_
 
@@ -19,19 +31,29 @@ struct BootstrapOptions {
   int rank = 0;
   int world_size = 1;
   std::vector<std::string> addresses;  // "host:port" per rank
-  std::string token;                   // job token; peers must present the same one
+  std::string token;                   // job token; peers must prove they hold the same one
+  // Address to listen on instead of the host of addresses[rank] (the port stays). Empty: that
+  // host, or every interface if it is not an address of this machine (see Listen).
+  std::string bind_host;
   double connect_timeout_s = 60.0;
+  double handshake_timeout_s = 5.0;    // per connection: idle connections are dropped after it
+  double heartbeat_s = 0.0;            // the engine's; peers must use the same (checked here)
   int socket_buffer_bytes = 4 << 20;   // SO_SNDBUF / SO_RCVBUF; 0 keeps the kernel's autotuning
 };
 
 // Splits "host:port"; accepts "[v6]:port".
 Status ParseAddress(const std::string& address, std::string* host, int* port);
 
-// Opens the listener for this rank. Kept separate so that "port in use" is reported at once.
+// Opens the listener for this rank, on the host of addresses[rank] (or `bind_host`). Kept
+// separate so that "port in use" is reported at once. When the configured host is not an address
+// of this machine (EADDRNOTAVAIL: e.g. a Kubernetes Service name, whose address belongs to no
+// pod) or does not resolve yet, and no bind_host was given, it listens on every interface instead
+// and logs a warning saying so and how to choose (the handshake still authenticates every peer).
 Status Listen(const BootstrapOptions& options, int* listen_fd);
 
-// Connects every pair. On success `fds[r]` is the connected, non-blocking, TCP_NODELAY socket to
-// rank r (and -1 for this rank). Closes `listen_fd`.
+// Connects every pair and waits until every worker of the job is connected to every other. On
+// success `fds[r]` is the connected, non-blocking, TCP_NODELAY socket to rank r (and -1 for this
+// rank). Closes `listen_fd`.
 Status ConnectAll(const BootstrapOptions& options, int listen_fd, std::vector<int>* fds);
 
 // Socket options used on every data connection.

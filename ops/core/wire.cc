@@ -35,14 +35,20 @@ Status ValidateHeader(const FrameHeader& h) {
   if (h.version != kProtocolVersion)
     return bad("protocol version " + std::to_string(h.version) + ", expected " +
                std::to_string(kProtocolVersion));
-  if (h.type < static_cast<uint8_t>(FrameType::kPush) || h.type > static_cast<uint8_t>(FrameType::kError))
+  if (h.type < static_cast<uint8_t>(FrameType::kPush) || h.type > kLastFrameType)
     return bad("unknown frame type " + std::to_string(h.type));
-  if (h.name_len == 0 || h.name_len > kMaxNameBytes)
-    return bad("name length " + std::to_string(h.name_len) + " outside [1, " + std::to_string(kMaxNameBytes) + "]");
+  const auto type = static_cast<FrameType>(h.type);
+  const uint32_t min_name = type == FrameType::kHeartbeat || type == FrameType::kPeerLost ? 0 : 1;
+  if (h.name_len < min_name || h.name_len > kMaxNameBytes)
+    return bad("name length " + std::to_string(h.name_len) + " outside [" + std::to_string(min_name) + ", " +
+               std::to_string(kMaxNameBytes) + "]");
   if (h.ndims > kMaxDims) return bad("rank " + std::to_string(h.ndims) + " above " + std::to_string(kMaxDims));
   if (h.payload_bytes > kMaxPayloadBytes) return bad("payload of " + std::to_string(h.payload_bytes) + " bytes");
-  if (h.type == static_cast<uint8_t>(FrameType::kError))  // the receiver buffers the whole message
-    return h.payload_bytes <= (uint64_t{64} << 10) ? Status::OK() : bad("error message of " + std::to_string(h.payload_bytes) + " bytes");
+  if (type == FrameType::kError || type == FrameType::kPeerLost)
+    return h.payload_bytes <= kMaxErrorMessageBytes ? Status::OK()
+                                                    : bad("error message of " + std::to_string(h.payload_bytes) + " bytes");
+  if (IsControlFrame(type))
+    return h.payload_bytes == 0 && h.ndims == 0 ? Status::OK() : bad("a control frame with a payload or a shape");
   if (DataTypeSize(static_cast<DataType>(h.dtype)) == 0)
     return bad("unknown dtype code " + std::to_string(h.dtype));
   if (h.num_partitions == 0 || h.partition >= h.num_partitions)
@@ -62,7 +68,7 @@ Status DecodeFrameMeta(const FrameHeader& h, const char* tail, size_t tail_len, 
   meta->num_partitions = h.num_partitions;
   meta->offset = h.offset;
   meta->payload_bytes = h.payload_bytes;
-  if (meta->type == FrameType::kError) return Status::OK();
+  if (IsControlFrame(meta->type)) return Status::OK();
   // The payload must lie inside the tensor the shape describes.
   const uint64_t elem = DataTypeSize(meta->dtype);
   uint64_t elements = 1;

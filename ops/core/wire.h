@@ -16,18 +16,31 @@
 namespace prophet {
 
 constexpr uint32_t kFrameMagic = 0x31465450;  // "PTF1" little-endian
-constexpr uint16_t kProtocolVersion = 1;
+// 2: authenticated handshake (handshake.h). Version 1 sent a hash of the job token.
+constexpr uint16_t kProtocolVersion = 2;
 constexpr uint32_t kMaxNameBytes = 4096;
 constexpr uint32_t kMaxDims = 32;
 constexpr uint64_t kMaxPayloadBytes = uint64_t{1} << 38;  // 256 GiB: any tensor a host can hold
 
 enum class FrameType : uint8_t {
-  kPush = 1,       // a partition's contribution, sent to the partition's owner
-  kResult = 2,     // the summed partition, sent back by the owner
-  kBroadcast = 3,  // a partition of the root's tensor
-  kGather = 4,     // a whole tensor for allgather
-  kError = 5,      // payload is an error message that fails the operation on every worker
+  kPush = 1,        // a partition's contribution, sent to the partition's owner
+  kResult = 2,      // the summed partition, sent back by the owner
+  kBroadcast = 3,   // a partition of the root's tensor
+  kGather = 4,      // a whole tensor for allgather
+  // Control frames: they name an operation (name, round) but carry no tensor; `partition` holds
+  // their value.
+  kError = 5,       // payload: a message that fails the operation on every worker; value: its Code
+  kProbe = 6,       // "has your worker submitted this operation?" (it timed out on the sender)
+  kProbeReply = 7,  // value: 1 if the replying worker has submitted it, 0 if not
+  kHeartbeat = 8,   // proof of life (heartbeat_s); no name needed
+  // "the job cannot go on: value: rank that saw it first; payload: what it saw" (a lost peer). No
+  // name needed. Sent once, before the sender's own failure can close its connections, so that a
+  // worker that sees the sender leave names the first failure, not the sender.
+  kPeerLost = 9,
 };
+constexpr uint8_t kLastFrameType = static_cast<uint8_t>(FrameType::kPeerLost);
+inline bool IsControlFrame(FrameType type) { return type >= FrameType::kError; }
+constexpr uint64_t kMaxErrorMessageBytes = uint64_t{64} << 10;  // the receiver buffers it whole
 
 #pragma pack(push, 1)
 struct FrameHeader {
@@ -74,24 +87,7 @@ Status DecodeFrameMeta(const FrameHeader& header, const char* tail, size_t tail_
 // Returns kFailedPrecondition with "truncated" when `len` is shorter than the frame.
 Status DecodeFrame(const char* data, size_t len, FrameMeta* meta, const char** payload);
 
-// Job handshake: the connecting side sends Hello, the accepting side answers HelloReply.
-#pragma pack(push, 1)
-struct Hello {
-  uint32_t magic;
-  uint16_t version;
-  uint16_t reserved;
-  int32_t rank;
-  int32_t world_size;
-  uint64_t token_hash;
-};
-struct HelloReply {
-  uint32_t magic;
-  uint16_t version;
-  uint16_t accepted;  // 1 = accepted; otherwise `reason` says why
-  char reason[256];
-};
-#pragma pack(pop)
-
+// FNV-1a: stable across processes and builds (partition owners are derived from it).
 uint64_t HashBytes(const void* data, size_t len, uint64_t seed = 1469598103934665603ull);
 uint64_t HashString(const std::string& s);
 

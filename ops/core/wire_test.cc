@@ -37,6 +37,14 @@ std::string Frame(const FrameMeta& meta) {
   return out;
 }
 
+// A control frame whose payload is `message` (error notices, lost peers).
+std::string WithMessage(FrameMeta meta, const std::string& message) {
+  meta.payload_bytes = message.size();
+  std::string out;
+  EncodeFrameMeta(meta, &out);
+  return out + message;
+}
+
 FrameHeader HeaderOf(const std::string& frame) {
   FrameHeader h;
   std::memcpy(&h, frame.data(), sizeof(h));
@@ -162,16 +170,59 @@ TEST(ExtraBytesAfterTheFrameAreNotPartOfIt) {
   EXPECT_TRUE(payload + got.payload_bytes == f.data() + len);
 }
 
+TEST(ControlFramesCarryNoTensor) {
+  FrameMeta probe;
+  probe.type = FrameType::kProbe;
+  probe.name = "grad/dense";
+  probe.round = 7;
+  std::string f;
+  EncodeFrameMeta(probe, &f);
+  FrameMeta got;
+  const char* payload = nullptr;
+  EXPECT_TRUE(DecodeFrame(f.data(), f.size(), &got, &payload).ok());
+  EXPECT_TRUE(got.type == FrameType::kProbe && got.name == "grad/dense" && got.round == 7u);
+  // A heartbeat needs no name; a probe does; neither carries a payload or a shape.
+  FrameMeta beat;
+  beat.type = FrameType::kHeartbeat;
+  f.clear();
+  EncodeFrameMeta(beat, &f);
+  EXPECT_TRUE(DecodeFrame(f.data(), f.size(), &got, &payload).ok());
+  probe.name.clear();
+  f.clear();
+  EncodeFrameMeta(probe, &f);
+  EXPECT_REJECTED(f, "name length");
+  probe.name = "x";
+  probe.payload_bytes = 4;
+  f.clear();
+  EncodeFrameMeta(probe, &f);
+  f += "abcd";
+  EXPECT_REJECTED(f, "control frame");
+}
+
+TEST(PeerLostFramesNeedNoNameAndCarryTheWords) {
+  FrameMeta m;
+  m.type = FrameType::kPeerLost;
+  m.partition = 2;  // the rank that saw it
+  const std::string message = "lost the connection to rank 1 (h:1): the peer closed the connection";
+  std::string f = WithMessage(m, message);
+  FrameMeta got;
+  const char* payload = nullptr;
+  EXPECT_TRUE(DecodeFrame(f.data(), f.size(), &got, &payload).ok());
+  EXPECT_TRUE(got.type == FrameType::kPeerLost && got.name.empty() && got.partition == 2u);
+  EXPECT_EQ(std::string(payload, got.payload_bytes), message);
+  m.payload_bytes = kMaxErrorMessageBytes + 1;  // its words are held whole, like an error's
+  f.clear();
+  EncodeFrameMeta(m, &f);
+  EXPECT_REJECTED(f, "error message");
+}
+
 TEST(ErrorFramesRoundTrip) {
   FrameMeta m;
   m.type = FrameType::kError;  // dtype kInvalid, no shape, no partitions: all fine for errors
   m.name = "dense/kernel:0";
   m.round = 3;
   const std::string message = "push_pull 'dense/kernel:0' (round 3): rank 0 has shape [2] but rank 1 has [3]";
-  m.payload_bytes = message.size();
-  std::string f;
-  EncodeFrameMeta(m, &f);
-  f += message;
+  std::string f = WithMessage(m, message);
   FrameMeta got;
   const char* payload = nullptr;
   const Status s = DecodeFrame(f.data(), f.size(), &got, &payload);
@@ -186,10 +237,7 @@ TEST(ErrorFramesRoundTrip) {
   EncodeFrameMeta(m, &f);
   EXPECT_TRUE(DecodeFrame(f.data(), f.size(), &got, &payload).ok());
   // Every truncation of an error frame is "truncated".
-  m.payload_bytes = message.size();
-  f.clear();
-  EncodeFrameMeta(m, &f);
-  f += message;
+  f = WithMessage(m, message);
   for (size_t len = 0; len < f.size(); ++len) {
     const Status t = DecodeFrame(f.data(), len, &got, &payload);
     EXPECT_TRUE(t.code() == Code::kFailedPrecondition && Contains(t.message(), "truncated"));
@@ -236,10 +284,10 @@ TEST(BadHeaderFieldsAreNamed) {
   };
   EXPECT_REJECTED(with([](FrameHeader& h) { h.magic = 0x12345678; }), "magic");
   EXPECT_REJECTED(with([](FrameHeader& h) { h.magic = 0; }), "magic");
-  EXPECT_REJECTED(with([](FrameHeader& h) { h.version = 2; }), "version");
+  EXPECT_REJECTED(with([](FrameHeader& h) { h.version = kProtocolVersion + 1; }), "version");
   EXPECT_REJECTED(with([](FrameHeader& h) { h.version = 0; }), "version");
   EXPECT_REJECTED(with([](FrameHeader& h) { h.type = 0; }), "frame type");
-  EXPECT_REJECTED(with([](FrameHeader& h) { h.type = 6; }), "frame type");
+  EXPECT_REJECTED(with([](FrameHeader& h) { h.type = kLastFrameType + 1; }), "frame type");
   EXPECT_REJECTED(with([](FrameHeader& h) { h.type = 255; }), "frame type");
   EXPECT_REJECTED(with([](FrameHeader& h) { h.dtype = 0; }), "dtype");
   EXPECT_REJECTED(with([](FrameHeader& h) { h.dtype = 9; }), "dtype");
@@ -428,7 +476,7 @@ TEST(RandomHeadersWithValidMagicNeverCrash) {
       ++accepted;
       EXPECT_TRUE(p >= buf.data() && p + m.payload_bytes <= buf.data() + len);
       EXPECT_EQ(m.name.size(), static_cast<size_t>(h.name_len));
-      if (m.type != FrameType::kError) {
+      if (!IsControlFrame(m.type)) {
         const uint64_t elem = DataTypeSize(m.dtype);
         uint64_t total = elem;
         for (int64_t d : m.shape) total *= static_cast<uint64_t>(d);
@@ -447,11 +495,9 @@ TEST(RandomHeadersWithValidMagicNeverCrash) {
   EXPECT_TRUE(accepted > 0 && invalid > 0 && truncated > 0);
 }
 
-TEST(HelloLayouts) {
-  EXPECT_EQ(sizeof(Hello), 24u);
-  EXPECT_EQ(sizeof(HelloReply), 264u);
-  // The hash is stable: the token hash and partition owners must be equal across processes and
-  // builds. (Pinned to the current seed, 1469598103934665603, which is the FNV-1a 64 offset basis
+TEST(NameHashIsStable) {
+  // Partition owners are derived from this hash: it must be equal across processes and builds.
+  // (Pinned to the current seed, 1469598103934665603, which is the FNV-1a 64 offset basis
   // 14695981039346656037 with its last digit missing; changing it now would change the protocol.)
   EXPECT_EQ(HashString(""), 1469598103934665603ull);
   EXPECT_EQ(HashString("a"), 0x44bd8ad473cd9906ull);

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "ops/core/engine.h"
+#include "ops/core/gate.h"
 
 namespace {
 void CopyOut(const std::string& text, char* buf, int len) {
@@ -29,6 +30,27 @@ __attribute__((visibility("default"))) int prophet_init(const char* config, char
 }
 
 __attribute__((visibility("default"))) void prophet_shutdown() { prophet::ShutdownGlobalEngine(); }
+
+// Engine::SetSchedule. Returns 0, or the status code with the message in `error`.
+__attribute__((visibility("default"))) int prophet_set_schedule(const char* schedule, char* error, int error_len) {
+  prophet::Engine* e = prophet::GlobalEngine();
+  prophet::Status s = e ? e->SetSchedule(schedule ? schedule : "")
+                        : prophet::Status(prophet::Code::kFailedPrecondition, "the runtime is not running");
+  if (!s.ok()) {
+    CopyOut(s.message(), error, error_len);
+    return static_cast<int>(s.code());
+  }
+  return 0;
+}
+
+// Engine::SchedulerStateJson ("{}" without an engine); returns the length it needs (call again with
+// more room if that is >= len).
+__attribute__((visibility("default"))) int prophet_scheduler_state(char* buf, int len) {
+  prophet::Engine* e = prophet::GlobalEngine();
+  const std::string json = e ? e->SchedulerStateJson() : "{}";
+  CopyOut(json, buf, len);
+  return static_cast<int>(json.size());
+}
 
 __attribute__((visibility("default"))) int prophet_is_initialized() {
   return prophet::GlobalEngine() != nullptr ? 1 : 0;
@@ -61,6 +83,17 @@ __attribute__((visibility("default"))) void prophet_timeline_event(const char* t
   if (e == nullptr || !e->timeline().enabled()) return;
   if (end_ns > start_ns) e->timeline().Complete(track, name, start_ns, end_ns);
   else e->timeline().Instant(track, name, start_ns);
+}
+
+// Number of deferred updates (crossing the barrier) not applied yet, over all variables.
+__attribute__((visibility("default"))) long long prophet_pending_updates() {
+  return static_cast<long long>(prophet::GlobalGates().pending());
+}
+
+// Writes out what the timeline has buffered (e.g. before a process leaves through _exit).
+__attribute__((visibility("default"))) void prophet_timeline_flush() {
+  prophet::Engine* e = prophet::GlobalEngine();
+  if (e != nullptr) e->timeline().Flush();
 }
 
 __attribute__((visibility("default"))) int prophet_timeline_enabled() {

@@ -4,27 +4,37 @@
 // ProphetAsyncApply hands a local gradient to the engine and returns at once, so the training
 // step can finish while the gradient is still being summed. When the sum arrives it runs `f` (the
 // optimizer's update of one variable, traced with snapshots of the learning rate and iteration
-// count) on TensorFlow's thread pool. Every variable `f` touches is gated from hand-off until `f`
+// count) on TensorFlow's inter-op pool. Every variable `f` touches is gated from hand-off until `f`
 // has finished; ProphetGate, inserted before every read or write of those variables, waits for
 // that. Results are the same as synchronous training: each update sees exactly the inputs it
 // would have seen, and every access to a variable is ordered after its pending update.
+//
+// Lifetime: a pending update outlives the step that emitted it, and may outlive the whole train
+// function: Keras drops it on compile(), clear_session() or when the model is deleted, and
+// TensorFlow then deletes the function's kernels, the FunctionLibraryRuntime they were created
+// with (an overlay owned by the instantiated function) and that overlay's function library, while
+// the update waits for its sum. A pending update therefore never refers to the kernel, its
+// OpKernelContext or the kernel's FunctionLibraryRuntime: it holds an UpdateFunction, a runtime of
+// its own with a private copy of `f`, shared by the kernel and every update it has in flight.
 #include <atomic>
+#include <chrono>
+#include <cstdlib>
 #include <memory>
-#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "ops/core/engine.h"
 #include "ops/core/gate.h"
 #include "ops/tf/convert.h"
+#include "tensorflow/core/common_runtime/process_function_library_runtime.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/function.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/resource_handle.h"
 #include "tensorflow/core/framework/shape_inference.h"
-#include "tensorflow/core/platform/threadpool.h"
 
 namespace tensorflow {
 namespace {
@@ -43,6 +53,16 @@ std::string GateKey(const ResourceHandle& h) { return absl::StrCat(h.container()
   return engine != nullptr && engine->timeline().enabled() ? &engine->timeline() : nullptr;
 }
 
+// Test hook: PROPHET_TEST_APPLY_DELAY_MS=n holds every deferred update n ms after its sum has
+// arrived, so that tests can end train functions while updates are still pending.
+std::chrono::milliseconds ApplyDelayForTests() {
+  static const std::chrono::milliseconds delay = [] {
+    const char* value = std::getenv("PROPHET_TEST_APPLY_DELAY_MS");
+    return std::chrono::milliseconds(value != nullptr ? std::atoll(value) : 0);
+  }();
+  return delay;
+}
+
 class GateOp : public AsyncOpKernel {
  public:
   explicit GateOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
@@ -52,18 +72,24 @@ class GateOp : public AsyncOpKernel {
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     const Tensor& handle = ctx->input(0);
     OP_REQUIRES_ASYNC(ctx, handle.dtype() == DT_RESOURCE && handle.NumElements() == 1,
-                      absl::InvalidArgumentError("ProphetGate expects one resource handle"), done);
+                      absl::InvalidArgumentError(absl::StrCat("ProphetGate expects one resource handle, got ",
+                                                              handle.NumElements(), " of type ",
+                                                              DataTypeString(handle.dtype()))),
+                      done);
     ctx->set_output(0, handle);
-    ::prophet::Timeline* timeline = ActiveTimeline();
-    const int64_t start = timeline ? ::prophet::NowNs() : 0;
+    const int64_t start = ::prophet::NowNs();
+    // The kernel and its context live until done() (the step waits for this op), so the
+    // callback may use them.
     GlobalGates().Wait(GateKey(handle.scalar<ResourceHandle>()()),
-                       [this, ctx, done, timeline, start](const ::prophet::Status& s) {
+                       [this, ctx, done, start](const ::prophet::Status& s) {
                          // "gate" spans end when the variable may be used: for a layer's weights
                          // in the forward pass, when that layer can start.
-                         if (timeline) timeline->Complete("gate", var_name_, start, ::prophet::NowNs());
+                         if (::prophet::Timeline* timeline = ActiveTimeline())
+                           timeline->Complete("gate", var_name_, start, ::prophet::NowNs());
                          if (!s.ok())
-                           ctx->SetStatus(absl::Status(ToTfStatus(s).code(), absl::StrCat("a pending update of this variable failed: ",
-                                                                                    s.message())));
+                           ctx->SetStatus(absl::Status(ToTfStatus(s).code(),
+                                                       absl::StrCat("a pending update of variable '", var_name_,
+                                                                    "' failed: ", s.message())));
                          done();
                        });
   }
@@ -80,45 +106,81 @@ class WaitAllOp : public AsyncOpKernel {
   }
 };
 
+// `f` of one ProphetAsyncApply node, instantiated in a function library runtime of its own: a
+// clone of the kernel's (same devices, thread pools and options) holding only `f` and the
+// functions it calls. Destroyed with the last of the kernel and its pending updates.
+class UpdateFunction {
+ public:
+  static absl::Status Create(FunctionLibraryRuntime* kernel_flr, const NameAttrList& func,
+                             std::shared_ptr<UpdateFunction>* out) {
+    if (kernel_flr == nullptr) return absl::InternalError("ProphetAsyncApply: no function library runtime");
+    const FunctionLibraryDefinition* source = kernel_flr->GetFunctionLibraryDefinition();
+    const FunctionDef* fdef = source != nullptr ? source->Find(func.name()) : nullptr;
+    if (fdef == nullptr)
+      return absl::NotFoundError(absl::StrCat("ProphetAsyncApply: update function '", func.name(),
+                                              "' is not in the function library of the train function"));
+    auto fn = std::shared_ptr<UpdateFunction>(new UpdateFunction());
+    TF_RETURN_IF_ERROR(kernel_flr->Clone(&fn->lib_def_, &fn->pflr_, &fn->flr_, /*skip_flib_def=*/true));
+    TF_RETURN_IF_ERROR(fn->lib_def_->AddLibrary(source->ReachableDefinitions(*fdef)));
+    if (!fn->lib_def_->Contains(func.name())) TF_RETURN_IF_ERROR(fn->lib_def_->AddFunctionDef(*fdef));
+    TF_RETURN_IF_ERROR(fn->flr_->Instantiate(func.name(), AttrSlice(&func.attr()), &fn->handle_));
+    *out = std::move(fn);
+    return absl::OkStatus();
+  }
+
+  // Schedules `f(args)` on TensorFlow's inter-op pool; `done` runs there too.
+  void Schedule(std::function<void()> closure) { (*flr_->runner())(std::move(closure)); }
+
+  void Run(const std::vector<Tensor>& args, std::vector<Tensor>* rets, FunctionLibraryRuntime::DoneCallback done) {
+    FunctionLibraryRuntime::Options opts;  // default runner: the inter-op pool
+    flr_->Run(opts, handle_, args, rets, std::move(done));
+  }
+
+ private:
+  UpdateFunction() = default;
+
+  // Declaration order = reverse destruction order: the runtime borrows the library.
+  std::unique_ptr<FunctionLibraryDefinition> lib_def_;
+  std::unique_ptr<ProcessFunctionLibraryRuntime> pflr_;
+  FunctionLibraryRuntime* flr_ = nullptr;  // owned by pflr_
+  FunctionLibraryRuntime::Handle handle_ = kInvalidHandle;
+};
+
 class AsyncApplyOp : public AsyncOpKernel {
  public:
   explicit AsyncApplyOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("f", &func_));
+    NameAttrList func;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("f", &func));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("tensor_name", &tensor_name_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("priority", &priority_));
+    OP_REQUIRES_OK(ctx, UpdateFunction::Create(ctx->function_library(), func, &function_));
   }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     ::prophet::Engine* engine = ::prophet::GlobalEngine();
     OP_REQUIRES_ASYNC(ctx, engine != nullptr,
                       absl::FailedPreconditionError("the prophet_tf runtime is not initialised in this process"), done);
-    FunctionLibraryRuntime* flr = ctx->function_library();
-    OP_REQUIRES_ASYNC(ctx, flr != nullptr, absl::InternalError("ProphetAsyncApply: no function library"), done);
-    FunctionLibraryRuntime::Handle fhandle;
-    OP_REQUIRES_OK_ASYNC(ctx, Instantiate(flr, &fhandle), done);
-
     const Tensor& grad = ctx->input(0);
     ::prophet::DataType dtype;
     OP_REQUIRES_ASYNC(ctx, ToCoreType(grad.dtype(), &dtype),
                       absl::InvalidArgumentError(absl::StrCat("ProphetAsyncApply '", tensor_name_,
                                                               "': unsupported gradient dtype ", DataTypeString(grad.dtype()))),
                       done);
-    // Everything the update needs outlives this kernel call: tensors are reference counted.
-    auto state = std::make_shared<State>();
-    state->grad = grad;
-    OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_temp(grad.dtype(), grad.shape(), &state->summed), done);
-    state->args.push_back(state->summed);
+    // Everything the update needs is owned by `update`: tensors are reference counted, the
+    // function and its runtime are shared with this kernel.
+    auto update = std::make_shared<PendingUpdate>();
+    update->function = function_;
+    update->name = tensor_name_;
+    update->grad = grad;
+    OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_temp(grad.dtype(), grad.shape(), &update->summed), done);
+    update->args.push_back(update->summed);
     for (int i = 1; i < ctx->num_inputs(); ++i) {
       const Tensor& t = ctx->input(i);
-      state->args.push_back(t);
+      update->args.push_back(t);
       if (t.dtype() == DT_RESOURCE)
-        for (int64_t j = 0; j < t.NumElements(); ++j) state->keys.push_back(GateKey(t.flat<ResourceHandle>()(j)));
+        for (int64_t j = 0; j < t.NumElements(); ++j) update->keys.push_back(GateKey(t.flat<ResourceHandle>()(j)));
     }
-    state->flr = flr;
-    state->name = tensor_name_;
-    state->fhandle = fhandle;
-    state->pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
-    for (const std::string& key : state->keys) GlobalGates().Arm(key);
+    for (const std::string& key : update->keys) GlobalGates().Arm(key);
 
     ::prophet::OpRequest req;
     req.kind = ::prophet::OpKind::kPushPull;
@@ -126,61 +188,56 @@ class AsyncApplyOp : public AsyncOpKernel {
     req.dtype = dtype;
     for (int i = 0; i < grad.dims(); ++i) req.shape.push_back(grad.dim_size(i));
     req.input = grad.tensor_data().data();
-    req.output = const_cast<char*>(state->summed.tensor_data().data());
+    req.output = const_cast<char*>(update->summed.tensor_data().data());
     req.bytes = grad.TotalBytes();
     req.priority = priority_;
-    req.done = [state](const ::prophet::Status& s, const ::prophet::GatherResult*) {
-      if (!s.ok()) return Release(*state, s);
-      // Never run the update on the engine's network thread.
-      state->pool->Schedule([state] { RunUpdate(state); });
+    req.done = [update](const ::prophet::Status& s, const ::prophet::GatherResult*) {
+      // Leave the engine's network thread at once: releasing a gate resumes the steps waiting on
+      // it, and TensorFlow may run their kernels inline.
+      update->function->Schedule([update, s] {
+        if (!s.ok()) return Release(*update, s);
+        const std::chrono::milliseconds delay = ApplyDelayForTests();
+        if (delay.count() > 0) {
+          std::thread([update, delay] {
+            std::this_thread::sleep_for(delay);
+            update->function->Schedule([update] { Apply(update); });
+          }).detach();
+          return;
+        }
+        Apply(update);
+      });
     };
     engine->Submit(std::move(req));
     done();  // the step goes on; the gates hold back whoever reads these variables
   }
 
  private:
-  struct State {
-    Tensor grad, summed;
-    std::vector<Tensor> args;
-    std::vector<std::string> keys;
-    FunctionLibraryRuntime* flr = nullptr;
-    FunctionLibraryRuntime::Handle fhandle = 0;
-    thread::ThreadPool* pool = nullptr;
-    std::vector<Tensor> rets;
+  struct PendingUpdate {
+    std::shared_ptr<UpdateFunction> function;
     std::string name;
+    Tensor grad, summed;
+    std::vector<Tensor> args, rets;
+    std::vector<std::string> keys;
   };
 
-  static void Release(const State& state, const ::prophet::Status& s) {
-    for (const std::string& key : state.keys) GlobalGates().Release(key, s);
+  static void Release(const PendingUpdate& update, const ::prophet::Status& s) {
+    for (const std::string& key : update.keys) GlobalGates().Release(key, s);
   }
 
-  static void RunUpdate(std::shared_ptr<State> state) {
-    FunctionLibraryRuntime::Options opts;
-    opts.runner = nullptr;  // the library's default runner (TensorFlow's inter-op pool)
+  static void Apply(std::shared_ptr<PendingUpdate> update) {
     const int64_t start = ::prophet::NowNs();
-    state->flr->Run(opts, state->fhandle, state->args, &state->rets, [state, start](const absl::Status& s) {
-      if (::prophet::Timeline* timeline = ActiveTimeline()) timeline->Complete("apply", state->name, start, ::prophet::NowNs());
-      Release(*state, FromTfStatus(s));
+    update->function->Run(update->args, &update->rets, [update, start](const absl::Status& s) {
+      if (::prophet::Timeline* timeline = ActiveTimeline())
+        timeline->Complete("apply", update->name, start, ::prophet::NowNs());
+      Release(*update, s.ok() ? ::prophet::Status::OK()
+                              : FromTfStatus(absl::Status(s.code(), absl::StrCat("applying the update of '", update->name,
+                                                                                 "': ", s.message()))));
     });
   }
 
-  absl::Status Instantiate(FunctionLibraryRuntime* flr, FunctionLibraryRuntime::Handle* handle) {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (const auto& entry : handles_)
-      if (entry.first == flr) {
-        *handle = entry.second;
-        return absl::OkStatus();
-      }
-    TF_RETURN_IF_ERROR(flr->Instantiate(func_.name(), AttrSlice(&func_.attr()), handle));
-    handles_.emplace_back(flr, *handle);
-    return absl::OkStatus();
-  }
-
-  NameAttrList func_;
   std::string tensor_name_;
   int64_t priority_ = 0;
-  std::mutex mu_;
-  std::vector<std::pair<FunctionLibraryRuntime*, FunctionLibraryRuntime::Handle>> handles_;
+  std::shared_ptr<UpdateFunction> function_;
 };
 
 }  // namespace
@@ -190,6 +247,7 @@ REGISTER_OP("ProphetGate")
     .Output("gated: resource")
     .Attr("var_name: string = ''")
     .SetIsStateful()
+    .SetIsDistributedCommunication()  // fails with the push_pull's errors (see prophet_ops.cc)
     .SetShapeFn([](shape_inference::InferenceContext* c) {
       c->set_output(0, c->Scalar());
       const auto* handle_data = c->input_handle_shapes_and_types(0);
@@ -200,6 +258,7 @@ REGISTER_OP("ProphetGate")
 
 REGISTER_OP("ProphetWaitAll")
     .SetIsStateful()
+    .SetIsDistributedCommunication()  // fails with the push_pull's errors (see prophet_ops.cc)
     .SetShapeFn(shape_inference::NoOutputs)
     .Doc("Waits until no asynchronous update is pending.");
 
@@ -212,6 +271,7 @@ REGISTER_OP("ProphetAsyncApply")
     .Attr("tensor_name: string")
     .Attr("priority: int = 0")
     .SetIsStateful()
+    .SetIsDistributedCommunication()  // fails with the push_pull's errors (see prophet_ops.cc)
     .SetShapeFn(shape_inference::NoOutputs)
     .Doc(R"doc(
 Sums `grad` over all workers in the background, then runs f(summed, *args). Returns at once; the

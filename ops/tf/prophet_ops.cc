@@ -170,6 +170,9 @@ REGISTER_OP("ProphetPushPull")
     // Stateful: never constant-folded, merged or pruned. Automatic control dependencies do not
     // chain stateful ops without resource inputs, so hundreds can be in flight at once.
     .SetIsStateful()
+    // A distributed-communication op: inside a graph (tf.function, model.fit) TensorFlow keeps an
+    // UnavailableError from it as it is; from any other op it turns it into an InternalError.
+    .SetIsDistributedCommunication()
     .SetShapeFn(shape_inference::UnchangedShape)
     .Doc(R"doc(
 Sums (or averages) `tensor` over all workers. Matched across workers by `tensor_name` and the
@@ -183,6 +186,7 @@ REGISTER_OP("ProphetBroadcast")
     .Attr("tensor_name: string")
     .Attr("root_rank: int = 0")
     .SetIsStateful()
+    .SetIsDistributedCommunication()
     .SetShapeFn(shape_inference::UnchangedShape)
     .Doc("Returns `root_rank`'s `tensor` on every worker.");
 
@@ -193,6 +197,7 @@ REGISTER_OP("ProphetAllgather")
     .Attr("tensor_name: string")
     .Attr("priority: int = 0")
     .SetIsStateful()
+    .SetIsDistributedCommunication()
     .SetShapeFn([](shape_inference::InferenceContext* c) {
       shape_inference::ShapeHandle input = c->input(0);
       if (!c->RankKnown(input)) {

@@ -1,0 +1,119 @@
+#include "ops/core/collective.h"
+
+#include "ops/core/allgather.h"
+#include "ops/core/broadcast.h"
+#include "ops/core/push_pull.h"
+
+namespace prophet {
+
+const char* CollectiveOfFrame(FrameType type) {
+  switch (type) {
+    case FrameType::kPush:
+    case FrameType::kResult: return OpKindName(OpKind::kPushPull);
+    case FrameType::kBroadcast: return OpKindName(OpKind::kBroadcast);
+    case FrameType::kGather: return OpKindName(OpKind::kAllgather);
+    case FrameType::kError:
+    case FrameType::kProbe:
+    case FrameType::kProbeReply:
+    case FrameType::kHeartbeat:
+    case FrameType::kPeerLost: break;  // control frames belong to no collective
+  }
+  return "?";
+}
+
+OutFrame ErrorNotice(const std::string& name, uint64_t round, const Status& status) {
+  const std::string message = status.message().substr(0, kMaxErrorMessageBytes);
+  FrameMeta meta;
+  meta.type = FrameType::kError;
+  meta.name = name;
+  meta.round = round;
+  meta.partition = static_cast<uint32_t>(status.code());
+  meta.payload_bytes = message.size();
+  return MakeOwnedFrame(meta, message, kUrgentPriority);
+}
+
+std::string OperationKey(const std::string& name, uint64_t round) { return name + "#" + std::to_string(round); }
+
+std::unique_ptr<Collective> Collective::Make(CollectiveHost* host, uint64_t id, OpRequest request, uint64_t round) {
+  switch (request.kind) {
+    case OpKind::kPushPull: return std::unique_ptr<Collective>(new PushPull(host, id, std::move(request), round));
+    case OpKind::kBroadcast: return std::unique_ptr<Collective>(new Broadcast(host, id, std::move(request), round));
+    case OpKind::kAllgather: return std::unique_ptr<Collective>(new Allgather(host, id, std::move(request), round));
+  }
+  return nullptr;
+}
+
+Collective::Collective(CollectiveHost* host, uint64_t id, OpRequest request, uint64_t round)
+    : req_(std::move(request)),
+      host_(host),
+      id_(id),
+      round_(round),
+      key_(OperationKey(req_.name, round)),
+      elem_(DataTypeSize(req_.dtype)),
+      submit_ns_(NowNs()),
+      deadline_ns_(submit_ns_ + static_cast<int64_t>(host->options().timeout_s * 1e9)) {}
+
+std::string Collective::Describe() const {
+  return std::string(OpKindName(req_.kind)) + " '" + req_.name + "' (round " + std::to_string(round_) + ")";
+}
+
+void Collective::EventDone() {
+  if (--pending_ == 0) host_->Finish(this, Status::OK());
+}
+
+OutFrame Collective::Frame(FrameType type, uint32_t part, const char* payload, std::function<void()> on_sent) const {
+  FrameMeta meta;
+  meta.type = type;
+  meta.dtype = req_.dtype;
+  meta.name = req_.name;
+  meta.round = round_;
+  meta.shape = req_.shape;
+  meta.partition = part;
+  meta.num_partitions = static_cast<uint32_t>(parts_.size());
+  meta.offset = parts_[part].offset;
+  meta.payload_bytes = parts_[part].bytes;
+  std::function<void()> when_alive;
+  if (on_sent) {
+    CollectiveHost* host = host_;
+    const uint64_t id = id_;
+    when_alive = [host, id, on_sent = std::move(on_sent)] {
+      if (host->Alive(id)) on_sent();
+    };
+  }
+  return MakeFrame(meta, payload, req_.priority, id_, std::move(when_alive));
+}
+
+Status ErrorFrameStatus(const FrameMeta& meta, std::string message) {
+  // Only the codes an operation fails with travel; anything else is read as a mismatch.
+  Code code = Code::kInvalidArgument;
+  switch (static_cast<Code>(meta.partition)) {
+    case Code::kDeadlineExceeded:
+    case Code::kUnavailable:
+    case Code::kInternal:
+    case Code::kFailedPrecondition:
+      code = static_cast<Code>(meta.partition);
+      break;
+    default:
+      break;
+  }
+  return Status(code, std::move(message));
+}
+
+bool Collective::Admit(int peer, const FrameMeta& meta) {
+  if (meta.type != frame_type()) {
+    // A RESULT answers a PUSH of a push_pull that no longer exists here: drop the bytes.
+    if (meta.type != FrameType::kResult)
+      host_->FailEverywhere(this, "'" + req_.name + "' (round " + std::to_string(round_) + ") is a " +
+                                      CollectiveOfFrame(meta.type) + " on rank " + std::to_string(peer) + " but a " +
+                                      OpKindName(req_.kind) + " on rank " + std::to_string(rank()));
+    return false;
+  }
+  const std::string mismatch = Mismatch(peer, meta);
+  if (mismatch.empty()) return true;
+  host_->FailEverywhere(this, mismatch);
+  return false;
+}
+
+void Collective::Complete(const Status& status) { req_.done(status, nullptr); }
+
+}  // namespace prophet

@@ -1,0 +1,48 @@
+// The engine's settings: their defaults (the one home every other layer, Python included, reads),
+// and parsing them from the C API's "key=value" lines.
+#ifndef PROPHET_OPS_CORE_ENGINE_OPTIONS_H_
+#define PROPHET_OPS_CORE_ENGINE_OPTIONS_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ops/core/common.h"
+#include "ops/core/scheduler.h"
+
+namespace prophet {
+
+struct EngineOptions {
+  int rank = 0;
+  int world_size = 1;
+  std::vector<std::string> addresses;
+  std::string token;
+  bool allow_no_token = false;      // a multi-worker job without a token only if the user said so
+  std::string bind_host;            // see BootstrapOptions::bind_host
+  std::string schedule = kDefaultSchedule;  // one of kScheduleNames
+  uint64_t partition_bytes = 4u << 20;
+  uint64_t credit_bytes = 16u << 20;        // bytes of pushed partitions in flight at once
+  double replan_threshold = kDefaultReplanThreshold;  // prophet policy
+  double timeout_s = 60.0;          // an operation not finished by then fails on this worker
+  double connect_timeout_s = 60.0;  // bootstrap
+  // > 0: a peer from which nothing arrived for this long is declared lost (a stopped or frozen
+  // process), long before timeout_s. Every worker must use the same value (checked at start-up).
+  double heartbeat_s = 0.0;
+  int socket_buffer_bytes = 4 << 20;
+  // Memory for frames whose operation this worker has not submitted yet (a faster peer's
+  // partitions, a broadcast to a worker that starts late), and the most one allgather
+  // contribution may hold. Beyond it the operation fails everywhere and the sender is dropped.
+  uint64_t max_early_bytes = uint64_t{4} << 30;
+  std::string timeline_path;        // empty: no timeline
+};
+
+// Parses "key=value" lines (the C API's configuration string). Unknown keys are errors.
+Status ParseEngineOptions(const std::string& text, EngineOptions* options);
+
+// What the Python package reads instead of keeping copies: the schedule names, the default of
+// every tunable option, and the control-priority band, as one JSON object.
+std::string RuntimeConstantsJson();
+
+}  // namespace prophet
+
+#endif  // PROPHET_OPS_CORE_ENGINE_OPTIONS_H_

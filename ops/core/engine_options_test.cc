@@ -1,0 +1,68 @@
+// Engine options: parsing the C API's lines, and the constants the Python package reads.
+#include "ops/core/engine_options.h"
+
+#include <string>
+
+#include "ops/core/testing.h"
+
+namespace prophet {
+namespace {
+
+bool Contains(const std::string& haystack, const std::string& needle) {
+  return haystack.find(needle) != std::string::npos;
+}
+
+TEST(ParsesEveryKeyAndKeepsDefaultsForTheRest) {
+  EngineOptions o;
+  const Status s = ParseEngineOptions("rank=1\nworld_size=2\naddresses=h:1,h:2\ntoken=t\nschedule=fifo\ncredit_bytes=1000\n", &o);
+  EXPECT_TRUE(s.ok());
+  EXPECT_EQ(o.rank, 1);
+  EXPECT_TRUE(o.addresses.size() == 2 && o.addresses[1] == "h:2");
+  EXPECT_EQ(o.schedule, std::string("fifo"));
+  EXPECT_EQ(o.credit_bytes, 1000u);
+  EXPECT_EQ(o.partition_bytes, EngineOptions().partition_bytes);
+  EXPECT_EQ(EngineOptions().schedule, std::string(kDefaultSchedule));
+  EXPECT_EQ(EngineOptions().replan_threshold, kDefaultReplanThreshold);
+}
+
+TEST(RejectsBadInputNamingIt) {
+  EngineOptions o;
+  Status s = ParseEngineOptions("colour=blue", &o);
+  EXPECT_TRUE(s.code() == Code::kInvalidArgument && Contains(s.message(), "'colour'"));
+  o = EngineOptions();
+  s = ParseEngineOptions("timeout_s=soon", &o);
+  EXPECT_TRUE(!s.ok() && Contains(s.message(), "timeout_s") && Contains(s.message(), "'soon'"));
+  o = EngineOptions();
+  s = ParseEngineOptions("rank=2\nworld_size=2", &o);
+  EXPECT_TRUE(!s.ok() && Contains(s.message(), "rank 2 outside [0, 2)"));
+  o = EngineOptions();
+  s = ParseEngineOptions("partition_bytes=4096\nmax_early_bytes=1024", &o);
+  EXPECT_TRUE(!s.ok() && Contains(s.message(), "max_early_bytes (1024) must be at least partition_bytes (4096)"));
+}
+
+TEST(AMultiWorkerJobNeedsATokenUnlessAllowed) {
+  EngineOptions o;
+  Status s = ParseEngineOptions("rank=0\nworld_size=2\naddresses=h:1,h:2\ntoken=", &o);
+  EXPECT_TRUE(s.code() == Code::kInvalidArgument && Contains(s.message(), "needs a job token") &&
+              Contains(s.message(), "PROPHET_JOB_TOKEN") && Contains(s.message(), "allow_no_token=True"));
+  o = EngineOptions();
+  s = ParseEngineOptions("rank=0\nworld_size=2\naddresses=h:1,h:2\ntoken=\nallow_no_token=1\nbind_host=0.0.0.0", &o);
+  EXPECT_TRUE(s.ok() && o.allow_no_token && o.bind_host == "0.0.0.0");
+  o = EngineOptions();
+  EXPECT_TRUE(ParseEngineOptions("rank=0\nworld_size=1", &o).ok());  // one worker: no network, no token
+}
+
+TEST(ConstantsForPythonComeFromTheCore) {
+  const std::string json = RuntimeConstantsJson();
+  for (const char* name : kScheduleNames) EXPECT_TRUE(Contains(json, std::string("\"") + name + "\""));
+  EXPECT_TRUE(Contains(json, "\"control_priority\": " + std::to_string(kControlPriority)));
+  EXPECT_TRUE(Contains(json, "\"schedule\": \"" + std::string(kDefaultSchedule) + "\""));
+  EXPECT_TRUE(Contains(json, "\"credit_bytes\": " + std::to_string(EngineOptions().credit_bytes)));
+  EXPECT_TRUE(Contains(json, "\"replan_threshold\": 0.2,"));  // shortest form, reads back exactly
+  EXPECT_TRUE(Contains(json, "\"max_early_bytes\": " + std::to_string(EngineOptions().max_early_bytes)));
+}
+
+}  // namespace
+}  // namespace prophet
+
+PROPHET_TEST_MAIN()

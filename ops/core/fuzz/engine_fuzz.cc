@@ -1,0 +1,468 @@
+// Fuzzes the engine's receive path: bytes from an authenticated peer's socket into a real Engine.
+//
+//   bazel run --config=asan //ops/core/fuzz:engine_fuzz_test -- --frames=1000000 --seed=1
+//
+// Each session starts an Engine as rank 1 of a 2-worker job and plays rank 0 itself (FakePeer,
+// through the real bootstrap), submits a few operations on the engine (push_pull, broadcast,
+// allgather; some only after their frames arrived, so they are held as early frames) and sends
+// the frames rank 0 would send for them, answering the engine's PUSHes with RESULTs like a real
+// owner. In a clean session everything is well-formed and every result is checked exactly. In a
+// hostile session the stream also carries mutated frames (frames.h) and well-formed but wrong
+// ones (early frames for unknown names, duplicates, error notices, other shapes); then every
+// operation must still end exactly once, promptly, with any status, and the engine must keep
+// sending only well-formed frames. Crashes and sanitizer reports end the process.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <unordered_map>
+#include <vector>
+
+#include "ops/core/engine.h"
+#include "ops/core/fuzz/fake_peer.h"
+#include "ops/core/fuzz/flags.h"
+#include "ops/core/fuzz/frames.h"
+#include "ops/core/fuzz/memory_cap.h"
+#include "ops/core/partition.h"
+#include "ops/core/socket_testing.h"
+
+namespace prophet {
+namespace fuzz {
+namespace {
+
+constexpr int kEngineRank = 1, kPeerRank = 0;
+
+// One operation of the session, as both workers see it.
+struct Plan {
+  OpKind kind = OpKind::kPushPull;
+  std::string name;
+  uint64_t round = 0;
+  DataType dtype = DataType::kFloat32;
+  std::vector<int64_t> shape;       // the engine's
+  std::vector<int64_t> peer_shape;  // the fake peer's (allgather: the first dimension may differ)
+  int root = 0;
+  bool late = false;  // submitted only after its frames arrived
+  std::vector<char> input, output, peer_data;
+  std::atomic<int> done_calls{0};
+  Status status;
+  std::vector<char> gathered;
+  std::vector<std::vector<int64_t>> gathered_shapes;
+
+  uint64_t bytes() const { return input.size(); }
+};
+
+uint64_t Elements(const std::vector<int64_t>& shape) {
+  uint64_t n = 1;
+  for (int64_t d : shape) n *= static_cast<uint64_t>(d);
+  return n;
+}
+
+// Sums that do not share code with the engine's kernels (float values are small integers, so
+// float sums are exact; integers wrap).
+void ReferenceSum(DataType dtype, const char* a, const char* b, char* out, uint64_t bytes) {
+  auto add = [&](auto zero) {
+    using T = decltype(zero);
+    for (uint64_t i = 0; i < bytes / sizeof(T); ++i) {
+      T x, y;
+      std::memcpy(&x, a + i * sizeof(T), sizeof(T));
+      std::memcpy(&y, b + i * sizeof(T), sizeof(T));
+      T z;
+      if constexpr (std::is_integral_v<T>) {
+        using U = std::make_unsigned_t<T>;
+        z = static_cast<T>(static_cast<U>(x) + static_cast<U>(y));
+      } else {
+        z = x + y;
+      }
+      std::memcpy(out + i * sizeof(T), &z, sizeof(T));
+    }
+  };
+  switch (dtype) {
+    case DataType::kFloat32: add(0.0f); break;
+    case DataType::kFloat64: add(0.0); break;
+    case DataType::kInt32: add(int32_t{0}); break;
+    case DataType::kInt64: add(int64_t{0}); break;
+    default: std::abort();  // sessions sum only the dtypes above
+  }
+}
+
+struct Totals {
+  uint64_t sessions = 0, clean = 0, hostile = 0, frames = 0, mutated = 0, wrong_but_well_formed = 0;
+  uint64_t dropped_by_engine = 0, ops = 0, ops_ok = 0, engine_frames = 0, violations = 0;
+};
+
+class Session {
+ public:
+  Session(FrameMutator& mutator, Totals& totals, uint64_t index) : mut_(mutator), totals_(totals), index_(index) {}
+
+  void Run() {
+    clean_ = mut_.Chance(0.25);
+    const uint64_t partition_choices[] = {256, 4096, 65536, 1 << 20};
+    options_.partition_bytes = partition_choices[mut_.Uniform(4)];
+    const char* schedules[] = {"fifo", "priority", "prophet"};
+    options_.schedule = schedules[mut_.Uniform(3)];
+    options_.world_size = 2;
+    options_.rank = kEngineRank;
+    options_.addresses = testing::LoopbackAddresses(2);
+    options_.token = "engine-fuzz";
+    options_.timeout_s = 30;
+    options_.connect_timeout_s = 10;
+    options_.socket_buffer_bytes = 256 << 10;
+    options_.max_early_bytes = 64 << 20;  // well above what a session holds legitimately
+    MakePlans();
+
+    BootstrapOptions b;
+    b.rank = kPeerRank;
+    b.world_size = 2;
+    b.addresses = options_.addresses;
+    b.token = options_.token;
+    b.connect_timeout_s = 10;
+    b.socket_buffer_bytes = options_.socket_buffer_bytes;
+    Status s = FakePeer::Listen(b, &peer_);
+    if (!s.ok()) return Violation("fake peer cannot listen: " + s.message());
+    std::unique_ptr<Engine> engine;
+    Status started;
+    std::thread starter([&] { started = Engine::Start(options_, &engine); });
+    s = peer_->Join([this](const FrameMeta& meta, const char* payload) { OnEngineFrame(meta, payload); });
+    starter.join();
+    if (!s.ok() || !started.ok()) return Violation("bootstrap failed: " + s.message() + " / " + started.message());
+
+    for (auto& p : plans_)
+      if (!p->late) Submit(engine.get(), *p);
+    std::vector<std::string> stream = BuildStream();
+    uint64_t sent_bytes = 0;
+    for (const std::string& frame : stream) {
+      if (!peer_->Send(frame)) break;
+      ++totals_.frames;
+      sent_bytes += frame.size();
+    }
+    // Late operations are submitted once their frames are in (held as early frames).
+    WaitUntil([&] { return peer_->closed_by_engine() || BytesReceived(*engine) >= sent_bytes; }, 2.0);
+    for (auto& p : plans_)
+      if (p->late) Submit(engine.get(), *p);
+
+    if (clean_) {
+      if (!WaitUntil([&] { return AllDone(); }, 30.0)) Violation("a clean session did not complete within 30 s");
+      if (peer_->closed_by_engine()) Violation("the engine closed a clean session's connection");
+    }
+    if (peer_->closed_by_engine()) ++totals_.dropped_by_engine;
+    if (!peer_->FinishAndAwaitClose(10.0)) Violation("the engine did not close after the peer's EOF within 10 s");
+    if (!WaitUntil([&] { return AllDone(); }, 10.0)) Violation("operations still pending 10 s after the peer left");
+    engine.reset();
+    totals_.engine_frames += peer_->frames_received();
+    if (!peer_->protocol_error().empty()) Violation(peer_->protocol_error());
+    peer_.reset();
+    Check();
+  }
+
+ private:
+  void Violation(const std::string& what) {
+    if (++totals_.violations <= 20)
+      std::fprintf(stderr, "VIOLATION in session %llu (%s): %s\n", static_cast<unsigned long long>(index_),
+                   clean_ ? "clean" : "hostile", what.c_str());
+  }
+
+  static uint64_t BytesReceived(const Engine& engine) {
+    const std::string json = engine.StatsJson();
+    const size_t at = json.find("\"bytes_received\": ");
+    return at == std::string::npos ? 0 : std::strtoull(json.c_str() + at + 18, nullptr, 10);
+  }
+
+  static bool WaitUntil(const std::function<bool()>& condition, double seconds) {
+    const int64_t deadline = NowNs() + static_cast<int64_t>(seconds * 1e9);
+    while (!condition()) {
+      if (NowNs() > deadline) return false;
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    return true;
+  }
+
+  bool AllDone() const {
+    for (const auto& p : plans_)
+      if (p->done_calls.load() == 0) return false;
+    return true;
+  }
+
+  std::vector<char> Values(DataType dtype, uint64_t elements) {
+    std::vector<char> v(elements * DataTypeSize(dtype));
+    for (uint64_t i = 0; i < elements; ++i) {
+      const int64_t small = static_cast<int64_t>(mut_.Uniform(201)) - 100;
+      switch (dtype) {
+        case DataType::kFloat32: { const float f = static_cast<float>(small); std::memcpy(&v[4 * i], &f, 4); break; }
+        case DataType::kFloat64: { const double d = static_cast<double>(small); std::memcpy(&v[8 * i], &d, 8); break; }
+        default: {
+          const size_t e = DataTypeSize(dtype);
+          const uint64_t r = mut_.rng()();
+          std::memcpy(&v[e * i], &r, e);
+          if (dtype == DataType::kBool) v[i] &= 1;
+        }
+      }
+    }
+    return v;
+  }
+
+  void MakePlans() {
+    const int count = 1 + static_cast<int>(mut_.Uniform(4));
+    const DataType summable[] = {DataType::kFloat32, DataType::kFloat64, DataType::kInt32, DataType::kInt64};
+    const DataType any[] = {DataType::kFloat16, DataType::kBFloat16, DataType::kFloat32, DataType::kFloat64,
+                            DataType::kInt32,   DataType::kInt64,    DataType::kUInt8,   DataType::kBool};
+    for (int i = 0; i < count; ++i) {
+      auto p = std::make_unique<Plan>();
+      p->kind = static_cast<OpKind>(mut_.Uniform(3));
+      p->dtype = p->kind == OpKind::kPushPull ? summable[mut_.Uniform(4)] : any[mut_.Uniform(8)];
+      p->name = std::string(OpKindName(p->kind)) + "/" + std::to_string(i);
+      // A second round of an earlier name now and then: frames are matched by name#round.
+      if (i > 0 && mut_.Chance(0.2) && plans_[i - 1]->kind == p->kind) {
+        p->name = plans_[i - 1]->name;
+        p->round = plans_[i - 1]->round + 1;
+      }
+      uint64_t elements;
+      switch (mut_.Uniform(10)) {
+        case 0: p->shape = {}; elements = 1; break;                                      // scalar
+        case 1: p->shape = {0, 3}; elements = 0; break;                                  // empty
+        case 2: elements = 1 + mut_.Uniform(100000); p->shape = {static_cast<int64_t>(elements)}; break;
+        default:
+          elements = 4 * (1 + mut_.Uniform(500));
+          p->shape = {static_cast<int64_t>(elements / 4), 4};
+      }
+      if (p->kind == OpKind::kAllgather && p->shape.empty()) p->shape = {1};
+      p->peer_shape = p->shape;
+      if (p->kind == OpKind::kAllgather && mut_.Chance(0.5)) p->peer_shape[0] = static_cast<int64_t>(mut_.Uniform(9));
+      p->root = p->kind == OpKind::kBroadcast ? static_cast<int>(mut_.Uniform(2)) : 0;
+      // The engine numbers rounds in submission order: a later round is submitted in the same phase.
+      p->late = p->round > 0 ? plans_[i - 1]->late : mut_.Chance(0.4);
+      p->input = Values(p->dtype, Elements(p->shape));
+      p->output.assign(p->input.size(), 0x5a);
+      p->peer_data = Values(p->dtype, Elements(p->peer_shape));
+      by_key_[p->name + "#" + std::to_string(p->round)] = p.get();
+      plans_.push_back(std::move(p));
+    }
+  }
+
+  void Submit(Engine* engine, Plan& p) {
+    OpRequest r;
+    r.kind = p.kind;
+    r.name = p.name;
+    r.dtype = p.dtype;
+    r.shape = p.shape;
+    r.input = p.input.data();
+    r.output = p.kind == OpKind::kAllgather ? nullptr : p.output.data();
+    r.bytes = p.bytes();
+    r.root_rank = p.root;
+    r.priority = static_cast<int64_t>(mut_.Uniform(5));
+    Plan* plan = &p;
+    r.done = [plan](const Status& s, const GatherResult* g) {
+      plan->status = s;
+      if (g != nullptr) {
+        for (size_t rank = 0; rank < g->data.size(); ++rank) {
+          plan->gathered.insert(plan->gathered.end(), g->data[rank], g->data[rank] + g->bytes[rank]);
+          plan->gathered_shapes.push_back(g->shapes[rank]);
+        }
+      }
+      plan->done_calls.fetch_add(1);
+    };
+    ++totals_.ops;
+    engine->Submit(std::move(r));
+  }
+
+  FrameMeta Meta(const Plan& p, FrameType type, const std::vector<Partition>& parts, uint32_t part) const {
+    FrameMeta m;
+    m.type = type;
+    m.dtype = p.dtype;
+    m.name = p.name;
+    m.round = p.round;
+    m.shape = type == FrameType::kGather ? p.peer_shape : p.shape;
+    m.partition = part;
+    m.num_partitions = static_cast<uint32_t>(parts.size());
+    m.offset = parts[part].offset;
+    m.payload_bytes = parts[part].bytes;
+    return m;
+  }
+
+  // The frames rank 0 sends for its plans before it hears anything from rank 1.
+  std::vector<std::string> ValidFrames() const {
+    std::vector<std::string> out;
+    for (const auto& pp : plans_) {
+      const Plan& p = *pp;
+      const size_t elem = DataTypeSize(p.dtype);
+      switch (p.kind) {
+        case OpKind::kPushPull: {
+          const auto parts = MakePartitions(p.name, p.bytes(), elem, 2, options_.partition_bytes);
+          for (uint32_t i = 0; i < parts.size(); ++i)
+            if (parts[i].owner == kEngineRank)
+              out.push_back(EncodeFrame(Meta(p, FrameType::kPush, parts, i),
+                                        std::string(p.peer_data.data() + parts[i].offset, parts[i].bytes)));
+          break;
+        }
+        case OpKind::kBroadcast: {
+          if (p.root != kPeerRank) break;
+          const auto parts = MakePartitions(p.name, p.bytes(), elem, 1, options_.partition_bytes);
+          for (uint32_t i = 0; i < parts.size(); ++i)
+            out.push_back(EncodeFrame(Meta(p, FrameType::kBroadcast, parts, i),
+                                      std::string(p.peer_data.data() + parts[i].offset, parts[i].bytes)));
+          break;
+        }
+        case OpKind::kAllgather: {
+          const std::vector<Partition> whole = {Partition{0, p.peer_data.size(), kEngineRank}};
+          out.push_back(EncodeFrame(Meta(p, FrameType::kGather, whole, 0), std::string(p.peer_data.begin(), p.peer_data.end())));
+          break;
+        }
+      }
+    }
+    return out;
+  }
+
+  std::vector<std::string> BuildStream() {
+    std::vector<std::string> stream = ValidFrames();
+    std::shuffle(stream.begin(), stream.end(), mut_.rng());
+    if (clean_) {
+      ++totals_.clean;
+      return stream;
+    }
+    ++totals_.hostile;
+    const std::vector<std::string> valid = stream.empty() ? std::vector<std::string>{mut_.RandomValidFrame()} : stream;
+    const int hostile = 1 + static_cast<int>(mut_.Uniform(6));
+    for (int h = 0; h < hostile; ++h) {
+      const std::string& base = valid[mut_.Uniform(valid.size())];
+      std::string frame;
+      if (mut_.Chance(0.6)) {
+        frame = mut_.Mutate(base, mut_.RandomMutation(), valid[mut_.Uniform(valid.size())]);
+        ++totals_.mutated;
+      } else {
+        frame = WrongButWellFormed(base);
+        ++totals_.wrong_but_well_formed;
+      }
+      stream.insert(stream.begin() + static_cast<long>(mut_.Uniform(stream.size() + 1)), frame);
+    }
+    return stream;
+  }
+
+  // What a confused (not malicious) peer sends: everything passes the frame's own checks.
+  std::string WrongButWellFormed(const std::string& base) {
+    FrameMeta meta;
+    const char* payload = nullptr;
+    if (!DecodeFrame(base.data(), base.size(), &meta, &payload).ok()) return mut_.RandomValidFrame();
+    const std::string body(payload, meta.payload_bytes);
+    switch (mut_.Uniform(6)) {
+      case 0: return base;  // a duplicate
+      case 1: {             // an error notice for this operation
+        const std::string message = "rank 0 says '" + meta.name + "' is wrong";
+        FrameMeta e;
+        e.type = FrameType::kError;
+        e.name = meta.name;
+        e.round = meta.round;
+        e.payload_bytes = message.size();
+        return EncodeFrame(e, message);
+      }
+      case 2: meta.round += 1 + mut_.Uniform(3); return EncodeFrame(meta, body);  // a later round
+      case 3: meta.name += "/unknown"; return EncodeFrame(meta, body);             // never submitted
+      case 4:  // another shape with the same byte count
+        meta.shape = {static_cast<int64_t>(Elements(meta.shape))};
+        if (meta.shape[0] > 0) meta.shape = {1, meta.shape[0]};
+        return EncodeFrame(meta, body);
+      default: return mut_.RandomValidFrame();
+    }
+  }
+
+  // Rank 0's side of push_pull: the engine pushed a partition rank 0 owns; send back the sum.
+  void OnEngineFrame(const FrameMeta& meta, const char* payload) {
+    if (meta.type != FrameType::kPush) return;
+    auto it = by_key_.find(meta.name + "#" + std::to_string(meta.round));
+    if (it == by_key_.end()) return;
+    const Plan& p = *it->second;
+    if (p.kind != OpKind::kPushPull || meta.offset + meta.payload_bytes > p.peer_data.size()) {
+      Violation("the engine pushed something it never had: " + meta.name);
+      return;
+    }
+    std::string sum(meta.payload_bytes, '\0');
+    ReferenceSum(p.dtype, p.peer_data.data() + meta.offset, payload, &sum[0], meta.payload_bytes);
+    FrameMeta result = meta;
+    result.type = FrameType::kResult;
+    peer_->Send(EncodeFrame(result, sum));
+  }
+
+  void Check() {
+    for (const auto& pp : plans_) {
+      const Plan& p = *pp;
+      if (p.done_calls.load() != 1) {
+        Violation(p.name + ": done called " + std::to_string(p.done_calls.load()) + " times");
+        continue;
+      }
+      if (p.status.ok()) ++totals_.ops_ok;
+      if (!clean_) continue;
+      if (!p.status.ok()) {
+        Violation(p.name + " failed in a clean session: " + p.status.message());
+        continue;
+      }
+      std::vector<char> expected;
+      switch (p.kind) {
+        case OpKind::kPushPull:
+          expected.resize(p.bytes());
+          ReferenceSum(p.dtype, p.peer_data.data(), p.input.data(), expected.data(), p.bytes());
+          if (p.output != expected) Violation(p.name + ": wrong sum");
+          break;
+        case OpKind::kBroadcast:
+          if (p.output != (p.root == kPeerRank ? p.peer_data : p.input)) Violation(p.name + ": wrong broadcast");
+          break;
+        case OpKind::kAllgather:
+          expected = p.peer_data;  // rank 0 first
+          expected.insert(expected.end(), p.input.begin(), p.input.end());
+          if (p.gathered != expected || p.gathered_shapes.size() != 2 || p.gathered_shapes[0] != p.peer_shape ||
+              p.gathered_shapes[1] != p.shape)
+            Violation(p.name + ": wrong allgather");
+          break;
+      }
+    }
+  }
+
+  FrameMutator& mut_;
+  Totals& totals_;
+  const uint64_t index_;
+  bool clean_ = false;
+  EngineOptions options_;
+  std::vector<std::unique_ptr<Plan>> plans_;
+  std::unordered_map<std::string, Plan*> by_key_;
+  std::unique_ptr<FakePeer> peer_;
+};
+
+int Main(int argc, char** argv) {
+  CapMemory();
+  const Flags flags(argc, argv, {{"frames", "1000000"}, {"seed", "1"}, {"log_level", "-1"}});
+  // The engine logs every dropped connection; thousands of sessions would drown the summary.
+  ::setenv("PROPHET_LOG_LEVEL", flags.Str("log_level").c_str(), 1);
+  const uint64_t frames = flags.U64("frames"), seed = flags.U64("seed");
+  FrameMutator mutator(seed);
+  Totals t;
+  const auto t0 = std::chrono::steady_clock::now();
+  while (t.frames < frames) {
+    const uint64_t before = t.frames;
+    Session(mutator, t, t.sessions).Run();
+    ++t.sessions;
+    if (t.frames / 100000 != before / 100000)
+      std::fprintf(stderr, "%llu frames, %llu sessions, %llu violations\n", static_cast<unsigned long long>(t.frames),
+                   static_cast<unsigned long long>(t.sessions), static_cast<unsigned long long>(t.violations));
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("engine_fuzz: seed %llu, %llu frames in %llu sessions (%llu clean, %llu hostile: %llu mutated frames, "
+              "%llu well-formed but wrong; %llu connections dropped by the engine), %llu operations (%llu succeeded), %llu frames from the engine; "
+              "%llu violations; %.1f s\n",
+              static_cast<unsigned long long>(seed), static_cast<unsigned long long>(t.frames),
+              static_cast<unsigned long long>(t.sessions), static_cast<unsigned long long>(t.clean),
+              static_cast<unsigned long long>(t.hostile), static_cast<unsigned long long>(t.mutated),
+              static_cast<unsigned long long>(t.wrong_but_well_formed),
+              static_cast<unsigned long long>(t.dropped_by_engine), static_cast<unsigned long long>(t.ops),
+              static_cast<unsigned long long>(t.ops_ok), static_cast<unsigned long long>(t.engine_frames),
+              static_cast<unsigned long long>(t.violations), seconds);
+  return t.violations == 0 ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace fuzz
+}  // namespace prophet
+
+int main(int argc, char** argv) { return prophet::fuzz::Main(argc, argv); }

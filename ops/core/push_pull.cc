@@ -1,0 +1,186 @@
+#include "ops/core/push_pull.h"
+
+#include <cstring>
+
+#include "ops/core/reduce.h"
+
+namespace prophet {
+
+void PushPull::Start() {
+  const OpRequest& r = req_;
+  if (n() == 1) {
+    if (r.output != r.input && r.bytes) std::memcpy(r.output, r.input, r.bytes);
+    host()->Finish(this, Status::OK());
+    return;
+  }
+  set_parts(MakePartitions(r.name, r.bytes, element_bytes(), n(), host()->options().partition_bytes));
+  const size_t np = parts().size();
+  set_pending(static_cast<int>(np));
+  push_state_.assign(np, PushState::kQueued);
+  push_sent_ns_.assign(np, 0);
+  contributions_.assign(np, 0);
+  result_sends_left_.assign(np, 0);
+  contributed_.assign(np, {});
+  seeded_.assign(np, 0);
+
+  TensorReady ready;
+  ready.name = &r.name;
+  ready.round = round();
+  ready.priority = r.priority;
+  ready.bytes = r.bytes;
+  ready.ready_ns = submit_ns();
+  host()->Announce(ready);
+  for (uint32_t p = 0; p < np; ++p) {
+    if (parts()[p].owner == rank()) {
+      // In place (input forwarded to output): the local values are already there.
+      if (r.output == r.input) seeded_[p] = parts()[p].bytes;
+      contributed_[p].assign(n(), false);
+      contributed_[p][rank()] = true;
+      contributions_[p] = 1;
+      continue;
+    }
+    SendTask t;
+    t.name = r.name;
+    t.round = round();
+    t.request_id = id();
+    t.partition = static_cast<int>(p);
+    t.peer = parts()[p].owner;
+    t.priority = r.priority;
+    t.bytes = parts()[p].bytes;
+    t.ready_ns = submit_ns();
+    host()->Schedule(std::move(t));
+  }
+}
+
+void PushPull::SendScheduled(const SendTask& task) {
+  const uint32_t p = static_cast<uint32_t>(task.partition);
+  push_state_[p] = PushState::kPushed;
+  push_sent_ns_[p] = NowNs();
+  host()->Send(task.peer, Frame(FrameType::kPush, p, static_cast<const char*>(req_.input) + parts()[p].offset));
+}
+
+std::string PushPull::Mismatch(int peer, const FrameMeta& meta) const {
+  const OpRequest& r = req_;
+  if (meta.dtype != r.dtype || meta.shape != r.shape)
+    return "push_pull '" + r.name + "' (round " + std::to_string(round()) + "): rank " + std::to_string(rank()) +
+           " has shape " + ShapeString(r.shape) + " " + DataTypeName(r.dtype) + " but rank " + std::to_string(peer) +
+           " has shape " + ShapeString(meta.shape) + " " + DataTypeName(meta.dtype) +
+           "; every worker must pass the same shape and dtype for the same name";
+  if (meta.partition >= parts().size() || parts()[meta.partition].owner != rank() ||
+      parts()[meta.partition].offset != meta.offset || parts()[meta.partition].bytes != meta.payload_bytes)
+    return "push_pull '" + r.name + "': rank " + std::to_string(peer) +
+           " partitioned the tensor differently (different partition_bytes?)";
+  if (contributed_[meta.partition][peer])
+    return "push_pull '" + r.name + "': rank " + std::to_string(peer) + " sent partition " +
+           std::to_string(meta.partition) + " twice";
+  return "";
+}
+
+PayloadSink PushPull::OnFrame(int peer, const FrameMeta& meta) {
+  if (meta.type == FrameType::kResult) {
+    const uint32_t p = meta.partition;
+    if (p >= parts().size() || parts()[p].owner != peer || parts()[p].offset != meta.offset ||
+        parts()[p].bytes != meta.payload_bytes || push_state_[p] != PushState::kPushed)
+      return PayloadSink::Discard();  // not what this worker pushed: drop the bytes
+    return PayloadSink::Into(static_cast<char*>(req_.output) + meta.offset, id());
+  }
+  if (!Admit(peer, meta)) return PayloadSink::Discard();
+  const uint32_t part = meta.partition;
+  PayloadSink::Consumer add = [this, part](uint64_t at, const char* data, uint64_t len) {
+    Accumulate(part, at, data, len);
+  };
+  // With two workers the peer's contribution is the only one: it can land in the output itself,
+  // and the local values are added to each piece as it lands (out = received + in, one pass,
+  // no staging copy). Not when the output is the input (it holds the local values), nor with
+  // more workers (the other contributions add into the same bytes).
+  if (n() == 2 && req_.output != req_.input && seeded_[part] == 0)
+    return PayloadSink::Into(static_cast<char*>(req_.output) + meta.offset, id(), std::move(add));
+  return PayloadSink::Stream(std::move(add), id());
+}
+
+void PushPull::OnPayloadDone(int peer, const FrameMeta& meta) {
+  const uint32_t p = meta.partition;
+  if (meta.type == FrameType::kPush) {
+    ContributionDone(p, peer);
+    return;
+  }
+  push_state_[p] = PushState::kDone;
+  TransferDone d;
+  d.task.name = req_.name;
+  d.task.round = round();
+  d.task.request_id = id();
+  d.task.partition = static_cast<int>(p);
+  d.task.peer = peer;
+  d.task.priority = req_.priority;
+  d.task.bytes = meta.payload_bytes;
+  d.task.ready_ns = submit_ns();
+  d.sent_ns = push_sent_ns_[p];
+  d.done_ns = NowNs();
+  host()->PushCompleted(d);
+  EventDone();
+}
+
+void PushPull::OnWholeFrame(int peer, const FrameMeta& meta, ByteBuffer* data) {
+  if (!Admit(peer, meta)) return;
+  Accumulate(meta.partition, 0, data->data(), meta.payload_bytes);
+  ContributionDone(meta.partition, peer);
+}
+
+void PushPull::Accumulate(uint32_t part, uint64_t at, const char* data, uint64_t len) {
+  const Partition& p = parts()[part];
+  char* out = static_cast<char*>(req_.output) + p.offset;
+  const char* in = static_cast<const char*>(req_.input) + p.offset;
+  uint64_t& seeded = seeded_[part];
+  const uint64_t below = at < seeded ? std::min(len, seeded - at) : 0;
+  if (below) SumInto(req_.dtype, out + at, data, below / element_bytes());
+  if (below < len) {
+    SumTo(req_.dtype, out + at + below, in + at + below, data + below, (len - below) / element_bytes());
+    seeded = at + len;
+  }
+}
+
+void PushPull::ContributionDone(uint32_t part, int peer) {
+  contributed_[part][peer] = true;
+  contributions_[part]++;
+  MaybeFinishPartition(part);
+}
+
+void PushPull::MaybeFinishPartition(uint32_t part) {
+  if (contributions_[part] != n()) return;
+  contributions_[part] = n() + 1;  // finished: never again
+  const Partition& p = parts()[part];
+  char* out = static_cast<char*>(req_.output) + p.offset;
+  if (req_.average) DivideBy(req_.dtype, out, p.bytes / element_bytes(), n());
+  result_sends_left_[part] = n() - 1;
+  for (int peer = 0; peer < n(); ++peer) {
+    if (peer == rank()) continue;
+    host()->Send(peer, Frame(FrameType::kResult, part, out, [this, part] {
+                   if (--result_sends_left_[part] == 0) EventDone();
+                 }));
+  }
+}
+
+std::vector<bool> PushPull::WaitingFor() const {
+  std::vector<bool> missing(n(), false);
+  for (size_t p = 0; p < parts().size(); ++p) {
+    if (parts()[p].owner == rank()) {
+      if (contributions_[p] <= n())
+        for (int r = 0; r < n(); ++r)
+          if (!contributed_[p].empty() && !contributed_[p][r]) missing[r] = true;
+    } else if (push_state_[p] != PushState::kDone) {
+      missing[parts()[p].owner] = true;
+    }
+  }
+  return missing;
+}
+
+void PushPull::Complete(const Status& status) {
+  // The credit of pushes still waiting for their result.
+  uint64_t in_flight = 0;
+  for (size_t p = 0; p < push_state_.size(); ++p)
+    if (push_state_[p] == PushState::kPushed) in_flight += parts()[p].bytes;
+  if (in_flight) host()->ReturnCredit(in_flight);
+  Collective::Complete(status);
+}
+
+}  // namespace prophet

@@ -1,0 +1,57 @@
+// push_pull: the sum (or mean) of one tensor over all workers.
+//
+// The tensor is cut into partitions (partition.h); partition i is owned by one rank. Every other
+// rank PUSHes its values of the partition to the owner, when the scheduler releases that PUSH;
+// the owner adds the N contributions into its output and sends the summed partition back as a
+// RESULT, straight from its output. Each worker sends and receives about 2(N-1)/N of the tensor.
+#ifndef PROPHET_OPS_CORE_PUSH_PULL_H_
+#define PROPHET_OPS_CORE_PUSH_PULL_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "ops/core/collective.h"
+
+namespace prophet {
+
+class PushPull : public Collective {
+ public:
+  PushPull(CollectiveHost* host, uint64_t id, OpRequest request, uint64_t round)
+      : Collective(host, id, std::move(request), round) {}
+
+  void Start() override;
+  PayloadSink OnFrame(int peer, const FrameMeta& meta) override;
+  void OnPayloadDone(int peer, const FrameMeta& meta) override;
+  void OnWholeFrame(int peer, const FrameMeta& meta, ByteBuffer* data) override;
+  void SendScheduled(const SendTask& task) override;
+  std::vector<bool> WaitingFor() const override;
+  void Complete(const Status& status) override;
+
+ private:
+  enum class PushState : uint8_t { kQueued, kPushed, kDone };  // partitions owned by others
+
+  FrameType frame_type() const override { return FrameType::kPush; }
+  // Checks a PUSH against this worker's own request.
+  std::string Mismatch(int peer, const FrameMeta& meta) const override;
+  // Adds bytes [at, at + len) of a contribution to owned partition `part`.
+  void Accumulate(uint32_t part, uint64_t at, const char* data, uint64_t len);
+  void ContributionDone(uint32_t part, int peer);
+  // With every contribution in: average if asked, send the RESULT to every other rank.
+  void MaybeFinishPartition(uint32_t part);
+
+  std::vector<PushState> push_state_;
+  std::vector<int64_t> push_sent_ns_;
+  // Owned partitions.
+  std::vector<std::vector<bool>> contributed_;  // by rank
+  std::vector<int> contributions_;              // n() + 1 once finished
+  std::vector<int> result_sends_left_;
+  // Output bytes [0, seeded) of an owned partition already hold the local values plus some
+  // contributions; beyond that the output is not written yet. Contributions stream in from
+  // offset 0 in order, so the one furthest ahead extends this prefix with out = in + received
+  // (one pass, no separate copy of the local values) and every other adds into it.
+  std::vector<uint64_t> seeded_;
+};
+
+}  // namespace prophet
+
+#endif  // PROPHET_OPS_CORE_PUSH_PULL_H_

@@ -1,0 +1,847 @@
+#include "ops/core/simulator.h"
+
+#include <algorithm>
+#include <deque>
+#include <limits>
+#include <memory>
+#include <queue>
+#include <unordered_map>
+
+#include "ops/core/link_model.h"
+#include "ops/core/partition.h"
+#include "ops/core/scheduler.h"
+#include "ops/core/timeline.h"
+
+namespace prophet {
+
+namespace {
+
+// The engine sums a push in chunks of this size as it arrives (engine.cc, kSumChunkBytes): when
+// the last contribution's last byte is in, one chunk is left to add.
+constexpr uint64_t kSumChunkBytes = 256 * 1024;
+constexpr uint64_t kMaxEvents = uint64_t{2} << 30;
+
+enum class EventKind : uint8_t {
+  kStepBegin,
+  kForwardStart,
+  kForwardDone,
+  kTensorReady,
+  kBackwardDone,
+  kStepReturn,
+  kArrive,
+  kSumDone,
+  kApplyDone,
+  kWakeup,
+};
+
+struct Event {
+  int64_t time_ns;
+  uint64_t seq;
+  EventKind kind;
+  int worker;
+  int step;
+  int index;     // layer, tensor or partition
+  uint64_t tag;  // frame id, op key
+  bool operator>(const Event& other) const {
+    return time_ns != other.time_ns ? time_ns > other.time_ns : seq > other.seq;
+  }
+};
+
+enum class FrameKind : uint8_t { kPush, kResult, kRing };
+
+struct FrameInfo {
+  FrameKind kind = FrameKind::kPush;
+  int step = 0;
+  int tensor = 0;     // kRing: which ring of the step (0 gradients, 1 control)
+  int partition = 0;  // kRing: subdivision
+  int round = 0;      // kRing only
+  uint64_t bytes = 0;
+};
+
+uint64_t OpKey(int step, int tensor) {
+  return (static_cast<uint64_t>(step) << 32) | static_cast<uint32_t>(tensor);
+}
+int KeyStep(uint64_t key) { return static_cast<int>(key >> 32); }
+int KeyTensor(uint64_t key) { return static_cast<int>(key & 0xffffffffu); }
+
+// One push_pull of one tensor in one step, on one worker.
+struct Op {
+  uint64_t request = 0;  // the engine's request id of this worker's submission
+  int64_t submit_ns = 0;
+  int parts_left = 0;
+  std::vector<int> contributions;    // owned partitions: contributions added (own included)
+  std::vector<int> results_unwritten;  // owned partitions: sums not yet written to sockets
+  std::vector<int64_t> push_sent_ns;
+};
+
+// MultiWorkerMirroredStrategy's ring all-reduce of one step on one worker.
+struct Ring {
+  bool started = false;
+  int64_t start_ns = 0;
+  int subdivs = 0;
+  uint64_t chunk_bytes = 0;
+  std::vector<int> sent;      // per subdivision: rounds sent
+  std::vector<int> received;  // per subdivision: rounds received
+  int subdivs_done = 0;
+};
+
+struct ApplyJob {
+  int step;
+  int tensor;
+};
+
+struct StepState {
+  int64_t begin_ns = -1;
+  int64_t backward_start_ns = 0;
+  int outstanding = 0;  // what the train function still waits for
+  int applies_left = 0;  // mwms: updates after the all-reduce
+};
+
+struct Worker {
+  std::unique_ptr<SchedulerPolicy> policy;
+  uint64_t in_flight = 0;
+  uint64_t enqueue_seq = 0;
+  uint64_t next_request = 1;
+  std::unordered_map<uint64_t, Op> ops;                  // by OpKey
+  std::unordered_map<uint64_t, uint64_t> op_of_request;  // request id -> OpKey
+  std::unordered_map<uint64_t, Ring> rings;              // by OpKey(step, which ring)
+  std::vector<StepState> steps;
+  std::vector<int> updates_pending;  // per layer: updates its next forward pass waits for
+  int waiting_layer = -1;            // the forward pass waits for this layer's updates
+  int waiting_step = 0;
+  int64_t waiting_since_ns = 0;
+  int64_t gate_wait_ns = 0;          // in measured steps
+  std::deque<ApplyJob> apply_queue;
+  int applies_running = 0;
+  int64_t wakeup_ns = -1;
+  std::unique_ptr<Timeline> timeline;
+};
+
+class Simulation {
+ public:
+  Simulation(const StepProfile& profile, const NetworkModel& network, const RuntimeModel& runtime,
+             const SimulationOptions& options)
+      : profile_(profile), network_(network), runtime_(runtime), options_(options),
+        n_(network.workers), link_(MakeLinkOptions(network)) {}
+
+  Status Run(StepPrediction* prediction);
+
+ private:
+  static LinkOptions MakeLinkOptions(const NetworkModel& network) {
+    LinkOptions o;
+    o.hosts = network.workers;
+    o.egress_Bps = network.link_Bps;
+    o.ingress_Bps = network.ingress_limited ? network.link_Bps : 0;
+    o.payload_efficiency = network.payload_efficiency;
+    o.frame_overhead_bytes = network.frame_overhead_bytes;
+    o.socket_window_bytes = KernelSendBufferBytes(network);
+    return o;
+  }
+  bool mwms() const { return runtime_.schedule == "mwms"; }
+  bool crossing() const { return runtime_.cross_barrier && !mwms(); }
+  bool IsControl(int tensor) const { return profile_.tensors[tensor].priority >= kControlPriority; }
+  int total_steps() const { return options_.warmup_steps + options_.steps + 1; }
+  bool measured(int step) const {
+    return step >= options_.warmup_steps && step < options_.warmup_steps + options_.steps;
+  }
+
+  void Push(int64_t time_ns, EventKind kind, int worker, int step = 0, int index = 0, uint64_t tag = 0) {
+    events_.push({time_ns, seq_++, kind, worker, step, index, tag});
+  }
+  void Handle(const Event& e);
+  void HandleLink(const LinkEvent& e);
+
+  // Compute.
+  void StepBegin(int w, int step);
+  void ForwardStart(int w, int step, int layer);
+  void ForwardDone(int w, int step, int layer);
+  void Ready(int w, int step, int tensor);
+  void BackwardDone(int w, int step);
+  void StepWorkDone(int w, int step);  // one thing the train function waits for is done
+  void StepReturn(int w, int step);
+  // Updates.
+  void QueueApply(int w, int step, int tensor);
+  void StartApplies(int w);
+  void ApplyDone(int w, int step, int tensor);
+  // The runtime.
+  void Submit(int w, int step, int tensor);
+  void Pump(int w);
+  void SendFrame(int src, int dst, int64_t priority, const FrameInfo& info);
+  void MaybeSum(int owner, uint64_t key, int partition);
+  void SumDone(int owner, uint64_t key, int partition);
+  void PartitionDone(int w, uint64_t key);
+  void OpDone(int w, int step, int tensor);
+  void Arrive(int dst, int src, uint64_t frame);
+  // mwms.
+  void RingStart(int w, int step, int which);
+  void RingAdvance(int w, int step, int which);
+  void RingDone(int w, int step, int which);
+  uint64_t RingBytes(int which) const;
+
+  Op& OpAt(int w, uint64_t key);
+  // Worker 0's first measured step: one tensor's milestones, for StepPrediction::tensor_times.
+  double* Milestone(int w, int step, int tensor, double TensorTiming::*field) {
+    if (w != 0 || step != options_.warmup_steps) return nullptr;
+    return &(timings_[tensor].*field);
+  }
+  void Note(int w, int step, int tensor, double TensorTiming::*field) {
+    if (double* at = Milestone(w, step, tensor, field)) {
+      *at = static_cast<double>(now_ns_ - workers_[0].steps[step].begin_ns) / 1e9;
+    }
+  }
+
+  const StepProfile& profile_;
+  const NetworkModel& network_;
+  const RuntimeModel& runtime_;
+  const SimulationOptions& options_;
+  const int n_;
+  LinkModel link_;
+  std::priority_queue<Event, std::vector<Event>, std::greater<Event>> events_;
+  uint64_t seq_ = 0;
+  int64_t now_ns_ = 0;
+  std::vector<Worker> workers_;
+  std::vector<std::vector<Partition>> partitions_;  // per tensor
+  std::vector<FrameInfo> frames_;
+  std::vector<uint64_t> free_frames_;
+  int controls_ = 0;
+  int gradients_ = 0;
+  int64_t forward_ns_ = 0;
+  int64_t measure_begin_ns_ = -1, measure_end_ns_ = -1;
+  int64_t busy_begin_ns_ = 0, busy_end_ns_ = 0;
+  double wire_begin_ = 0, wire_end_ = 0;
+  std::vector<TensorTiming> timings_;
+  std::vector<double> bandwidth_samples_;  // worker 0's estimate as each measured step begins
+};
+
+Op& Simulation::OpAt(int w, uint64_t key) {
+  auto it = workers_[w].ops.find(key);
+  if (it != workers_[w].ops.end()) return it->second;
+  Op& op = workers_[w].ops[key];
+  const std::vector<Partition>& parts = partitions_[KeyTensor(key)];
+  op.parts_left = static_cast<int>(parts.size());
+  op.contributions.assign(parts.size(), 0);
+  op.results_unwritten.assign(parts.size(), 0);
+  op.push_sent_ns.assign(parts.size(), 0);
+  return op;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Compute
+
+void Simulation::StepBegin(int w, int step) {
+  Worker& worker = workers_[w];
+  StepState& s = worker.steps[step];
+  s.begin_ns = now_ns_;
+  s.outstanding = 1 + (mwms() ? 0 : controls_) + (crossing() || mwms() ? 0 : gradients_);
+  if (w == 0 && measured(step)) bandwidth_samples_.push_back(worker.policy->bandwidth()->estimate_Bps());
+  if (w == 0 && step == options_.warmup_steps) {
+    measure_begin_ns_ = now_ns_;
+    busy_begin_ns_ = link_.egress_busy_ns(0, now_ns_);
+    wire_begin_ = link_.sent_wire_bytes(0);
+  }
+  if (w == 0 && step == options_.warmup_steps + options_.steps) {
+    measure_end_ns_ = now_ns_;
+    busy_end_ns_ = link_.egress_busy_ns(0, now_ns_);
+    wire_end_ = link_.sent_wire_bytes(0);
+  }
+  Push(now_ns_ + profile_.launch_ns, EventKind::kForwardStart, w, step, 0);
+}
+
+void Simulation::ForwardStart(int w, int step, int layer) {
+  Worker& worker = workers_[w];
+  if (crossing() && worker.updates_pending[layer] > 0) {
+    worker.waiting_layer = layer;  // the layer's gate: its variables' pending updates
+    worker.waiting_step = step;
+    worker.waiting_since_ns = now_ns_;
+    return;
+  }
+  Push(now_ns_ + profile_.layers[layer].forward_ns, EventKind::kForwardDone, w, step, layer);
+}
+
+void Simulation::ForwardDone(int w, int step, int layer) {
+  Worker& worker = workers_[w];
+  const ModelLayer& l = profile_.layers[layer];
+  if (worker.timeline) worker.timeline->Complete("forward", l.name, now_ns_ - l.forward_ns, now_ns_);
+  if (layer + 1 < static_cast<int>(profile_.layers.size())) {
+    ForwardStart(w, step, layer + 1);
+    return;
+  }
+  worker.steps[step].backward_start_ns = now_ns_;
+  for (size_t t = 0; t < profile_.tensors.size(); ++t) {
+    Push(now_ns_ + std::max<int64_t>(0, profile_.tensors[t].ready_ns), EventKind::kTensorReady, w, step,
+         static_cast<int>(t));
+  }
+  Push(now_ns_ + profile_.backward_ns, EventKind::kBackwardDone, w, step);
+}
+
+void Simulation::Ready(int w, int step, int tensor) {
+  Worker& worker = workers_[w];
+  const ModelTensor& t = profile_.tensors[tensor];
+  Note(w, step, tensor, &TensorTiming::ready_s);
+  if (mwms()) return;  // the all-reduce packs every gradient after the backward pass
+  if (worker.timeline) worker.timeline->Instant("ready", t.name, now_ns_);
+  if (crossing() && t.layer >= 0 && !IsControl(tensor)) ++worker.updates_pending[t.layer];
+  Submit(w, step, tensor);
+}
+
+void Simulation::BackwardDone(int w, int step) {
+  Worker& worker = workers_[w];
+  if (worker.timeline) {
+    // Drawn from the layers' profiled backward times, last layer first.
+    int64_t at = worker.steps[step].backward_start_ns;
+    for (auto it = profile_.layers.rbegin(); it != profile_.layers.rend(); ++it) {
+      if (it->backward_ns <= 0) continue;
+      worker.timeline->Complete("backward", it->name, at, at + it->backward_ns);
+      at += it->backward_ns;
+    }
+  }
+  if (mwms()) {
+    RingStart(w, step, 0);
+    return;
+  }
+  StepWorkDone(w, step);
+}
+
+void Simulation::StepWorkDone(int w, int step) {
+  if (--workers_[w].steps[step].outstanding == 0) Push(now_ns_ + profile_.tail_ns, EventKind::kStepReturn, w, step);
+}
+
+void Simulation::StepReturn(int w, int step) {
+  Worker& worker = workers_[w];
+  if (worker.timeline) {
+    worker.timeline->Complete("step", "step " + std::to_string(step), worker.steps[step].begin_ns, now_ns_);
+  }
+  if (step + 1 < total_steps()) Push(now_ns_ + profile_.gap_ns, EventKind::kStepBegin, w, step + 1);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Updates: a pool of apply_threads threads, first come first served
+
+void Simulation::QueueApply(int w, int step, int tensor) {
+  workers_[w].apply_queue.push_back({step, tensor});
+  StartApplies(w);
+}
+
+void Simulation::StartApplies(int w) {
+  Worker& worker = workers_[w];
+  while (!worker.apply_queue.empty() && worker.applies_running < std::max(1, runtime_.apply_threads)) {
+    const ApplyJob job = worker.apply_queue.front();
+    worker.apply_queue.pop_front();
+    ++worker.applies_running;
+    Push(now_ns_ + profile_.tensors[job.tensor].apply_ns, EventKind::kApplyDone, w, job.step, job.tensor);
+  }
+}
+
+void Simulation::ApplyDone(int w, int step, int tensor) {
+  Worker& worker = workers_[w];
+  const ModelTensor& t = profile_.tensors[tensor];
+  --worker.applies_running;
+  Note(w, step, tensor, &TensorTiming::applied_s);
+  if (worker.timeline && t.apply_ns > 0) worker.timeline->Complete("apply", t.name, now_ns_ - t.apply_ns, now_ns_);
+  StartApplies(w);
+  if (mwms()) {
+    if (--worker.steps[step].applies_left == 0) {
+      if (controls_ > 0) {
+        RingStart(w, step, 1);
+      } else {
+        StepWorkDone(w, step);
+      }
+    }
+    return;
+  }
+  if (!crossing()) {
+    StepWorkDone(w, step);
+    return;
+  }
+  if (t.layer < 0) return;
+  if (--worker.updates_pending[t.layer] == 0 && worker.waiting_layer == t.layer) {
+    worker.waiting_layer = -1;
+    if (worker.timeline) worker.timeline->Complete("gate", profile_.layers[t.layer].name, worker.waiting_since_ns, now_ns_);
+    if (measured(worker.waiting_step)) worker.gate_wait_ns += now_ns_ - worker.waiting_since_ns;
+    ForwardStart(w, worker.waiting_step, t.layer);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// The runtime: push_pull through the policy, owners' sums, results
+
+void Simulation::Submit(int w, int step, int tensor) {
+  Worker& worker = workers_[w];
+  const ModelTensor& t = profile_.tensors[tensor];
+  if (n_ == 1) {  // the engine's one-worker path: the sum of one contribution is the input
+    OpDone(w, step, tensor);
+    return;
+  }
+  const uint64_t key = OpKey(step, tensor);
+  Op& op = OpAt(w, key);
+  op.submit_ns = now_ns_;
+  TensorReady ready;
+  ready.name = &t.name;
+  ready.round = static_cast<uint64_t>(step);
+  ready.priority = t.priority;
+  ready.bytes = t.bytes;
+  ready.ready_ns = now_ns_;
+  worker.policy->OnTensorReady(ready);
+  const uint64_t request = worker.next_request++;
+  worker.op_of_request[request] = key;
+  op.request = request;
+  const std::vector<Partition>& parts = partitions_[tensor];
+  for (size_t p = 0; p < parts.size(); ++p) {
+    if (parts[p].owner == w) {
+      ++op.contributions[p];
+      continue;
+    }
+    SendTask task;
+    task.name = t.name;
+    task.round = static_cast<uint64_t>(step);
+    task.request_id = request;
+    task.partition = static_cast<int>(p);
+    task.peer = parts[p].owner;
+    task.priority = t.priority;
+    task.bytes = parts[p].bytes;
+    task.ready_ns = now_ns_;
+    task.enqueue_seq = worker.enqueue_seq++;
+    worker.policy->Enqueue(task);
+  }
+  for (size_t p = 0; p < parts.size(); ++p) {
+    if (parts[p].owner == w) MaybeSum(w, key, static_cast<int>(p));
+  }
+  Pump(w);
+}
+
+void Simulation::Pump(int w) {
+  Worker& worker = workers_[w];
+  if (worker.policy->queued() > 0) {
+    const uint64_t credit = runtime_.credit_bytes;
+    std::vector<SendTask> tasks;
+    worker.policy->Dequeue(worker.in_flight < credit ? credit - worker.in_flight : 0, now_ns_, &tasks);
+    for (const PolicySpan& span : worker.policy->TakeSpans()) {
+      if (worker.timeline) {
+        worker.timeline->Complete("block", span.label, span.start_ns, span.end_ns,
+                                  "{\"tasks\": " + std::to_string(span.tasks) + ", \"bytes\": " +
+                                      std::to_string(span.bytes) + "}");
+      }
+    }
+    for (const SendTask& task : tasks) {
+      const uint64_t key = worker.op_of_request[task.request_id];
+      Op& op = OpAt(w, key);
+      op.push_sent_ns[task.partition] = now_ns_;
+      worker.in_flight += task.bytes;
+      FrameInfo info;
+      info.kind = FrameKind::kPush;
+      info.step = KeyStep(key);
+      info.tensor = KeyTensor(key);
+      info.partition = task.partition;
+      info.bytes = task.bytes;
+      SendFrame(w, task.peer, task.priority, info);
+    }
+  }
+  const int64_t wake = worker.policy->NextWakeupNs();
+  // A deadline already passed was seen by this Dequeue; the next event pumps again.
+  if (wake > now_ns_ && (worker.wakeup_ns < 0 || wake < worker.wakeup_ns)) {
+    worker.wakeup_ns = wake;
+    Push(wake, EventKind::kWakeup, w);
+  }
+}
+
+void Simulation::SendFrame(int src, int dst, int64_t priority, const FrameInfo& info) {
+  uint64_t id;
+  if (!free_frames_.empty()) {
+    id = free_frames_.back();
+    free_frames_.pop_back();
+    frames_[id] = info;
+  } else {
+    id = frames_.size();
+    frames_.push_back(info);
+  }
+  LinkFrame frame;
+  frame.src = src;
+  frame.dst = dst;
+  frame.payload_bytes = info.bytes;
+  frame.priority = priority;
+  frame.tag = id;
+  link_.Queue(now_ns_, frame);
+}
+
+void Simulation::MaybeSum(int owner, uint64_t key, int partition) {
+  Op& op = OpAt(owner, key);
+  if (op.contributions[partition] != n_) return;
+  op.contributions[partition] = n_ + 1;  // summed: never again
+  const Partition& p = partitions_[KeyTensor(key)][partition];
+  int64_t delay = 0;
+  if (network_.sum_Bps > 0) {
+    delay = static_cast<int64_t>(static_cast<double>(std::min(p.bytes, kSumChunkBytes)) / network_.sum_Bps * 1e9);
+  }
+  Push(now_ns_ + delay, EventKind::kSumDone, owner, 0, partition, key);
+}
+
+void Simulation::SumDone(int owner, uint64_t key, int partition) {
+  Op& op = OpAt(owner, key);
+  const int tensor = KeyTensor(key);
+  op.results_unwritten[partition] = n_ - 1;
+  FrameInfo info;
+  info.kind = FrameKind::kResult;
+  info.step = KeyStep(key);
+  info.tensor = tensor;
+  info.partition = partition;
+  info.bytes = partitions_[tensor][partition].bytes;
+  for (int peer = 0; peer < n_; ++peer) {
+    if (peer != owner) SendFrame(owner, peer, profile_.tensors[tensor].priority, info);
+  }
+}
+
+void Simulation::PartitionDone(int w, uint64_t key) {
+  Op& op = OpAt(w, key);
+  if (--op.parts_left > 0) return;
+  const int step = KeyStep(key), tensor = KeyTensor(key);
+  Worker& worker = workers_[w];
+  if (worker.timeline) {
+    const ModelTensor& t = profile_.tensors[tensor];
+    worker.timeline->Complete("op", t.name, op.submit_ns, now_ns_,
+                              "{\"round\": " + std::to_string(step) + ", \"bytes\": " + std::to_string(t.bytes) +
+                                  ", \"priority\": " + std::to_string(t.priority) + ", \"ok\": true}");
+  }
+  worker.op_of_request.erase(op.request);
+  worker.ops.erase(key);
+  OpDone(w, step, tensor);
+}
+
+void Simulation::OpDone(int w, int step, int tensor) {
+  Note(w, step, tensor, &TensorTiming::done_s);
+  if (IsControl(tensor)) {
+    StepWorkDone(w, step);
+    return;
+  }
+  QueueApply(w, step, tensor);
+}
+
+void Simulation::Arrive(int dst, int src, uint64_t frame) {
+  const FrameInfo info = frames_[frame];
+  free_frames_.push_back(frame);
+  if (info.kind == FrameKind::kRing) {
+    Ring& ring = workers_[dst].rings[OpKey(info.step, info.tensor)];
+    if (static_cast<int>(ring.received.size()) <= info.partition) ring.received.resize(info.partition + 1, 0);
+    ++ring.received[info.partition];
+    if (ring.started) RingAdvance(dst, info.step, info.tensor);
+    return;
+  }
+  const uint64_t key = OpKey(info.step, info.tensor);
+  if (info.kind == FrameKind::kPush) {
+    ++OpAt(dst, key).contributions[info.partition];
+    MaybeSum(dst, key, info.partition);
+    return;
+  }
+  // A result: this worker's push of the partition is done.
+  Worker& worker = workers_[dst];
+  Op& op = OpAt(dst, key);
+  worker.in_flight -= info.bytes;
+  TransferDone done;
+  done.task.name = profile_.tensors[info.tensor].name;
+  done.task.round = static_cast<uint64_t>(info.step);
+  done.task.partition = info.partition;
+  done.task.peer = src;
+  done.task.priority = profile_.tensors[info.tensor].priority;
+  done.task.bytes = info.bytes;
+  done.task.ready_ns = op.submit_ns;
+  done.sent_ns = op.push_sent_ns[info.partition];
+  done.done_ns = now_ns_;
+  worker.policy->OnTransferDone(done);
+  const std::vector<BandwidthSample> samples = worker.policy->bandwidth()->TakeSamples();
+  if (worker.timeline) {
+    worker.timeline->Complete("push", done.task.name, done.sent_ns, done.done_ns);
+    for (const BandwidthSample& b : samples) worker.timeline->Counter("bandwidth_MBps", b.ts_ns, b.estimate_Bps / 1e6);
+  }
+  PartitionDone(dst, key);
+  Pump(dst);
+}
+
+// ------------------------------------------------------------------------------------------------
+// mwms: TensorFlow's ring all-reduce (ring_reducer.cc): the packed tensor is cut into N x S
+// chunks (S subdivisions of at most ring_chunk_bytes, at most ring_max_subdivs); in each of the
+// 2(N-1) rounds every worker sends one chunk per subdivision to the next worker, the one it
+// received (and, in the first N-1 rounds, added to) in the previous round.
+
+uint64_t Simulation::RingBytes(int which) const {
+  uint64_t bytes = 0;
+  for (size_t t = 0; t < profile_.tensors.size(); ++t) {
+    if (IsControl(static_cast<int>(t)) == (which == 1)) bytes += profile_.tensors[t].bytes;
+  }
+  return bytes;
+}
+
+void Simulation::RingStart(int w, int step, int which) {
+  Worker& worker = workers_[w];
+  Ring& ring = worker.rings[OpKey(step, which)];
+  ring.started = true;
+  ring.start_ns = now_ns_;
+  const uint64_t bytes = RingBytes(which);
+  int subdivs = 0;
+  uint64_t chunk = 0;
+  do {
+    ++subdivs;
+    chunk = (bytes + static_cast<uint64_t>(n_) * subdivs - 1) / (static_cast<uint64_t>(n_) * subdivs);
+  } while (chunk > runtime_.ring_chunk_bytes && subdivs < std::max(1, runtime_.ring_max_subdivs));
+  ring.subdivs = subdivs;
+  ring.chunk_bytes = chunk;
+  ring.sent.assign(subdivs, 0);
+  if (static_cast<int>(ring.received.size()) < subdivs) ring.received.resize(subdivs, 0);
+  if (n_ == 1) {
+    RingDone(w, step, which);
+    return;
+  }
+  RingAdvance(w, step, which);
+}
+
+void Simulation::RingAdvance(int w, int step, int which) {
+  Ring& ring = workers_[w].rings[OpKey(step, which)];
+  const int rounds = 2 * (n_ - 1);
+  for (int s = 0; s < ring.subdivs; ++s) {
+    // Round r goes out once rounds 0..r-1 came in.
+    while (ring.sent[s] < rounds && ring.sent[s] <= ring.received[s]) {
+      FrameInfo info;
+      info.kind = FrameKind::kRing;
+      info.step = step;
+      info.tensor = which;
+      info.partition = s;
+      info.round = ring.sent[s];
+      info.bytes = ring.chunk_bytes;
+      SendFrame(w, (w + 1) % n_, 0, info);
+      ++ring.sent[s];
+    }
+    if (ring.received[s] == rounds && ring.sent[s] == rounds) {
+      ring.received[s] = rounds + 1;  // counted once
+      if (++ring.subdivs_done == ring.subdivs) {
+        RingDone(w, step, which);
+        return;
+      }
+    }
+  }
+}
+
+void Simulation::RingDone(int w, int step, int which) {
+  Worker& worker = workers_[w];
+  const uint64_t key = OpKey(step, which);
+  if (worker.timeline) {
+    worker.timeline->Complete("allreduce", which == 0 ? "gradients" : "control", worker.rings[key].start_ns,
+                              now_ns_, "{\"bytes\": " + std::to_string(RingBytes(which)) + "}");
+  }
+  worker.rings.erase(key);
+  if (which == 1) {
+    for (size_t t = 0; t < profile_.tensors.size(); ++t) {
+      if (IsControl(static_cast<int>(t))) Note(w, step, static_cast<int>(t), &TensorTiming::done_s);
+    }
+    StepWorkDone(w, step);
+    return;
+  }
+  worker.steps[step].applies_left = gradients_;
+  if (gradients_ == 0) {
+    if (controls_ > 0) RingStart(w, step, 1); else StepWorkDone(w, step);
+    return;
+  }
+  for (size_t t = 0; t < profile_.tensors.size(); ++t) {
+    if (IsControl(static_cast<int>(t))) continue;
+    Note(w, step, static_cast<int>(t), &TensorTiming::done_s);
+    QueueApply(w, step, static_cast<int>(t));
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// The event loop
+
+void Simulation::HandleLink(const LinkEvent& e) {
+  const FrameInfo& info = frames_[e.frame.tag];
+  if (e.kind == LinkEvent::kWritten) {
+    // An owner is done with a partition once its sum is written to every peer's socket.
+    if (info.kind == FrameKind::kResult) {
+      const uint64_t key = OpKey(info.step, info.tensor);
+      Op& op = OpAt(e.frame.src, key);
+      if (--op.results_unwritten[info.partition] == 0) PartitionDone(e.frame.src, key);
+    }
+    return;
+  }
+  const int64_t extra = info.kind == FrameKind::kRing ? runtime_.ring_message_ns : 0;
+  // kArrive carries the sender in `index` and the frame id in `tag`.
+  Push(e.time_ns + network_.latency_ns + extra, EventKind::kArrive, e.frame.dst, 0, e.frame.src, e.frame.tag);
+}
+
+void Simulation::Handle(const Event& e) {
+  switch (e.kind) {
+    case EventKind::kStepBegin: StepBegin(e.worker, e.step); break;
+    case EventKind::kForwardStart: ForwardStart(e.worker, e.step, e.index); break;
+    case EventKind::kForwardDone: ForwardDone(e.worker, e.step, e.index); break;
+    case EventKind::kTensorReady: Ready(e.worker, e.step, e.index); break;
+    case EventKind::kBackwardDone: BackwardDone(e.worker, e.step); break;
+    case EventKind::kStepReturn: StepReturn(e.worker, e.step); break;
+    case EventKind::kArrive: Arrive(e.worker, e.index, e.tag); break;
+    case EventKind::kSumDone: SumDone(e.worker, e.tag, e.index); break;
+    case EventKind::kApplyDone: ApplyDone(e.worker, e.step, e.index); break;
+    case EventKind::kWakeup:
+      if (workers_[e.worker].wakeup_ns == e.time_ns) workers_[e.worker].wakeup_ns = -1;
+      Pump(e.worker);
+      break;
+  }
+}
+
+Status Simulation::Run(StepPrediction* prediction) {
+  for (const ModelLayer& layer : profile_.layers) forward_ns_ += layer.forward_ns;
+  for (size_t t = 0; t < profile_.tensors.size(); ++t) {
+    const ModelTensor& tensor = profile_.tensors[t];
+    partitions_.push_back(MakePartitions(tensor.name, tensor.bytes, tensor.element_size, n_, runtime_.partition_bytes));
+    if (IsControl(static_cast<int>(t))) ++controls_; else ++gradients_;
+  }
+  workers_.resize(n_);
+  timings_.resize(profile_.tensors.size());
+  for (size_t t = 0; t < profile_.tensors.size(); ++t) timings_[t].name = profile_.tensors[t].name;
+  SchedulerOptions scheduler;
+  scheduler.policy = mwms() ? "fifo" : runtime_.schedule;  // mwms never asks its policy
+  scheduler.replan_threshold = runtime_.replan_threshold;
+  for (int w = 0; w < n_; ++w) {
+    Worker& worker = workers_[w];
+    std::string error;
+    worker.policy = MakePolicy(scheduler, &error);
+    if (!worker.policy) return Status(Code::kInvalidArgument, error);
+    worker.steps.resize(total_steps());
+    worker.updates_pending.assign(profile_.layers.size(), 0);
+    if (!options_.timeline_path.empty() && w < options_.timeline_workers) {
+      std::string path = options_.timeline_path;
+      const size_t at = path.find("{rank}");
+      if (at != std::string::npos) path.replace(at, 6, std::to_string(w));
+      worker.timeline = std::make_unique<Timeline>();
+      if (!worker.timeline->Open(path, w, &error, "predicted worker")) return Status(Code::kInvalidArgument, error);
+    }
+    Push(0, EventKind::kStepBegin, w, 0);
+  }
+
+  std::vector<LinkEvent> link_events;
+  uint64_t handled = 0;
+  while (true) {
+    const int64_t next_link = link_.NextEventNs();
+    const int64_t next_event = events_.empty() ? std::numeric_limits<int64_t>::max() : events_.top().time_ns;
+    if (next_link == std::numeric_limits<int64_t>::max() && events_.empty()) break;
+    if (++handled > kMaxEvents) {
+      return Status(Code::kInternal, "the simulation did not finish within " + std::to_string(kMaxEvents) + " events");
+    }
+    if (next_link <= next_event) {
+      link_events.clear();
+      link_.AdvanceTo(next_link, &link_events);
+      now_ns_ = std::max(now_ns_, next_link);
+      for (const LinkEvent& e : link_events) HandleLink(e);
+      continue;
+    }
+    const Event e = events_.top();
+    events_.pop();
+    now_ns_ = e.time_ns;
+    Handle(e);
+  }
+
+  for (int w = 0; w < n_; ++w) {
+    if (workers_[w].timeline) workers_[w].timeline->Close();
+  }
+  // Nothing left to happen but a worker has steps to go: the runtime would wait forever (the
+  // engine's timeout would fail the step). Say where every worker stands.
+  bool stalled = false;
+  for (const Worker& worker : workers_) stalled = stalled || worker.steps.back().begin_ns < 0;
+  if (stalled) {
+    uint64_t in_flight = 0;
+    for (const Worker& worker : workers_) in_flight += worker.in_flight;
+    std::string state = "the simulated runtime deadlocked at " + std::to_string(now_ns_ / 1000) + " us";
+    if (in_flight > 0) {
+      state += " (pushes in flight hold the byte credit of " + std::to_string(runtime_.credit_bytes) +
+               " bytes while the sums they wait for need pushes that other workers have not released)";
+    }
+    for (int w = 0; w < n_ && w < 4; ++w) {
+      const Worker& worker = workers_[w];
+      int reached = 0;
+      while (reached + 1 < total_steps() && worker.steps[reached + 1].begin_ns >= 0) ++reached;
+      state += "; worker " + std::to_string(w) + ": step " + std::to_string(reached);
+      if (worker.waiting_layer >= 0) state += ", forward waiting for layer '" + profile_.layers[worker.waiting_layer].name + "'";
+      state += ", " + std::to_string(worker.ops.size()) + " push_pulls open, " +
+               std::to_string(worker.policy->queued()) + " partitions queued, " + std::to_string(worker.in_flight) +
+               " bytes in flight, " + worker.policy->Describe();
+    }
+    return Status(Code::kFailedPrecondition, state);
+  }
+  StepPrediction& p = *prediction;
+  p = StepPrediction();
+  const Worker& first = workers_[0];
+  for (int s = options_.warmup_steps; s < options_.warmup_steps + options_.steps; ++s) {
+    p.periods_s.push_back(static_cast<double>(first.steps[s + 1].begin_ns - first.steps[s].begin_ns) / 1e9);
+  }
+  std::vector<double> sorted = p.periods_s;
+  std::sort(sorted.begin(), sorted.end());
+  const size_t mid = sorted.size() / 2;
+  p.step_s = sorted.size() % 2 ? sorted[mid] : (sorted[mid - 1] + sorted[mid]) / 2;
+  p.compute_s = static_cast<double>(forward_ns_ + profile_.backward_ns) / 1e9;
+  p.single_step_s = static_cast<double>(profile_.launch_ns + forward_ns_ + profile_.backward_ns + profile_.tail_ns +
+                                        profile_.gap_ns) / 1e9;
+  const double steps = static_cast<double>(options_.steps);
+  p.comm_s = static_cast<double>(busy_end_ns_ - busy_begin_ns_) / 1e9 / steps;
+  p.wire_bytes_per_step = (wire_end_ - wire_begin_) / steps;
+  const double mean_step = static_cast<double>(measure_end_ns_ - measure_begin_ns_) / 1e9 / steps;
+  if (p.comm_s > 0) p.overlap = std::min(1.0, std::max(0.0, (p.single_step_s + p.comm_s - mean_step) / p.comm_s));
+  p.gate_wait_s = static_cast<double>(first.gate_wait_ns) / 1e9 / steps;
+  if (!bandwidth_samples_.empty()) {
+    std::vector<double> b = bandwidth_samples_;
+    std::nth_element(b.begin(), b.begin() + b.size() / 2, b.end());
+    p.bandwidth_Bps = b[b.size() / 2];
+  }
+  if (mwms()) {
+    p.policy = "mwms: one ring all-reduce of every gradient after the backward pass";
+  } else {
+    p.policy = first.policy->Describe();
+  }
+  p.tensor_times = timings_;
+  return Status::OK();
+}
+
+}  // namespace
+
+uint64_t KernelSendBufferBytes(const NetworkModel& network) {
+  uint64_t requested = network.socket_buffer_bytes;
+  if (network.max_socket_buffer_bytes > 0) requested = std::min(requested, network.max_socket_buffer_bytes);
+  return 2 * requested;
+}
+
+Status Simulate(const StepProfile& profile, const NetworkModel& network, const RuntimeModel& runtime,
+                const SimulationOptions& options, StepPrediction* prediction) {
+  if (network.workers < 1) return Status(Code::kInvalidArgument, "workers must be at least 1, got " + std::to_string(network.workers));
+  if (network.workers > 1 && !(network.link_Bps > 0)) {
+    return Status(Code::kInvalidArgument, "the link rate must be positive for more than one worker");
+  }
+  if (options.warmup_steps < 0 || options.steps < 1) {
+    return Status(Code::kInvalidArgument, "need at least one measured step and no negative warm-up");
+  }
+  if (profile.layers.empty()) return Status(Code::kInvalidArgument, "the profile has no layer");
+  if (runtime.partition_bytes < 64 || runtime.credit_bytes < 1) {
+    return Status(Code::kInvalidArgument, "partition_bytes must be at least 64 and credit_bytes positive");
+  }
+  if (runtime.schedule != "mwms") {
+    std::string error;
+    SchedulerOptions scheduler;
+    scheduler.policy = runtime.schedule;
+    if (!MakePolicy(scheduler, &error)) return Status(Code::kInvalidArgument, error + " or mwms");
+  }
+  for (const ModelTensor& t : profile.tensors) {
+    if (t.element_size == 0 || t.bytes % t.element_size != 0) {
+      return Status(Code::kInvalidArgument, "tensor '" + t.name + "': " + std::to_string(t.bytes) +
+                                                " bytes is not a multiple of its element size " +
+                                                std::to_string(t.element_size));
+    }
+    if (t.layer >= static_cast<int>(profile.layers.size())) {
+      return Status(Code::kInvalidArgument, "tensor '" + t.name + "' names layer " + std::to_string(t.layer) +
+                                                " but the profile has " + std::to_string(profile.layers.size()));
+    }
+    if (t.ready_ns > profile.backward_ns) {
+      return Status(Code::kInvalidArgument, "tensor '" + t.name + "' is ready after the backward pass ends (" +
+                                                std::to_string(t.ready_ns) + " > " +
+                                                std::to_string(profile.backward_ns) + " ns)");
+    }
+  }
+  for (const ModelLayer& l : profile.layers) {
+    if (l.forward_ns < 0 || l.backward_ns < 0) return Status(Code::kInvalidArgument, "layer '" + l.name + "' has a negative time");
+  }
+  Simulation simulation(profile, network, runtime, options);
+  return simulation.Run(prediction);
+}
+
+}  // namespace prophet

@@ -1,0 +1,143 @@
+// Predicts the step time of N workers from a one-worker profile: a discrete-event model of this
+// runtime that replays the runtime's own scheduling code over a model of the network.
+//
+// What is replayed, not re-implemented: every simulated worker has the SchedulerPolicy that
+// MakePolicy gives the engine (fifo, priority, prophet with its online profiler, planner and
+// bandwidth monitor), fed the same events the engine feeds it (OnTensorReady, Enqueue,
+// Dequeue under the byte credit, OnTransferDone, NextWakeupNs) with simulated time; tensors are
+// cut and owned by MakePartitions, as in the engine.
+//
+// What is modelled (the engine's behaviour, ops/core/engine.cc, and TensorFlow's around it):
+//  - compute, per worker and step: a launch delay, the forward pass layer by layer, the backward
+//    pass (each tensor is handed to the runtime at its profiled offset from the backward pass's
+//    start), a tail until the train function returns, and a gap until the next step begins;
+//  - push_pull: every partition not owned by this worker is pushed to its owner; the owner adds
+//    the N contributions (its own arrives when its tensor is ready there) and sends the sum back
+//    to each other worker; a push's credit returns when its sum arrives; an owner is done with a
+//    partition once the sum's frames are written to the sockets;
+//  - links: LinkModel (per-host egress and ingress, one connection per peer, frames in the
+//    engine's queue order);
+//  - updates: a finished gradient's update runs on a pool of `apply_threads` threads for its
+//    profiled time. Crossing the barrier: the next step's layer k starts its forward pass only
+//    when the updates of layer k's tensors are done; the train function returns after the
+//    backward pass and the control collectives. Without crossing it also waits for every
+//    push_pull and update of the step;
+//  - MultiWorkerMirroredStrategy (schedule "mwms"): TensorFlow's CollectiveAllReduce in graph
+//    mode packs every gradient into one all-reduce that starts after the backward pass: a ring
+//    reduce-scatter + all-gather, 2(N-1) rounds over N x subdivisions chunks, then every update,
+//    then the control collectives (the loss) as ring all-reduces.
+// Not modelled: CPU contention between compute, the runtime and the kernel's network stack, the
+// engine thread's own CPU time apart from summation, TCP dynamics other than fair sharing.
+#ifndef PROPHET_OPS_CORE_SIMULATOR_H_
+#define PROPHET_OPS_CORE_SIMULATOR_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ops/core/common.h"
+#include "ops/core/engine_options.h"
+
+namespace prophet {
+
+// One layer of the model, in forward order.
+struct ModelLayer {
+  std::string name;
+  int64_t forward_ns = 0;
+  int64_t backward_ns = 0;  // only drawn on the timeline; tensors carry their own ready offsets
+};
+
+// A collective the training step makes: a gradient, or a control collective (priority at or
+// above kControlPriority: metrics, loss-scale flags), which has no update and no layer.
+struct ModelTensor {
+  std::string name;
+  uint64_t bytes = 0;
+  uint32_t element_size = 4;
+  int64_t priority = 0;
+  int layer = -1;           // index into StepProfile::layers whose forward pass reads it; -1: none
+  int64_t ready_ns = 0;     // handed to the runtime this long after the backward pass started
+  int64_t apply_ns = 0;     // its optimizer update
+};
+
+// One worker's step, as measured on one worker (see prophet_tf/predict for how it is recorded).
+struct StepProfile {
+  std::vector<ModelLayer> layers;
+  std::vector<ModelTensor> tensors;
+  int64_t launch_ns = 0;    // step begins -> first layer's forward pass
+  int64_t backward_ns = 0;  // backward pass's start -> its end
+  int64_t tail_ns = 0;      // the step's last work -> the train function returns
+  int64_t gap_ns = 0;       // the train function returned -> the next step begins
+};
+
+struct NetworkModel {
+  int workers = 2;
+  double link_Bps = 125e6;          // per host and direction
+  bool ingress_limited = true;      // false: only egress is shaped (emulated clusters)
+  int64_t latency_ns = 0;           // one way, per frame
+  double payload_efficiency = 1448.0 / 1538.0;  // TCP payload per Ethernet frame on the wire
+  uint64_t frame_overhead_bytes = 96;           // the runtime's frame header + name + shape
+  // The runtime's socket buffer request (SO_SNDBUF), and the kernel's cap on it
+  // (net.core.wmem_max; 0: none). See KernelSendBufferBytes.
+  uint64_t socket_buffer_bytes = static_cast<uint64_t>(EngineOptions().socket_buffer_bytes);
+  uint64_t max_socket_buffer_bytes = 0;
+  double sum_Bps = 0;               // an owner's summation rate (0: instant)
+};
+
+// Bytes a connection commits ahead of the NIC, which frames queued later cannot overtake: what
+// the kernel lets the socket hold. Linux caps an SO_SNDBUF request at net.core.wmem_max and then
+// doubles it (socket(7)), and the bytes sent but not yet acknowledged count against it too. A
+// 4 MiB request therefore commits up to 8 MiB: measured on the benchmark's emulated cluster
+// (veth + tbf at 983 Mbit/s), a saturated connection held 6.2-8.3 MB unsent or unacknowledged.
+uint64_t KernelSendBufferBytes(const NetworkModel& network);
+
+// The runtime's options default to the engine's (engine_options.h).
+struct RuntimeModel {
+  std::string schedule = kDefaultSchedule;  // one of kScheduleNames, or mwms
+  bool cross_barrier = true;
+  uint64_t partition_bytes = EngineOptions().partition_bytes;
+  uint64_t credit_bytes = EngineOptions().credit_bytes;
+  double replan_threshold = kDefaultReplanThreshold;
+  int apply_threads = 2;
+  // mwms: TensorFlow's ring (ring_reducer.cc): chunks of at most ring_chunk_bytes, at most
+  // ring_max_subdivs subdivisions per worker; each message costs ring_message_ns on arrival.
+  uint64_t ring_chunk_bytes = 4u << 20;
+  int ring_max_subdivs = 2;
+  int64_t ring_message_ns = 0;
+};
+
+struct SimulationOptions {
+  int warmup_steps = 5;   // simulated, not measured (tracing aside, as the benchmark does)
+  int steps = 20;         // measured step periods
+  // Chrome trace of the first `timeline_workers` workers; "{rank}" in the path is replaced.
+  std::string timeline_path;
+  int timeline_workers = 2;
+};
+
+// When one tensor went through worker 0's first measured step, from that step's begin.
+struct TensorTiming {
+  std::string name;
+  double ready_s = -1;    // handed to the runtime
+  double done_s = -1;     // its sum arrived (the op finished)
+  double applied_s = -1;  // its update finished (gradients)
+};
+
+struct StepPrediction {
+  double step_s = 0;                 // median measured period of worker 0
+  std::vector<double> periods_s;     // every measured period of worker 0
+  double single_step_s = 0;          // one worker: launch + forward + backward + tail + gap
+  double compute_s = 0;              // forward + backward
+  double comm_s = 0;                 // worker 0's NIC busy sending, per measured step
+  double wire_bytes_per_step = 0;    // worker 0's bytes on the wire per measured step
+  double overlap = 0;                // share of comm_s that did not lengthen the step, [0, 1]
+  double gate_wait_s = 0;            // worker 0's forward passes waiting for updates, per step
+  double bandwidth_Bps = 0;          // worker 0's bandwidth estimate as a measured step begins (median)
+  std::string policy;                // the policy's Describe() at the end (worker 0)
+  std::vector<TensorTiming> tensor_times;  // in StepProfile::tensors order
+};
+
+Status Simulate(const StepProfile& profile, const NetworkModel& network, const RuntimeModel& runtime,
+                const SimulationOptions& options, StepPrediction* prediction);
+
+}  // namespace prophet
+
+#endif  // PROPHET_OPS_CORE_SIMULATOR_H_

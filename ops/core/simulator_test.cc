@@ -1,0 +1,316 @@
+// The step simulator against cases computed by hand: one tensor on two workers (exact step time,
+// link efficiency and latency), priority vs FIFO order under a one-partition credit, crossing the
+// barrier (the next step's first layer waits only for its own update), an owner's incast with and
+// without ingress limits, and MultiWorkerMirroredStrategy's ring all-reduce.
+#include "ops/core/simulator.h"
+
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "ops/core/partition.h"
+#include "ops/core/testing.h"
+
+namespace prophet {
+namespace {
+
+constexpr int64_t kMs = 1'000'000;
+constexpr double kMsS = 1e-3;
+
+// A name whose single partition `owner` owns among `workers` (owners follow the name's hash).
+std::string NameOwnedBy(const std::string& base, int owner, int workers) {
+  for (int i = 0;; ++i) {
+    const std::string name = base + "_" + std::to_string(i);
+    if (MakePartitions(name, 4, 4, workers, 4u << 20)[0].owner == owner) return name;
+  }
+}
+
+// 1 MB/s links with no overheads: 1,000 bytes take 1 ms.
+NetworkModel SlowNetwork(int workers) {
+  NetworkModel network;
+  network.workers = workers;
+  network.link_Bps = 1e6;
+  network.payload_efficiency = 1.0;
+  network.frame_overhead_bytes = 0;
+  network.socket_buffer_bytes = 0;
+  network.ingress_limited = true;
+  return network;
+}
+
+ModelTensor Tensor(const std::string& name, uint64_t bytes, int64_t priority, int layer, int64_t ready_ns) {
+  ModelTensor t;
+  t.name = name;
+  t.bytes = bytes;
+  t.priority = priority;
+  t.layer = layer;
+  t.ready_ns = ready_ns;
+  return t;
+}
+
+StepPrediction Run(const StepProfile& profile, const NetworkModel& network, const RuntimeModel& runtime,
+                   const SimulationOptions& options = SimulationOptions()) {
+  StepPrediction prediction;
+  const Status s = Simulate(profile, network, runtime, options, &prediction);
+  if (!s.ok()) std::fprintf(stderr, "Simulate failed: %s\n", s.message().c_str());
+  EXPECT_TRUE(s.ok());
+  return prediction;
+}
+
+// One layer (10 ms forward), one 100,000-byte tensor ready when the backward pass starts (which
+// ends at once). The non-owner pushes it (100 ms), the owner sums and sends it back (100 ms):
+// every step takes 10 + 100 + 100 ms.
+StepProfile OneTensor() {
+  StepProfile profile;
+  profile.layers = {{"dense", 10 * kMs, 0}};
+  profile.tensors = {Tensor("grad/dense", 100'000, 1, 0, 0)};
+  return profile;
+}
+
+TEST(OneTensorTwoWorkersExactStepTime) {
+  for (const bool cross : {false, true}) {
+    RuntimeModel runtime;
+    runtime.schedule = "priority";
+    runtime.cross_barrier = cross;
+    const StepPrediction p = Run(OneTensor(), SlowNetwork(2), runtime);
+    EXPECT_NEAR(p.step_s, 210 * kMsS, 1e-6);
+    EXPECT_EQ(p.periods_s.size(), static_cast<size_t>(20));
+    EXPECT_NEAR(p.periods_s.front(), p.periods_s.back(), 1e-9);
+    EXPECT_NEAR(p.single_step_s, 10 * kMsS, 1e-9);
+    // Crossing, a step begins when the previous backward pass ends and its forward pass waits
+    // 200 ms at the gate for the previous update.
+    const double begin_to_forward = cross ? 200 * kMsS : 0;
+    EXPECT_NEAR(p.tensor_times[0].ready_s, begin_to_forward + 10 * kMsS, 1e-6);
+    EXPECT_NEAR(p.tensor_times[0].done_s, begin_to_forward + 210 * kMsS, 1e-6);
+    EXPECT_NEAR(p.gate_wait_s, begin_to_forward, 1e-6);
+    // Worker 0 sends 100,000 bytes per step (a push or a sum) in 100 ms; none of it overlaps.
+    EXPECT_NEAR(p.wire_bytes_per_step, 100'000, 1e-6);
+    EXPECT_NEAR(p.comm_s, 100 * kMsS, 1e-6);
+    EXPECT_NEAR(p.overlap, 0.0, 1e-9);
+  }
+}
+
+TEST(LinkEfficiencyOverheadAndLatencyAddUp) {
+  NetworkModel network = SlowNetwork(2);
+  network.payload_efficiency = 0.5;     // 2 ms per 1,000 bytes
+  network.frame_overhead_bytes = 1000;  // +2 ms per frame
+  network.latency_ns = 3 * kMs;         // +3 ms per frame
+  RuntimeModel runtime;
+  runtime.schedule = "fifo";
+  runtime.cross_barrier = false;
+  const StepPrediction p = Run(OneTensor(), network, runtime);
+  // 10 ms forward, then two frames of (200 + 2 + 3) ms.
+  EXPECT_NEAR(p.step_s, (10 + 2 * 205) * kMsS, 1e-6);
+}
+
+TEST(OneWorkerIsTheProfile) {
+  StepProfile profile = OneTensor();
+  profile.launch_ns = 1 * kMs;
+  profile.tail_ns = 2 * kMs;
+  profile.gap_ns = 3 * kMs;
+  RuntimeModel runtime;
+  NetworkModel network = SlowNetwork(1);
+  const StepPrediction p = Run(profile, network, runtime);
+  EXPECT_NEAR(p.step_s, 16 * kMsS, 1e-9);
+  EXPECT_NEAR(p.single_step_s, 16 * kMsS, 1e-9);
+  EXPECT_NEAR(p.comm_s, 0.0, 1e-12);
+}
+
+// Three tensors, all owned by worker 0, so worker 1 pushes them one at a time (credit of one
+// byte): g_last (100,000 bytes, least urgent) first; g_mid and g_first (10,000 bytes each) become
+// ready while it is out and wait. When g_last's sum is back (200 ms after the backward pass
+// starts), FIFO sends g_mid, priority sends g_first: each takes 20 ms there and back.
+TEST(PriorityOrderBeatsFifoForTheFirstLayer) {
+  const std::string last = NameOwnedBy("g_last", 0, 2), mid = NameOwnedBy("g_mid", 0, 2),
+                    first = NameOwnedBy("g_first", 0, 2);
+  StepProfile profile;
+  profile.layers = {{"only", 10 * kMs, 0}};
+  profile.backward_ns = 2 * kMs;
+  profile.tensors = {Tensor(last, 100'000, 0, 0, 0), Tensor(mid, 10'000, 1, 0, 1 * kMs),
+                     Tensor(first, 10'000, 2, 0, 2 * kMs)};
+  RuntimeModel runtime;
+  runtime.cross_barrier = false;
+  runtime.credit_bytes = 1;
+  runtime.schedule = "fifo";
+  const StepPrediction fifo = Run(profile, SlowNetwork(2), runtime);
+  runtime.schedule = "priority";
+  const StepPrediction priority = Run(profile, SlowNetwork(2), runtime);
+  // Times from the step's begin: the backward pass starts at 10 ms.
+  EXPECT_NEAR(fifo.tensor_times[0].done_s, 210 * kMsS, 1e-6);
+  EXPECT_NEAR(fifo.tensor_times[1].done_s, 230 * kMsS, 1e-6);
+  EXPECT_NEAR(fifo.tensor_times[2].done_s, 250 * kMsS, 1e-6);
+  EXPECT_NEAR(priority.tensor_times[0].done_s, 210 * kMsS, 1e-6);
+  EXPECT_NEAR(priority.tensor_times[2].done_s, 230 * kMsS, 1e-6);
+  EXPECT_NEAR(priority.tensor_times[1].done_s, 250 * kMsS, 1e-6);
+  // Without crossing the step waits for everything: the same step time either way.
+  EXPECT_NEAR(fifo.step_s, 250 * kMsS, 1e-6);
+  EXPECT_NEAR(priority.step_s, 250 * kMsS, 1e-6);
+}
+
+// The kernel's send buffer: four 10,000-byte pushes to worker 0 (the least urgent) leave worker 1
+// when the backward pass starts (b); an urgent 1,000-byte gradient is ready 1 ms later. Queued
+// frames cannot overtake those whose first byte is already in the socket, which holds twice the
+// runtime's SO_SNDBUF request (capped at net.core.wmem_max) beyond what has left the NIC.
+//   buffer 10,000 -> 20,000 bytes: the pushes starting at 0, 10,000 and 20,000 bytes are in the
+//     socket; the urgent push goes out at b+30 ms, arrives at b+31, and its sum waits behind the
+//     result of the third push (b+30..b+40): done at b+41.
+//   capped at 5,000 -> 10,000 bytes: it goes out at b+20, its sum at b+30..b+31: done at b+31.
+//   no buffer: behind the first push only, out at b+10, sum at b+20..b+21: done at b+21.
+TEST(UrgentPushesWaitBehindTheKernelsSendBuffer) {
+  StepProfile profile;
+  profile.layers = {{"only", 10 * kMs, 0}};
+  profile.backward_ns = 1 * kMs;
+  for (int i = 0; i < 4; ++i) profile.tensors.push_back(Tensor(NameOwnedBy("bulk" + std::to_string(i), 0, 2), 10'000, 0, 0, 0));
+  profile.tensors.push_back(Tensor(NameOwnedBy("urgent", 0, 2), 1'000, 1, 0, 1 * kMs));
+  RuntimeModel runtime;
+  runtime.schedule = "priority";
+  runtime.cross_barrier = false;
+  struct Case {
+    uint64_t buffer, cap;
+    double window, urgent_done_ms;
+  };
+  for (const Case& c : {Case{10'000, 0, 20'000, 41}, Case{10'000, 5'000, 10'000, 31}, Case{0, 0, 0, 21}}) {
+    NetworkModel network = SlowNetwork(2);
+    network.socket_buffer_bytes = c.buffer;
+    network.max_socket_buffer_bytes = c.cap;
+    EXPECT_EQ(KernelSendBufferBytes(network), static_cast<uint64_t>(c.window));
+    const StepPrediction p = Run(profile, network, runtime);
+    // From the step's begin: the backward pass starts after the 10 ms forward pass.
+    EXPECT_NEAR(p.tensor_times[4].done_s, (10 + c.urgent_done_ms) * kMsS, 1e-6);
+  }
+  // The runtime's default request commits twice its socket buffer.
+  EXPECT_EQ(KernelSendBufferBytes(NetworkModel()), 2 * static_cast<uint64_t>(EngineOptions().socket_buffer_bytes));
+}
+
+// Two layers: L0 (50 ms forward) owns g_first (1,000 bytes, owned by worker 1), L1 (10 ms) owns
+// g_last (100,000 bytes, owned by worker 0), ready first. From the backward pass's start b:
+//   1->0: worker 1 pushes g_last                     b+0   .. b+100
+//   0->1: worker 0 pushes g_first                    b+1   .. b+2
+//   1->0: worker 1's sum of g_first, behind the push b+100 .. b+101  (g_first done everywhere)
+//   0->1: worker 0's sum of g_last                   b+100 .. b+200  (g_last done everywhere)
+// Crossing: the step returns at b+1; L0 waits for g_first's update (b+101) and runs to b+151, L1
+// waits for g_last's (b+200) and runs to b+210: 210 ms per step, 100 + 49 ms at the gates.
+// Without crossing the step returns at b+200, then 60 ms of forward: 260 ms.
+TEST(CrossingTheBarrierWaitsOnlyForEachLayersUpdate) {
+  StepProfile profile;
+  profile.layers = {{"L0", 50 * kMs, 0}, {"L1", 10 * kMs, 0}};
+  profile.backward_ns = 1 * kMs;
+  profile.tensors = {Tensor(NameOwnedBy("g_last", 0, 2), 100'000, 1, 1, 0),
+                     Tensor(NameOwnedBy("g_first", 1, 2), 1'000, 2, 0, 1 * kMs)};
+  RuntimeModel runtime;
+  runtime.schedule = "priority";
+  runtime.cross_barrier = true;
+  const StepPrediction cross = Run(profile, SlowNetwork(2), runtime);
+  EXPECT_NEAR(cross.step_s, 210 * kMsS, 1e-6);
+  EXPECT_NEAR(cross.gate_wait_s, 149 * kMsS, 1e-6);
+  runtime.cross_barrier = false;
+  const StepPrediction sync = Run(profile, SlowNetwork(2), runtime);
+  EXPECT_NEAR(sync.step_s, 260 * kMsS, 1e-6);
+  EXPECT_NEAR(sync.gate_wait_s, 0.0, 1e-12);
+}
+
+// Three workers; the other two push a 100,000-byte tensor to its owner at once. With ingress
+// limits they share the owner's NIC (200 ms); egress-only links take 100 ms. The owner then sends
+// the sum to both through its egress: 200 ms.
+TEST(IngressLimitSlowsAnIncast) {
+  StepProfile profile;
+  profile.layers = {{"only", 10 * kMs, 0}};
+  profile.tensors = {Tensor("grad/incast", 100'000, 1, 0, 0)};
+  RuntimeModel runtime;
+  runtime.schedule = "fifo";
+  runtime.cross_barrier = false;
+  NetworkModel network = SlowNetwork(3);
+  EXPECT_NEAR(Run(profile, network, runtime).step_s, (10 + 200 + 200) * kMsS, 1e-6);
+  network.ingress_limited = false;
+  EXPECT_NEAR(Run(profile, network, runtime).step_s, (10 + 100 + 200) * kMsS, 1e-6);
+}
+
+// mwms on three workers: 90,000 bytes of gradients in 3 chunks of 30,000; 2(N-1) = 4 rounds of
+// 30 ms after the backward pass (10 ms forward + 1 ms backward), then the update (5 ms).
+TEST(MwmsRingAllReduceAfterTheBackwardPass) {
+  StepProfile profile;
+  profile.layers = {{"only", 10 * kMs, 0}};
+  profile.backward_ns = 1 * kMs;
+  profile.tensors = {Tensor("grad/a", 60'000, 2, 0, 0), Tensor("grad/b", 30'000, 1, 0, 1 * kMs)};
+  profile.tensors[0].apply_ns = 5 * kMs;
+  RuntimeModel runtime;
+  runtime.schedule = "mwms";
+  const StepPrediction p = Run(profile, SlowNetwork(3), runtime);
+  EXPECT_NEAR(p.step_s, (10 + 1 + 120 + 5) * kMsS, 1e-6);
+  EXPECT_NEAR(p.tensor_times[0].done_s, (10 + 1 + 120) * kMsS, 1e-6);
+  EXPECT_NEAR(p.tensor_times[0].applied_s, (10 + 1 + 120 + 5) * kMsS, 1e-6);
+  // Subdivisions: chunks of at most 10,000 bytes would need 3 per worker; at most 2 are allowed,
+  // so 6 chunks of 15,000 bytes: the same bytes per round, the same time.
+  runtime.ring_chunk_bytes = 10'000;
+  EXPECT_NEAR(Run(profile, SlowNetwork(3), runtime).step_s, (10 + 1 + 120 + 5) * kMsS, 1e-6);
+}
+
+TEST(ProphetPlansAfterItsProfileAndFinishes) {
+  // A stepwise backward pass over 8 layers; the prophet policy must plan (it needs a warm-up
+  // step, a profiled step and a bandwidth sample) and every schedule must finish every step.
+  StepProfile profile;
+  for (int i = 0; i < 8; ++i) profile.layers.push_back({"L" + std::to_string(i), 5 * kMs, 10 * kMs});
+  profile.backward_ns = 80 * kMs;
+  for (int i = 0; i < 8; ++i) {
+    // Layer 7 is ready first; stage gaps of 10 ms.
+    profile.tensors.push_back(Tensor("grad/L" + std::to_string(i), 400'000, 8 - i, i, (7 - i) * 10 * kMs));
+  }
+  NetworkModel network = SlowNetwork(2);
+  network.link_Bps = 20e6;
+  RuntimeModel runtime;
+  runtime.partition_bytes = 100'000;
+  runtime.schedule = "prophet";
+  const StepPrediction p = Run(profile, network, runtime);
+  EXPECT_TRUE(p.policy.find("blocks") != std::string::npos);
+  EXPECT_TRUE(p.step_s > 0.12);  // at least the compute: 8 x (5 + 10) ms
+  for (const char* schedule : {"fifo", "priority"}) {
+    runtime.schedule = schedule;
+    EXPECT_TRUE(Run(profile, network, runtime).step_s > 0.12);
+  }
+}
+
+TEST(SyntheticTimelineHasTheRuntimesTracks) {
+  const std::string path = "/tmp/prophet_simulator_test_{rank}.json";
+  SimulationOptions options;
+  options.timeline_path = path;
+  options.steps = 2;
+  options.warmup_steps = 1;
+  RuntimeModel runtime;
+  runtime.schedule = "priority";
+  Run(OneTensor(), SlowNetwork(2), runtime, options);
+  for (int rank = 0; rank < 2; ++rank) {
+    std::ifstream in("/tmp/prophet_simulator_test_" + std::to_string(rank) + ".json");
+    std::stringstream text;
+    text << in.rdbuf();
+    const std::string trace = text.str();
+    EXPECT_TRUE(trace.find("predicted worker " + std::to_string(rank)) != std::string::npos);
+    for (const char* track : {"\"step\"", "\"forward\"", "\"ready\"", "\"op\"", "\"gate\""}) {
+      EXPECT_TRUE(trace.find(track) != std::string::npos);
+    }
+    EXPECT_TRUE(trace.rfind("]}") != std::string::npos);
+    std::remove(("/tmp/prophet_simulator_test_" + std::to_string(rank) + ".json").c_str());
+  }
+}
+
+TEST(BadInputIsRejectedWithTheReason) {
+  StepPrediction p;
+  RuntimeModel runtime;
+  NetworkModel network = SlowNetwork(2);
+  StepProfile profile = OneTensor();
+  profile.tensors[0].bytes = 10;
+  profile.tensors[0].element_size = 4;
+  Status s = Simulate(profile, network, runtime, SimulationOptions(), &p);
+  EXPECT_TRUE(!s.ok() && s.message().find("multiple of its element size") != std::string::npos);
+  runtime.schedule = "lifo";
+  s = Simulate(OneTensor(), network, runtime, SimulationOptions(), &p);
+  EXPECT_TRUE(!s.ok() && s.message().find("lifo") != std::string::npos);
+  runtime.schedule = "priority";
+  network.link_Bps = 0;
+  s = Simulate(OneTensor(), network, runtime, SimulationOptions(), &p);
+  EXPECT_TRUE(!s.ok() && s.message().find("link rate") != std::string::npos);
+}
+
+}  // namespace
+}  // namespace prophet
+
+PROPHET_TEST_MAIN()
