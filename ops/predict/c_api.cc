@@ -1,0 +1,52 @@
+// C entry points of the TensorFlow-free library (ctypes): the predictor (one simulation per call)
+// and the core's constants that the Python package reads instead of keeping copies.
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "ops/core/engine_options.h"
+#include "ops/core/simulation_request.h"
+#include "ops/core/simulator.h"
+
+namespace {
+char* CopyOut(const std::string& text) {
+  char* out = static_cast<char*>(std::malloc(text.size() + 1));
+  if (out != nullptr) std::memcpy(out, text.c_str(), text.size() + 1);
+  return out;
+}
+}  // namespace
+
+extern "C" {
+
+// Runs the simulation that `request` describes (see ops/core/simulation_request.h). Returns 0 and
+// sets *result to the prediction as JSON, or returns the status code and sets *result to the error
+// message. Free *result with prophet_predict_free.
+__attribute__((visibility("default"))) int prophet_predict(const char* request, char** result) {
+  prophet::SimulationRequest parsed;
+  prophet::Status s = prophet::ParseSimulationRequest(request != nullptr ? request : "", &parsed);
+  prophet::StepPrediction prediction;
+  if (s.ok()) s = prophet::Simulate(parsed.profile, parsed.network, parsed.runtime, parsed.options, &prediction);
+  if (!s.ok()) {
+    *result = CopyOut(s.message());
+    return static_cast<int>(s.code());
+  }
+  *result = CopyOut(prophet::PredictionJson(prediction));
+  return 0;
+}
+
+__attribute__((visibility("default"))) void prophet_predict_free(char* result) { std::free(result); }
+
+// Writes the JSON object of RuntimeConstantsJson (schedule names, option defaults, the control
+// priority); returns the length it needs (call again with more room if that is >= len).
+__attribute__((visibility("default"))) int prophet_runtime_constants(char* buf, int len) {
+  const std::string json = prophet::RuntimeConstantsJson();
+  if (buf != nullptr && len > 0) {
+    const size_t n = std::min(json.size(), static_cast<size_t>(len) - 1);
+    std::memcpy(buf, json.data(), n);
+    buf[n] = '\0';
+  }
+  return static_cast<int>(json.size());
+}
+
+}  // extern "C"

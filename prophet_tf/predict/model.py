@@ -1,0 +1,249 @@
+"""Predicted step time of N workers from a one-worker profile: Python side of the simulator.
+
+The simulation itself is ``ops/core/simulator.cc`` (driving the runtime's own scheduling
+policies, partitioning and owner assignment with simulated time), reached through the predictor's
+C entry points (``_prophet_predict.so``, no TensorFlow needed). This module turns a
+:class:`~prophet_tf.predict.profile.Profile` and a cluster description into a request and the
+answer into a :class:`Prediction`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import math
+from typing import Any, Optional, Sequence
+
+from prophet_tf.errors import ProphetError
+from prophet_tf.predict.profile import Profile
+
+__all__ = ["SCHEDULES", "FIXED_SCHEDULES", "PredictOptions", "Prediction", "PredictError",
+           "SimulatedDeadlock", "kernel_socket_buffer_cap", "parse_schedule", "predict",
+           "predict_many"]
+
+#: The schedules the predictor knows: the runtime's policies with barrier crossing (their default)
+#: or without (``_nocross``), and TensorFlow's MultiWorkerMirroredStrategy as the baseline.
+SCHEDULES = ("prophet", "prophet_nocross", "priority", "priority_nocross", "fifo", "fifo_nocross",
+             "mwms")
+#: ProphetStrategy's fixed schedules (what ``schedule="auto"`` chooses among).
+FIXED_SCHEDULES = ("prophet", "priority", "fifo")
+_NOCROSS = "_nocross"
+
+
+class PredictError(ProphetError, ValueError):
+    """A prediction cannot be made: the message names the bad input."""
+
+
+class SimulatedDeadlock(PredictError):
+    """The simulated runtime stops for good in this setting (the real one would time out): the
+    message says where every worker waits."""
+
+
+# Status code of a simulation that deadlocked (common.h: Code::kFailedPrecondition).
+_FAILED_PRECONDITION = 9
+
+
+def _runtime_default(key: str) -> Any:
+    from prophet_tf._library import runtime_constants
+    return runtime_constants()["defaults"][key]
+
+
+def kernel_socket_buffer_cap() -> int:
+    """This machine's cap on a socket buffer request (``net.core.wmem_max``), for
+    :attr:`PredictOptions.max_socket_buffer_bytes` when the workers run on this machine's kernel;
+    0 when it cannot be read."""
+    try:
+        with open("/proc/sys/net/core/wmem_max") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def parse_schedule(schedule: str) -> tuple[str, bool]:
+    """``"priority_nocross"`` -> ``("priority", False)``; ``"mwms"`` -> ``("mwms", False)``."""
+    if schedule not in SCHEDULES:
+        raise PredictError(f"unknown schedule {schedule!r}; expected one of {', '.join(SCHEDULES)}")
+    if schedule == "mwms":
+        return "mwms", False
+    if schedule.endswith(_NOCROSS):
+        return schedule[:-len(_NOCROSS)], False
+    return schedule, True
+
+
+@dataclasses.dataclass
+class PredictOptions:
+    """How the cluster and the runtime are modelled, apart from N, the link rate and the schedule.
+
+    Attributes:
+      latency_s: one-way latency per frame.
+      ingress_limited: every host also receives at most the link rate (a real NIC). False: only
+        egress is limited, as on the benchmark's emulated cluster (tbf on each host's egress).
+      payload_efficiency: share of the link rate left for data: TCP over Ethernet carries 1448
+        payload bytes per 1538 on the wire (preamble, headers, inter-frame gap).
+      frame_overhead_bytes: the runtime's frame header, tensor name and shape.
+      socket_buffer_bytes: the runtime's socket buffer request (SO_SNDBUF). A connection
+        commits what the kernel lets its socket hold ahead of the NIC, and frames queued later
+        cannot overtake those bytes: Linux doubles the request (socket(7)), so a 4 MiB buffer
+        commits up to 8 MiB (``KernelSendBufferBytes`` in ops/core/simulator.h).
+        0 models no socket buffer at all (not the kernel's autotuning, which the runtime's
+        ``socket_buffer_bytes=0`` selects).
+      max_socket_buffer_bytes: the kernel's cap on that request on the workers' hosts
+        (``net.core.wmem_max``, :func:`kernel_socket_buffer_cap` for this machine); 0: none (the
+        runtime gets what it asks for).
+      sum_bps: an owner's summation rate in bytes per second (0: instant).
+      partition_bytes, credit_bytes, replan_threshold: the runtime's options (default: the
+        runtime's defaults).
+      apply_threads: threads running optimizer updates (TensorFlow's inter-op pool).
+      ring_message_s: mwms: time each ring message costs on arrival (gRPC).
+      warmup_steps, steps: simulated steps not measured, then measured (median).
+    """
+
+    latency_s: float = 0.0
+    ingress_limited: bool = True
+    payload_efficiency: float = 1448.0 / 1538.0
+    frame_overhead_bytes: int = 96
+    socket_buffer_bytes: int = dataclasses.field(
+        default_factory=lambda: int(_runtime_default("socket_buffer_bytes")))
+    max_socket_buffer_bytes: int = 0
+    sum_bps: float = 0.0
+    partition_bytes: int = dataclasses.field(
+        default_factory=lambda: int(_runtime_default("partition_bytes")))
+    credit_bytes: int = dataclasses.field(
+        default_factory=lambda: int(_runtime_default("credit_bytes")))
+    replan_threshold: float = dataclasses.field(
+        default_factory=lambda: float(_runtime_default("replan_threshold")))
+    apply_threads: int = 2
+    ring_message_s: float = 0.0
+    warmup_steps: int = 5
+    steps: int = 20
+
+
+@dataclasses.dataclass
+class Prediction:
+    """The simulator's answer for one (schedule, workers, bandwidth)."""
+
+    schedule: str
+    workers: int
+    bandwidth_bps: float
+    step_s: float                 # median step time
+    single_step_s: float          # one worker (the profile)
+    overlap: float                # share of the communication hidden behind compute
+    comm_s: float                 # worker 0's NIC busy sending, per step
+    wire_bytes_per_step: float
+    gate_wait_s: float            # forward passes waiting for updates, per step
+    bandwidth_Bps: float          # the simulated runtime's bandwidth estimate (worker 0, median
+                                  # over the measured steps' beginnings)
+    policy: str                   # the policy's state at the end (worker 0)
+    periods_s: list[float]
+    tensor_times: list[dict[str, Any]]
+
+    @property
+    def speedup(self) -> float:
+        """Throughput over one worker: N x (one worker's step time) / (this step time)."""
+        return self.workers * self.single_step_s / self.step_s if self.step_s > 0 else math.nan
+
+    def to_json(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["speedup"] = self.speedup
+        return data
+
+
+def _ns(seconds: float) -> int:
+    return int(round(seconds * 1e9))
+
+
+def _request(profile: Profile, workers: int, bandwidth_bps: float, schedule: str,
+             options: PredictOptions, timeline_path: Optional[str], timeline_workers: int) -> str:
+    base, cross = parse_schedule(schedule)
+    layer_index = {layer.name: i for i, layer in enumerate(profile.layers)}
+    lines = [
+        f"option workers={workers}",
+        f"option link_Bps={bandwidth_bps / 8.0!r}",
+        f"option ingress_limited={int(options.ingress_limited)}",
+        f"option latency_ns={_ns(options.latency_s)}",
+        f"option payload_efficiency={options.payload_efficiency!r}",
+        f"option frame_overhead_bytes={int(options.frame_overhead_bytes)}",
+        f"option socket_buffer_bytes={int(options.socket_buffer_bytes)}",
+        f"option max_socket_buffer_bytes={int(options.max_socket_buffer_bytes)}",
+        f"option sum_Bps={float(options.sum_bps)!r}",
+        f"option schedule={base}",
+        f"option cross_barrier={int(cross)}",
+        f"option partition_bytes={int(options.partition_bytes)}",
+        f"option credit_bytes={int(options.credit_bytes)}",
+        f"option replan_threshold={float(options.replan_threshold)!r}",
+        f"option apply_threads={int(options.apply_threads)}",
+        f"option ring_message_ns={_ns(options.ring_message_s)}",
+        f"option warmup_steps={int(options.warmup_steps)}",
+        f"option steps={int(options.steps)}",
+        f"option launch_ns={_ns(profile.launch_s)}",
+        f"option backward_ns={_ns(profile.backward_s)}",
+        f"option tail_ns={_ns(profile.tail_s)}",
+        f"option gap_ns={_ns(profile.gap_s)}",
+    ]
+    if timeline_path:
+        lines.append(f"option timeline_path={timeline_path}")
+        lines.append(f"option timeline_workers={int(timeline_workers)}")
+    for layer in profile.layers:
+        lines.append(f"layer {_ns(layer.forward_s)} {_ns(layer.backward_s)} {layer.name}")
+    for t in profile.tensors:
+        layer = layer_index.get(t.layer, -1) if t.layer is not None else -1
+        lines.append(f"tensor {t.bytes} {t.element_size} {t.priority} {layer} "
+                     f"{min(_ns(t.ready_s), _ns(profile.backward_s))} {_ns(t.apply_s)} {t.name}")
+    return "\n".join(lines) + "\n"
+
+
+def predict(profile: Profile, *, workers: int, bandwidth_bps: float, schedule: str = "prophet",
+            options: Optional[PredictOptions] = None, timeline_path: Optional[str] = None,
+            timeline_workers: int = 2) -> Prediction:
+    """Simulates ``workers`` workers training with ``profile``'s step on links of
+    ``bandwidth_bps`` bit/s per host and direction, scheduled by ``schedule`` (:data:`SCHEDULES`).
+
+    ``timeline_path``: also write the synthetic timeline of the first ``timeline_workers``
+    workers, one Chrome trace each (``{rank}`` in the path is replaced by the rank; without it,
+    ``.RANK`` goes before the extension, as the runtime does).
+
+    Raises:
+      SimulatedDeadlock: the runtime would stop for good in this setting.
+      PredictError: bad arguments or a simulation that cannot run (the message says why).
+    """
+    from prophet_tf._library import predict_api
+
+    options = options or PredictOptions()
+    if workers < 1:
+        raise PredictError(f"workers must be at least 1, got {workers}")
+    if workers > 1 and not (bandwidth_bps > 0 and math.isfinite(bandwidth_bps)):
+        raise PredictError(f"the link rate must be a positive number of bit/s, got {bandwidth_bps!r}")
+    if timeline_path and "{rank}" not in timeline_path:
+        root, dot, ext = timeline_path.rpartition(".")
+        timeline_path = f"{root}.{{rank}}.{ext}" if dot and "/" not in ext else f"{timeline_path}.{{rank}}.json"
+    profile.validate()
+    request = _request(profile, workers, bandwidth_bps if workers > 1 else 1.0, schedule, options,
+                       timeline_path, timeline_workers)
+    api = predict_api()
+    result = ctypes.c_void_p()
+    code = api.prophet_predict(request.encode(), ctypes.byref(result))
+    try:
+        text = ctypes.string_at(result.value).decode() if result.value else ""
+    finally:
+        api.prophet_predict_free(result)
+    if code != 0:
+        kind = SimulatedDeadlock if code == _FAILED_PRECONDITION else PredictError
+        raise kind(f"{schedule}, {workers} workers, {bandwidth_bps:g} bit/s: {text}")
+    data = json.loads(text)
+    times = [{k: (v if not isinstance(v, (int, float)) or v >= 0 else None) for k, v in t.items()}
+             for t in data["tensor_times"]]
+    return Prediction(schedule=schedule, workers=workers, bandwidth_bps=float(bandwidth_bps),
+                      step_s=data["step_s"], single_step_s=data["single_step_s"],
+                      overlap=data["overlap"], comm_s=data["comm_s"],
+                      wire_bytes_per_step=data["wire_bytes_per_step"],
+                      gate_wait_s=data["gate_wait_s"], bandwidth_Bps=data["bandwidth_Bps"],
+                      policy=data["policy"],
+                      periods_s=list(data["periods_s"]), tensor_times=times)
+
+
+def predict_many(profile: Profile, *, workers: Sequence[int], bandwidths_bps: Sequence[float],
+                 schedules: Sequence[str], options: Optional[PredictOptions] = None) -> list[Prediction]:
+    """:func:`predict` for every (bandwidth, workers, schedule), in that nesting order."""
+    return [predict(profile, workers=n, bandwidth_bps=bw, schedule=s, options=options)
+            for bw in bandwidths_bps for n in workers for s in schedules]

@@ -1,0 +1,47 @@
+"""The prediction benchmark's pure parts (no TensorFlow, no emulated cluster): errors, the last
+line, the table, the model of the emulated cluster, auto against the best fixed schedule."""
+
+from __future__ import annotations
+
+import pytest
+
+from prophet_tf.bench import predict as bench_predict
+from prophet_tf.bench import train
+
+
+def row(system: str, predicted, measured, **extra) -> dict:
+    return dict(compute="emulated", model="resnet50", workers=2, ratio=1.0, bandwidth_bps=2e9,
+                system=system, predicted_s=predicted, measured_s=measured, **extra)
+
+
+def test_errors_and_the_last_line():
+    rows = [row("prophet", 1.05, 1.0), row("priority", 0.9, 1.0), row("fifo", 1.0, 1.0),
+            row("mwms", None, 2.0, deadlock=True), row("auto", 1.0, None)]
+    assert bench_predict.errors(rows) == pytest.approx([0.05, 0.1, 0.0])
+    assert bench_predict.summary_line(rows) == "prediction error: median 5.0%, max 10.0%"
+    assert "no setting" in bench_predict.summary_line([row("fifo", None, 1.0)])
+
+
+def test_table_marks_errors_and_deadlocks():
+    table = bench_predict.format_table([row("prophet", 1.05, 1.0), row("mwms", None, 2.0, deadlock=True)])
+    assert "| emulated | resnet50 | 2 | 1 | 2 Gbit/s | prophet | 1050 | 1000 | +5.0% |" in table
+    assert "| mwms | deadlock | 2000 | n/a |" in table
+
+
+def test_the_emulated_cluster_is_modelled_as_shaped():
+    opts = train.SweepOptions(models=["resnet50"], workers=[2], ratios=[1.0], systems=["prophet"],
+                              inter_threads=3, prophet_options={"credit_bytes": 1 << 20})
+    options = bench_predict.predict_options(opts)
+    assert not options.ingress_limited  # tbf shapes each host's egress only
+    assert options.payload_efficiency == pytest.approx(1448 / 1547)
+    assert options.apply_threads == 3 and options.credit_bytes == 1 << 20
+    assert (options.steps, options.warmup_steps) == (opts.steps, opts.warmup)
+
+
+def test_auto_against_the_best_fixed_schedule():
+    setting = {"model": "resnet50", "workers": 2, "comm_compute_ratio": 1.0, "results": {
+        "prophet": {"step_s_median": 1.0}, "priority": {"step_s_median": 0.8},
+        "fifo": {"step_s_median": 0.9}, "auto": {"step_s_median": 0.82, "schedule_in_use": "priority"}}}
+    (line,) = bench_predict.auto_lines([setting])
+    assert line.startswith("auto vs best fixed (priority): 1.025") and "auto ran priority" in line
+    assert bench_predict.auto_lines([{"results": {"prophet": {"step_s_median": 1.0}}}]) == []

@@ -1,0 +1,254 @@
+"""Tests of the predictor (prophet_tf.predict): profile parsing, the simulator through its C entry
+point on a case computed by hand, the command line, and a profile recorded by a real one-worker
+run (the only test here that runs TensorFlow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from prophet_tf import timeline
+from prophet_tf.predict import (PredictError, PredictOptions, Profile, ProfiledLayer,
+                                ProfiledTensor, ProfileError, load_profile, predict,
+                                profile_from_trace)
+from prophet_tf.predict.__main__ import parse_duration, parse_rate
+
+REPO = Path(__file__).resolve().parents[1]
+CONTROL = 1 << 40
+TRACKS = ("step", "forward", "backward", "ready", "op", "apply")
+
+
+def synthetic_trace(steps: int = 5, measured: bool = True, priorities: bool = True) -> list[dict]:
+    """A one-worker trace as the runtime writes it (microseconds): every step begins at
+    100 ms x step, two layers of 10 and 20 ms forward, then the backward pass: dense_1's gradient
+    at +5 ms, dense's at +30 ms (it ends there), the metrics' at +1 ms; the step returns 2 ms
+    after the backward pass; updates take 0.5 ms."""
+    tid = {track: i for i, track in enumerate(TRACKS, start=1)}
+    events: list[dict] = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": t,
+                           "args": {"name": track}} for track, t in tid.items()]
+
+    def span(track: str, name: str, ts_ms: float, dur_ms: float, **args) -> None:
+        events.append({"name": name, "ph": "X", "ts": ts_ms * 1e3, "dur": dur_ms * 1e3, "pid": 0,
+                       "tid": tid[track], **({"args": args} if args else {})})
+
+    sizes = {"grad/dense/kernel": (4096, 2), "grad/dense_1/kernel": (8192, 1),
+             "metrics/step/float32/sum/2": (8, CONTROL)}
+    offsets = {"grad/dense_1/kernel": 5.0, "grad/dense/kernel": 30.0, "metrics/step/float32/sum/2": 1.0}
+    for step in range(steps):
+        begin = 100.0 * step
+        span("step", f"step {step}", begin, 62.0)
+        if measured:
+            span("forward", "dense", begin + 0.0, 10.0)
+            span("forward", "dense_1", begin + 10.0, 20.0)
+            span("backward", "dense_1", begin + 30.0, 5.0)
+            span("backward", "dense", begin + 35.0, 25.0)
+        for name, offset in offsets.items():
+            ready = begin + 30.0 + offset
+            events.append({"name": name, "ph": "i", "s": "t", "ts": ready * 1e3, "pid": 0,
+                           "tid": tid["ready"]})
+            size, priority = sizes[name]
+            args = {"round": step, "bytes": size, "ok": True}
+            if priorities:
+                args["priority"] = priority
+            span("op", name, ready, 0.01, **args)
+            if priority < CONTROL:
+                span("apply", name, ready + 0.01, 0.5)
+    return events
+
+
+def test_profile_from_a_trace_with_forward_spans():
+    profile = profile_from_trace(synthetic_trace(), source="synthetic")
+    assert profile.forward == "measured"
+    assert [layer.name for layer in profile.layers] == ["dense", "dense_1"]
+    assert [round(layer.forward_s, 6) for layer in profile.layers] == [0.010, 0.020]
+    assert profile.backward_s == pytest.approx(0.030)
+    assert profile.tail_s == pytest.approx(0.002)
+    assert profile.gap_s == pytest.approx(0.038)
+    assert profile.step_s == pytest.approx(0.100)
+    assert profile.steps == 3  # steps 1-3: the first is skipped, the last has no gap
+    by_name = {t.name: t for t in profile.tensors}
+    assert by_name["grad/dense_1/kernel"].ready_s == pytest.approx(0.005)
+    assert by_name["grad/dense_1/kernel"].layer == "dense_1"
+    assert by_name["grad/dense/kernel"].layer == "dense"
+    assert by_name["grad/dense/kernel"].priority == 2
+    assert by_name["grad/dense/kernel"].apply_s == pytest.approx(0.0005)
+    assert by_name["metrics/step/float32/sum/2"].layer is None
+    assert by_name["metrics/step/float32/sum/2"].apply_s == 0.0
+    assert profile.gradient_bytes == 4096 + 8192
+
+
+def test_profile_estimates_forward_times_without_forward_spans():
+    profile = profile_from_trace(synthetic_trace(measured=False, priorities=False))
+    assert profile.forward == "estimated"
+    # The last gradient comes 60 ms after the step begins: 20 ms of forward, then the backward.
+    assert profile.forward_s == pytest.approx(0.020)
+    assert [layer.name for layer in profile.layers] == ["dense", "dense_1"]
+    # dense_1's gradient 15 ms after the estimated backward start, dense's 25 ms later.
+    by_name = {t.name: t for t in profile.tensors}
+    assert by_name["grad/dense_1/kernel"].ready_s == pytest.approx(0.015)
+    assert profile.layers[1].forward_s == pytest.approx(0.020 * 15 / 40)
+    # Priorities inferred: the gradient ready last is the first layer's.
+    assert by_name["grad/dense/kernel"].priority > by_name["grad/dense_1/kernel"].priority
+    assert by_name["metrics/step/float32/sum/2"].priority >= CONTROL
+    assert any("inferred" in note for note in profile.notes)
+
+
+def test_trace_without_what_a_profile_needs_says_what_to_record():
+    with pytest.raises(ProfileError, match="step marks"):
+        profile_from_trace(synthetic_trace(steps=2))
+    no_ready = [e for e in synthetic_trace() if e.get("ph") != "i"]
+    with pytest.raises(ProfileError, match="PROPHET_PROFILE"):
+        profile_from_trace(no_ready)
+
+
+def test_profile_round_trip_and_validation(tmp_path):
+    profile = profile_from_trace(synthetic_trace(), source="synthetic")
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    again = load_profile(path)
+    assert again == profile
+    data = json.loads(path.read_text())
+    data["tensors"][0]["layer"] = "no_such_layer"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match="no_such_layer"):
+        load_profile(path)
+    path.write_text(json.dumps({"format": "something else"}))
+    with pytest.raises(ProfileError, match="not a prophet_tf profile"):
+        load_profile(path)
+    with pytest.raises(ProfileError, match="cannot read"):
+        load_profile(tmp_path / "missing.json")
+
+
+def one_tensor_profile() -> Profile:
+    """One 10 ms layer and one 100,000-byte gradient ready when the backward pass starts."""
+    return Profile(layers=[ProfiledLayer("dense", 0.010)],
+                   tensors=[ProfiledTensor("grad/dense/kernel", 100_000, 1, 0.0, "dense")])
+
+
+EXACT = PredictOptions(payload_efficiency=1.0, frame_overhead_bytes=0, socket_buffer_bytes=0)
+
+
+def test_predict_one_tensor_on_two_workers_exactly():
+    # 1 MB/s: the push and the sum take 100 ms each after the 10 ms forward pass.
+    p = predict(one_tensor_profile(), workers=2, bandwidth_bps=8e6, schedule="priority_nocross",
+                options=EXACT)
+    assert p.step_s == pytest.approx(0.210, abs=1e-6)
+    assert p.single_step_s == pytest.approx(0.010)
+    assert p.speedup == pytest.approx(2 * 0.010 / 0.210)
+    assert p.comm_s == pytest.approx(0.100, abs=1e-6)
+    assert p.tensor_times[0]["done_s"] == pytest.approx(0.210, abs=1e-6)
+    one = predict(one_tensor_profile(), workers=1, bandwidth_bps=8e6, options=EXACT)
+    assert one.step_s == pytest.approx(0.010)
+    with pytest.raises(PredictError, match="unknown schedule"):
+        predict(one_tensor_profile(), workers=2, bandwidth_bps=8e6, schedule="lifo")
+    with pytest.raises(PredictError, match="link rate"):
+        predict(one_tensor_profile(), workers=2, bandwidth_bps=0)
+
+
+def test_synthetic_timeline_is_a_runtime_trace(tmp_path):
+    pattern = str(tmp_path / "predicted.json")
+    predict(profile_from_trace(synthetic_trace()), workers=2, bandwidth_bps=1e9, schedule="prophet",
+            options=PredictOptions(steps=3, warmup_steps=2), timeline_path=pattern)
+    traces = [timeline.load_trace(tmp_path / f"predicted.{rank}.json") for rank in (0, 1)]
+    tracks = timeline.events_by_track(traces[0])
+    for track in ("step", "forward", "ready", "op", "push", "apply"):
+        assert tracks.get(track), f"no {track!r} events on the synthetic timeline"
+    assert timeline.worker_names(traces[1])[1] == "predicted worker 1"
+    # The same profile parser reads it back (a predicted trace is a trace).
+    again = profile_from_trace(traces[0])
+    assert [layer.name for layer in again.layers] == ["dense", "dense_1"]
+
+
+def test_rates_and_durations():
+    assert parse_rate("10G") == 10e9
+    assert parse_rate("2.5Gbit") == 2.5e9
+    assert parse_rate("100M") == 100e6
+    assert parse_rate("1e9") == 1e9
+    assert parse_duration("50us") == pytest.approx(50e-6)
+    assert parse_duration("0.2ms") == pytest.approx(0.2e-3)
+    assert parse_duration("0") == 0
+    for bad in ("fast", "-1G", "10X"):
+        with pytest.raises(ValueError):
+            parse_rate(bad)
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "prophet_tf.predict", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_command_line_table_chart_and_json(tmp_path):
+    profile = profile_from_trace(synthetic_trace(), source="synthetic")
+    profile.save(tmp_path / "profile.json")
+    proc = run_cli(str(tmp_path / "profile.json"), "--workers", "1,2,4", "--bandwidth", "100M,1G",
+                   "--schedule", "prophet,priority_nocross,mwms", "--output",
+                   str(tmp_path / "chart.png"), "--json", str(tmp_path / "out.json"))
+    assert proc.returncode == 0, proc.stderr
+    assert "| link | N | prophet | priority_nocross | mwms |" in proc.stdout
+    assert "| 100 Mbit/s | 4 |" in proc.stdout
+    assert (tmp_path / "chart.png").stat().st_size > 0
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert len(out["predictions"]) + len(out["deadlocks"]) == 3 * 2 * 3
+    for p in out["predictions"]:
+        assert p["step_s"] > 0 and p["speedup"] > 0
+
+    bad = run_cli(str(tmp_path / "profile.json"), "--schedule", "lifo")
+    assert bad.returncode == 2 and "unknown schedule" in bad.stderr
+    bad = run_cli(str(tmp_path / "profile.json"), "--timeline", str(tmp_path / "t.json"))
+    assert bad.returncode == 2 and "one setting" in bad.stderr
+    bad = run_cli(str(tmp_path / "missing.json"))
+    assert bad.returncode == 2 and "cannot read" in bad.stderr
+
+
+RECORDING_SCRIPT = textwrap.dedent("""
+    import numpy as np, keras, prophet_tf
+    strategy = prophet_tf.ProphetStrategy()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(64, activation="relu"),
+                                  keras.layers.Dense(64, activation="relu"), keras.layers.Dense(4)])
+        model.compile(optimizer="adam", metrics=["accuracy"],
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x = np.random.rand(256, 16).astype("float32")
+    y = np.random.randint(0, 4, 256)
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    print("RECORDED", strategy.world_size, len(model.trainable_weights))
+""")
+
+
+def test_profile_recorded_by_a_real_one_worker_run(tmp_path):
+    trace = tmp_path / "profile.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO), PROPHET_PROFILE=str(trace), TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("TF_CONFIG", None)
+    env.pop("PROPHET_TIMELINE", None)
+    script = tmp_path / "train.py"
+    script.write_text(RECORDING_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "RECORDED 1 6" in proc.stdout, proc.stdout + proc.stderr
+
+    profile = load_profile(trace)
+    grads = [t for t in profile.tensors if t.name.startswith("grad/")]
+    assert len(grads) == 6  # every trainable weight, with its bytes, priority and layer
+    assert sorted(t.priority for t in grads) == list(range(1, 7))
+    assert {t.bytes for t in grads} >= {16 * 64 * 4, 64 * 64 * 4, 64 * 4 * 4}
+    assert all(t.layer is not None for t in grads)
+    assert len(profile.layers) == 3 and profile.steps >= 4
+    assert any(t.priority >= CONTROL for t in profile.tensors)  # the metrics' collective
+    assert all(t.apply_s > 0 for t in grads)  # updates recorded (crossing path)
+
+    proc = run_cli(str(trace), "--workers", "2", "--bandwidth", "1G", "--schedule", "prophet",
+                   "--output", "", "--timeline", str(tmp_path / "predicted.json"))
+    assert proc.returncode == 0, proc.stderr
+    assert "| 1 Gbit/s | 2 |" in proc.stdout
+    # The real trace and the synthetic one drawn side by side.
+    out = timeline.plot_timeline([timeline.load_trace(trace),
+                                  timeline.load_trace(tmp_path / "predicted.0.json")],
+                                 tmp_path / "side_by_side.png")
+    assert out.stat().st_size > 0
