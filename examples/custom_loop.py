@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 import keras  # noqa: E402
 
-from prophet_tf.strategy import ProphetStrategy  # noqa: E402
+from prophet_tf.strategy import SCHEDULES, ProphetStrategy  # noqa: E402
 
 
 def make_data(n: int, seed: int = 0):
@@ -41,7 +41,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch", type=int, default=128, help="global batch size")
-    p.add_argument("--schedule", default="prophet", choices=["prophet", "priority", "fifo"])
+    p.add_argument("--schedule", default=None, choices=SCHEDULES, help="default: prophet")
     args = p.parse_args()
 
     strategy = ProphetStrategy(schedule=args.schedule)

@@ -25,7 +25,7 @@ except ImportError:  # a source checkout without `pip install .`
 import numpy as np  # noqa: E402
 import keras  # noqa: E402
 
-from prophet_tf.strategy import ProphetStrategy  # noqa: E402
+from prophet_tf.strategy import SCHEDULES, ProphetStrategy  # noqa: E402
 
 # 5x7 bitmaps of the digits 0-9 (one string per row, '#' = ink).
 FONT = {
@@ -103,7 +103,7 @@ def main():
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--batch", type=int, default=64, help="global batch size")
     p.add_argument("--samples", type=int, default=4096)
-    p.add_argument("--schedule", default="prophet", choices=["prophet", "priority", "fifo"])
+    p.add_argument("--schedule", default=None, choices=SCHEDULES, help="default: prophet")
     args = p.parse_args()
 
     strategy = ProphetStrategy(schedule=args.schedule)

@@ -52,6 +52,13 @@ def wait_all() -> None:
     op_module().prophet_wait_all()
 
 
+def pending_updates() -> int:
+    """Number of deferred updates of this process that have not been applied yet."""
+    from prophet_tf._library import c_api
+
+    return int(c_api().prophet_pending_updates())
+
+
 def _gated(method_name: str) -> Callable[..., Any]:
     base = getattr(resource_variable_ops.ResourceVariable, method_name)
 

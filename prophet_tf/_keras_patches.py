@@ -2,19 +2,33 @@
 
 Keras 3 leaves a few cross-worker concerns to the strategy that a one-device-per-process strategy
 cannot see through the tf.distribute API alone. Each hook below only acts when the model's (or
-the current) strategy is a multi-worker :class:`prophet_tf.ProphetStrategy`; otherwise it calls
-the original Keras method unchanged. ``install()`` is idempotent.
+the current) strategy is a multi-worker :class:`prophet_tf.ProphetStrategy` (or a one-worker one
+recording a profile); otherwise it calls the original Keras method unchanged. ``install()`` is
+idempotent.
 
 * ``Trainer.get_metrics_result``: metric state variables are summed across workers (one
   ``push_pull`` per dtype) and the results computed from the global state with
   ``Metric.stateless_result``. Keras calls it in every train/test step (the logs) and once after
   each epoch/evaluation, identically on every worker, so every worker prints the same numbers.
-* ``TFOptimizer._backend_update_step``: tells the strategy which variables the next all-reduce
-  belongs to, so gradients are named ``grad/<variable path>``.
+* ``TFOptimizer._backend_update_step``: the strategy tracks the step's gradients by variable
+  object from the all-reduce to the updates and fails closed when one is not summed across
+  workers exactly once (``ProphetExtended._optimizer_update_step``, ``prophet_tf/_gradients.py``).
+* ``BaseOptimizer._clip_gradients``: in a tracked optimizer step the local gradients are not
+  clipped; the strategy clips the reduced ones (``clipnorm``, ``clipvalue`` and
+  ``global_clipnorm`` then act on the global batch's gradient, as in one process).
+* ``keras.src.losses.loss.reduce_values``/``apply_mask`` and each model's loss tracker: losses
+  are averaged over the global batch's count, not each worker's (``prophet_tf/_loss_normalization.py``).
 * ``LossScaleOptimizer.check_finite``: finiteness is reduced across workers, so either every
   worker applies the step (and makes its gradient all-reduce) or none does.
 * ``TensorFlowTrainer.predict``: the input is sharded like fit's, so the per-step outputs are
   all-gathered and every worker returns the predictions for all of the input, in order.
+* ``reduce_per_replica`` (what Keras applies to the values a train/test step returns): values not
+  already global are averaged across workers, as ``MultiWorkerMirroredStrategy`` does, so a
+  custom ``train_step`` logs the same numbers on every worker. (The default steps return metric
+  results computed from reduced state: those are left as they are.)
+* ``Trainer._symbolic_build``: a model that defines ``train_step`` but no ``call()`` (a GAN, a
+  VAE) is not traced symbolically (Keras would fail with "Unable to automatically build the
+  model" under any strategy); like without a strategy, it builds in its first step.
 """
 
 from __future__ import annotations
@@ -25,13 +39,15 @@ import time
 import threading
 import weakref
 
+from prophet_tf import _loss_normalization
+
 _installed = False
 _lock = threading.Lock()
 
 
 def _prophet_extended(strategy):
     from prophet_tf.strategy import ProphetStrategy
-    if isinstance(strategy, ProphetStrategy) and strategy.extended._world_size > 1:
+    if isinstance(strategy, ProphetStrategy) and strategy.extended._communicates:
         return strategy.extended
     return None
 
@@ -49,6 +65,21 @@ def _model_extended(model):
     return _prophet_extended(strategy)
 
 
+def _patch(owner, name: str, wrapper) -> None:
+    """Replaces ``owner.<name>`` (a class's method or a module's function) by one that calls
+    ``wrapper(original, *args, **kwargs)``, once: a second call finds it patched already."""
+    original = getattr(owner, name)
+    if getattr(original, "_prophet_patched", False):
+        return
+
+    @functools.wraps(original)
+    def patched(*args, **kwargs):
+        return wrapper(original, *args, **kwargs)
+
+    patched._prophet_patched = True
+    setattr(owner, name, patched)
+
+
 def install() -> None:
     global _installed
     with _lock:
@@ -56,51 +87,60 @@ def install() -> None:
             return
         _patch_metrics()
         _patch_optimizer()
+        _patch_clipping()
         _patch_loss_scale()
         _patch_predict()
         _patch_step_markers()
+        _patch_step_outputs()
+        _patch_build_without_call()
+        _loss_normalization.install()
         _installed = True
 
 
 # ---- timeline step markers ----------------------------------------------------------------
 
 def _patch_step_markers():
-    """Each call of the train function becomes a "step" span on the timeline (when one is written).
+    """Each call of the train function becomes a "step" span on the timeline (when one is written)
+    and, with ``schedule="auto"``, an occasion to choose the schedule (prophet_tf/_auto_schedule).
 
     Forward and backward progress inside a step are already on the trace: a layer's forward pass
     starts when its "gate" span ends, and the backward pass emits a "ready" instant per gradient.
     """
     from keras.src.backend.tensorflow import trainer as tf_trainer
 
-    cls = tf_trainer.TensorFlowTrainer
-    original = cls.make_train_function
-    if getattr(original, "_prophet_patched", False):
-        return
-
-    @functools.wraps(original)
-    def make_train_function(self, force=False):
+    def make_train_function(original, self, force=False):
         result = original(self, force)
         from prophet_tf import runtime
 
         function = self.train_function
-        if (_model_extended(self) is None or function is None or getattr(function, "_prophet_marked", False)
-                or not runtime.timeline_enabled()):
+        ext = _model_extended(self)
+        if ext is None or function is None or getattr(function, "_prophet_marked", False):
+            return result
+        auto = ext._auto_schedule
+        marking = runtime.timeline_enabled()
+        if not marking and auto is None:
             return result
         steps = itertools.count()
 
         def marked(*args, **kwargs):
+            step = next(steps)
+            if auto is not None:
+                auto.before_step(step)
             start = time.monotonic_ns()
             try:
-                return function(*args, **kwargs)
+                out = function(*args, **kwargs)
             finally:
-                runtime.timeline_event("step", f"step {next(steps)}", start, time.monotonic_ns())
+                if marking:
+                    runtime.timeline_event("step", f"step {step}", start, time.monotonic_ns())
+            if auto is not None:
+                auto.after_step(step, start, time.monotonic_ns())
+            return out
 
         marked._prophet_marked = True
         self.train_function = marked
         return result
 
-    make_train_function._prophet_patched = True
-    cls.make_train_function = make_train_function
+    _patch(tf_trainer.TensorFlowTrainer, "make_train_function", make_train_function)
 
 
 # ---- metrics ------------------------------------------------------------------------------
@@ -108,12 +148,7 @@ def _patch_step_markers():
 def _patch_metrics():
     from keras.src.trainers import trainer as base_trainer
 
-    original = base_trainer.Trainer.get_metrics_result
-    if getattr(original, "_prophet_patched", False):
-        return
-
-    @functools.wraps(original)
-    def get_metrics_result(self):
+    def get_metrics_result(original, self):
         ext = _model_extended(self)
         if ext is None:
             return original(self)
@@ -131,42 +166,63 @@ def _patch_metrics():
                 return_metrics.update(result)
             else:
                 return_metrics[metric.name] = result
+        for value in return_metrics.values():
+            _mark_global(value)
         return return_metrics
 
-    get_metrics_result._prophet_patched = True
-    base_trainer.Trainer.get_metrics_result = get_metrics_result
+    _patch(base_trainer.Trainer, "get_metrics_result", get_metrics_result)
 
 
-# ---- gradient names -----------------------------------------------------------------------
+# ---- the optimizer step ---------------------------------------------------------------------
 
 def _patch_optimizer():
     from keras.src.backend.tensorflow import optimizer as tf_optimizer
 
-    cls = tf_optimizer.TFOptimizer
-    original = cls._backend_update_step
-    if getattr(original, "_prophet_patched", False):
-        return
-
-    @functools.wraps(original)
-    def _backend_update_step(self, grads, trainable_variables, learning_rate):
-        ext = _current_extended()
+    def _backend_update_step(original, self, grads, trainable_variables, learning_rate):
+        ext = _optimizer_extended(self, trainable_variables)
         if ext is None:
             return original(self, grads, trainable_variables, learning_rate)
-        paths = [_variable_path(v) for g, v in zip(grads, trainable_variables) if g is not None]
-        with ext._gradient_site(paths, self):
-            return original(self, grads, trainable_variables, learning_rate)
+        return ext._optimizer_update_step(
+            self, grads, trainable_variables,
+            lambda: original(self, grads, trainable_variables, learning_rate))
 
-    _backend_update_step._prophet_patched = True
-    cls._backend_update_step = _backend_update_step
+    _patch(tf_optimizer.TFOptimizer, "_backend_update_step", _backend_update_step)
 
 
-def _variable_path(v) -> str:
-    path = getattr(v, "path", None)
-    if not path:
-        path = getattr(v, "name", None) or "variable"
-        if path.endswith(":0"):
-            path = path[:-2]
-    return str(path)
+def _optimizer_extended(optimizer, variables):
+    """The multi-worker ProphetExtended that owns these variables (or this optimizer, or the
+    current scope), whatever context the optimizer step runs in: a step outside the strategy's
+    replica context must be caught, not passed through."""
+    from prophet_tf._gradients import tf_variable
+
+    for v in variables:
+        ext = _prophet_extended(getattr(tf_variable(v), "_distribute_strategy", None))
+        if ext is not None:
+            return ext
+    return (_prophet_extended(getattr(optimizer, "_distribution_strategy", None))
+            or _current_extended())
+
+
+# ---- gradient clipping ----------------------------------------------------------------------
+
+def keras_clip_gradients():
+    """Keras's own ``BaseOptimizer._clip_gradients(optimizer, grads)`` (unpatched)."""
+    from keras.src.optimizers import base_optimizer
+
+    method = base_optimizer.BaseOptimizer._clip_gradients
+    return getattr(method, "__wrapped__", method)
+
+
+def _patch_clipping():
+    from keras.src.optimizers import base_optimizer
+
+    def _clip_gradients(original, self, grads):
+        ext = _optimizer_extended(self, [])
+        if ext is not None and ext.clips_after_reduction():
+            return grads  # clipped once reduced (ProphetExtended._reduce_gradients)
+        return original(self, grads)
+
+    _patch(base_optimizer.BaseOptimizer, "_clip_gradients", _clip_gradients)
 
 
 # ---- loss scaling -------------------------------------------------------------------------
@@ -174,21 +230,14 @@ def _variable_path(v) -> str:
 def _patch_loss_scale():
     from keras.src.optimizers import loss_scale_optimizer as lso
 
-    cls = lso.LossScaleOptimizer
-    original = cls.check_finite
-    if getattr(original, "_prophet_patched", False):
-        return
-
-    @functools.wraps(original)
-    def check_finite(self, grads):
+    def check_finite(original, self, grads):
         finite = original(self, grads)
         ext = _current_extended()
         if ext is None:
             return finite
         return ext._all_finite(finite)
 
-    check_finite._prophet_patched = True
-    cls.check_finite = check_finite
+    _patch(lso.LossScaleOptimizer, "check_finite", check_finite)
 
 
 # ---- predict ------------------------------------------------------------------------------
@@ -200,16 +249,10 @@ _gathering_predict_functions: "weakref.WeakKeyDictionary" = weakref.WeakKeyDicti
 def _patch_predict():
     from keras.src.backend.tensorflow import trainer as tf_trainer
 
-    cls = tf_trainer.TensorFlowTrainer
-    original = cls.predict
-    if getattr(original, "_prophet_patched", False):
-        return
-
     # Only predict: its input is sharded. predict_on_batch gives every worker the whole batch it
     # was called with, so its local result is already complete; it keeps Keras' own cached
     # predict function, predict uses a second one (traced with the gathering) cached here.
-    @functools.wraps(original)
-    def predict(self, *args, **kwargs):
+    def predict(original, self, *args, **kwargs):
         ext = _model_extended(self)
         if ext is None:
             return original(self, *args, **kwargs)
@@ -224,5 +267,83 @@ def _patch_predict():
             _gathering_predict_functions[self] = (key, self.predict_function)
             self.predict_function = plain
 
-    predict._prophet_patched = True
-    cls.predict = predict
+    _patch(tf_trainer.TensorFlowTrainer, "predict", predict)
+
+
+# ---- values returned by train/test steps ------------------------------------------------------
+
+_GLOBAL_MARK = "_prophet_global"
+
+
+def _mark_global(value) -> None:
+    """Marks a step output that is already the same on every worker (from reduced state)."""
+    try:
+        setattr(value, _GLOBAL_MARK, True)
+    except (AttributeError, TypeError):
+        pass  # not a tensor (a Python number is the same everywhere anyway)
+
+
+def _average_step_outputs(ext, values):
+    """Averages the floating-point step outputs across workers (one push_pull per dtype);
+    other dtypes take rank 0's value. Outputs marked global are returned unchanged."""
+    import tensorflow as tf
+    from keras.src import tree
+    from prophet_tf.strategy import CONTROL_PRIORITY
+
+    flat = tree.flatten(values)
+    groups: dict = {}
+    for i, value in enumerate(flat):
+        if tf.is_tensor(value) and not getattr(value, _GLOBAL_MARK, False):
+            groups.setdefault(tf.as_dtype(value.dtype), []).append(i)
+    if not groups:
+        return values
+    out = list(flat)
+    site = ext._namer.site("step_outputs")
+    for dtype, idx in groups.items():
+        parts = [tf.reshape(flat[i], [-1]) for i in idx]
+        sizes = [tf.size(p) for p in parts]
+        joined = tf.concat(parts, axis=0)
+        name = f"{site}/{dtype.name}/{len(idx)}"
+        if dtype.is_floating:
+            reduced = ext._push_pull(joined, name, CONTROL_PRIORITY, True)
+        else:
+            reduced = ext._broadcast(joined, name, root_rank=0)
+        for i, part in zip(idx, tf.split(reduced, tf.stack(sizes))):
+            out[i] = tf.reshape(part, tf.shape(flat[i]))
+            _mark_global(out[i])
+    return tree.pack_sequence_as(values, out)
+
+
+def _patch_step_outputs():
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    def reduce_per_replica(original, values, strategy, reduction):
+        ext = _prophet_extended(strategy)
+        if ext is None or reduction not in ("auto", "mean"):
+            return original(values, strategy, reduction)  # "concat" (predict) is gathered
+        return _average_step_outputs(ext, values)
+
+    _patch(tf_trainer, "reduce_per_replica", reduce_per_replica)
+
+
+# ---- models without call() --------------------------------------------------------------------
+
+def _defines_call(model) -> bool:
+    from keras.src.models.model import Model
+    return type(model).call is not Model.call
+
+
+def _patch_build_without_call():
+    from keras.src.trainers import trainer as base_trainer
+
+    def _symbolic_build(original, self, iterator=None, data_batch=None):
+        from prophet_tf.strategy import ProphetStrategy
+
+        if (isinstance(getattr(self, "_distribute_strategy", None), ProphetStrategy)
+                and not _defines_call(self)):
+            # Keras would trace call() on a symbolic batch; there is none. Without a strategy
+            # Keras does not build here either: the first train step creates what is missing.
+            return None
+        return original(self, iterator=iterator, data_batch=data_batch)
+
+    _patch(base_trainer.Trainer, "_symbolic_build", _symbolic_build)

@@ -1,35 +1,63 @@
-"""Only rank 0 writes: redirect file writes of non-zero ranks to a private temporary directory.
+"""Saving in a multi-worker job: one writer, atomic files, one outcome for every worker.
 
-In a multi-worker job every worker runs the same script, so every worker calls ``model.save``,
-``save_weights``, ``tf.train.Checkpoint.save`` or the ``ModelCheckpoint``/``TensorBoard``
-callbacks with the same paths. Concurrent writers would corrupt those files. On ranks other than
-0 this module redirects each write to the same path below a per-process temporary directory
-(removed at exit), so the code runs unchanged, nothing shared is touched, and what a worker wrote
-stays readable by that worker (``tf.train.Checkpoint.save`` returns the redirected path; a
-``CheckpointManager`` keeps its own redirected list). Reads are never redirected: every worker
-reads the real paths (wait for rank 0 first, e.g. ``strategy.barrier()``).
+Every worker runs the same script, so every worker calls ``model.save``, ``save_weights``,
+``tf.train.Checkpoint.save`` or the ``ModelCheckpoint`` / ``BackupAndRestore`` / ``CSVLogger`` /
+``TensorBoard`` callbacks with the same paths. ``install(extended)`` (done by a multi-worker
+``ProphetStrategy``) makes that safe:
 
-Covered: Keras ``.keras`` / ``.weights.h5`` / legacy ``.h5`` saving (and thus ``ModelCheckpoint``),
-``tf.train.Checkpoint`` write/save (and ``CheckpointManager`` state files and clean-up),
-``tf.saved_model.save`` (and ``model.export``), ``tf.summary.create_file_writer`` (TensorBoard).
+* **Only rank 0 writes the real paths.** Other ranks write each file to the same path below a
+  private temporary directory (removed at exit), so the code runs unchanged and nothing shared is
+  touched; what a worker wrote stays readable by that worker (``tf.train.Checkpoint.save`` returns
+  the redirected path; a ``CheckpointManager`` keeps its own redirected list). Reads are never
+  redirected: every worker reads rank 0's files.
+* **Rank 0's Keras files are replaced atomically**: written beside the target under a hidden
+  temporary name, fsync'ed, renamed over the target, directory fsync'ed. A chief killed while
+  saving leaves the previous file intact (plus a temporary file that the next save removes).
+  ``BackupAndRestore`` keeps its weights and its metadata consistent the same way (see
+  :func:`_backup_save`).
+* **A save has one outcome on every worker.** After each save every worker tells the others
+  whether it succeeded (a small collective). If any worker failed, every worker raises that
+  worker's error (rank 0's when several failed): no worker goes on training while another one
+  stopped, which would leave the next collective waiting until the timeout. As a side effect,
+  once ``save`` returned on any worker, rank 0's file is complete and may be read.
+
+Covered: Keras ``.keras`` / ``.weights.h5`` / legacy ``.h5`` saving (thus ``model.save``,
+``save_weights``, ``ModelCheckpoint``), ``BackupAndRestore``, ``CSVLogger``, ``tf.train.Checkpoint``
+write/save (and ``CheckpointManager`` state files and clean-up), ``tf.saved_model.save`` (and
+``model.export``), ``tf.summary.create_file_writer`` (``TensorBoard``). TensorFlow checkpoints and
+SavedModels are written by TensorFlow itself (new files per ``CheckpointManager`` save, the state
+file replaced atomically); they are not made atomic here. Saves inside a ``tf.function`` are
+redirected but not agreed on.
 """
 
 from __future__ import annotations
 
 import atexit
+import builtins
+import contextlib
 import functools
+import glob
+import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 import threading
+from typing import Any, Callable, Iterator, Optional
 
 _lock = threading.Lock()
-_root: str | None = None
-_rank: int | None = None
+_root: Optional[str] = None
+_rank: Optional[int] = None
+# agree(error or None) -> None: every worker reports its outcome; raises the first failure.
+# (Process-global like the runtime: a job has one strategy's workers.)
+_agree: Optional[Callable[[Optional[BaseException]], None]] = None
+_local = threading.local()
+
+_TEMP_MARK = ".prophet-tmp-"
 
 
-def temp_root() -> str | None:
+def temp_root() -> Optional[str]:
     """The directory that receives this worker's redirected writes (None on rank 0 and before
     the first redirected write)."""
     return _root
@@ -45,9 +73,13 @@ def _ensure_root() -> str:
         return _root
 
 
+def _redirecting() -> bool:
+    return _rank is not None and _rank != 0
+
+
 def redirect(path):
     """Returns where this worker writes ``path`` (the path itself on rank 0)."""
-    if _rank is None or path is None:
+    if not _redirecting() or path is None:
         return path
     if not isinstance(path, (str, bytes, os.PathLike)):
         return path  # e.g. an open h5py.File: leave it alone
@@ -67,17 +99,398 @@ def redirect(path):
     return target
 
 
-def install(rank: int) -> None:
-    """Installs the redirections (idempotent); no-op on rank 0."""
-    global _rank
+def install(extended: Any) -> None:
+    """Installs the hooks for the worker that ``extended`` (a multi-worker ``ProphetExtended``)
+    belongs to (idempotent): rank 0 writes the real paths, the others are redirected, and every
+    save ends with the outcome agreed through ``extended``'s all-gather."""
+    global _rank, _agree
     with _lock:
-        if rank == 0 or _rank is not None:
+        if _rank is not None:
             return
-        _rank = rank
-        _patch_keras()
-        _patch_tf_checkpoint()
-        _patch_saved_model_and_summary()
+        _rank = extended._rank
+        _agree = functools.partial(_agree_through, extended)
+    _patch_keras_files()
+    _patch_callbacks()
+    _patch_tf_checkpoint()
+    _patch_saved_model_and_summary()
 
+
+# ---- one outcome per save -------------------------------------------------------------------
+
+def _eager() -> bool:
+    import tensorflow as tf
+    return tf.executing_eagerly()
+
+
+def agreed(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wraps a save so that every worker ends it with the same outcome (outermost call only)."""
+    if getattr(fn, "_prophet_agreed", False):
+        return fn
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        depth = getattr(_local, "depth", 0)
+        if depth or _agree is None or not _eager():
+            return fn(*args, **kwargs)
+        _local.depth = depth + 1
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as error:  # noqa: BLE001 - reported to the others, then re-raised
+            _local.depth = depth
+            _agree(error)
+            raise
+        _local.depth = depth
+        _agree(None)
+        return result
+
+    wrapper._prophet_agreed = True
+    return wrapper
+
+
+_NOT_EVERY_WORKER_SAVED = (
+    "prophet_tf: this happened while the workers agreed on the outcome of a save. Under "
+    "ProphetStrategy a save (model.save, save_weights, ModelCheckpoint, tf.train.Checkpoint, "
+    "tf.saved_model.save...) is a collective: EVERY worker must call it (rank 0 writes the real "
+    "files, the others a private copy). A Horovod-style `if rank == 0: model.save(...)` leaves the "
+    "other workers elsewhere, and this worker waits for them until timeout_s or until they exit: "
+    "call the save on every worker.")
+
+
+def _agree_through(extended: Any, error: Optional[BaseException]) -> None:
+    """Every worker's outcome to every worker (one all-gather); raises the first failure."""
+    import numpy as np
+    import tensorflow as tf
+    from prophet_tf.strategy import CONTROL_PRIORITY
+
+    mine = encode_outcome(extended._rank, error)
+    # Rank order, each entry [length, bytes...] (all-gather concatenates along dim 0).
+    local = np.concatenate([[len(mine)], np.frombuffer(mine, np.uint8)]).astype(np.int32)
+    try:
+        gathered = extended._allgather(tf.constant(local), extended._namer.site("save_outcome"),
+                                       CONTROL_PRIORITY).numpy()
+    except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError) as failure:
+        failure.add_note(_NOT_EVERY_WORKER_SAVED)
+        raise
+    outcomes, at = [], 0
+    for _ in range(extended._world_size):
+        length = int(gathered[at])
+        outcomes.append(gathered[at + 1:at + 1 + length].astype(np.uint8).tobytes())
+        at += 1 + length
+    raise_first_failure(extended._rank, error, outcomes)
+
+
+def encode_outcome(rank: int, error: Optional[BaseException]) -> bytes:
+    """This worker's outcome as bytes (empty = success), for :func:`raise_first_failure`."""
+    if error is None:
+        return b""
+    kind = type(error)
+    text = json.dumps({"rank": rank, "module": kind.__module__, "type": kind.__qualname__,
+                       "message": str(error)[:8000]})
+    return text.encode()
+
+
+def raise_first_failure(rank: int, own_error: Optional[BaseException],
+                        outcomes: list[bytes]) -> None:
+    """Raises the failure of the lowest rank among ``outcomes`` (one entry per rank).
+
+    On the failing worker itself the caller re-raises its own exception (with its traceback);
+    the others get an exception of the same built-in type (so the same ``except`` clauses run on
+    every worker), or a ``prophet_tf.errors.SaveError``, whose message names the rank.
+    """
+    from prophet_tf.errors import SaveError
+
+    for failing_rank, raw in enumerate(outcomes):
+        if not raw:
+            continue
+        if failing_rank == rank and own_error is not None:
+            return  # the caller re-raises its own error
+        info = json.loads(raw.decode())
+        message = (f"saving failed on rank {failing_rank}{' (the chief)' if failing_rank == 0 else ''}"
+                   f", so every worker stops: {info['type']}: {info['message']}")
+        kind = getattr(builtins, info["type"], None) if info["module"] == "builtins" else None
+        if isinstance(kind, type) and issubclass(kind, Exception):
+            try:
+                error = kind(message)
+            except TypeError:
+                error = None  # a built-in type that does not take a message
+            if error is not None:
+                raise error
+        raise SaveError(message)
+
+
+# ---- Keras files: redirected on rank > 0, atomic on rank 0 ----------------------------------
+
+def _is_local_file(path: str) -> bool:
+    return not re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", path)
+
+
+def _fsync_path(path: str, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_stale_temporaries(target: str) -> None:
+    """Removes temporary files of earlier saves to ``target`` whose writer is gone."""
+    directory, base = os.path.split(os.path.abspath(target))
+    for stale in glob.glob(os.path.join(glob.escape(directory), f"{_TEMP_MARK}*-{glob.escape(base)}")):
+        m = re.match(rf"^{re.escape(_TEMP_MARK)}(\d+)-", os.path.basename(stale))
+        pid = int(m.group(1)) if m else 0
+        if pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, 0)
+            continue  # its writer is still alive
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        with contextlib.suppress(OSError):
+            os.remove(stale)
+
+
+def temporary_path(target: str) -> str:
+    """Where an atomic save of ``target`` writes first: same directory, hidden, same suffix
+    (Keras checks the suffix)."""
+    directory, base = os.path.split(os.path.abspath(target))
+    return os.path.join(directory, f"{_TEMP_MARK}{os.getpid()}-{base}")
+
+
+def replace_atomically(write: Callable[[str], Any], target: str) -> Any:
+    """Runs ``write(temporary)`` beside ``target``, fsyncs, and renames it over ``target``."""
+    _remove_stale_temporaries(target)
+    temporary = temporary_path(target)
+    try:
+        result = write(temporary)
+        _fsync_path(temporary)
+        os.replace(temporary, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(temporary)
+        raise
+    _fsync_path(os.path.dirname(os.path.abspath(target)), directory=True)
+    return result
+
+
+def _file_save(fn: Callable[..., Any], index: int, keyword: str) -> Callable[..., Any]:
+    """Wraps a Keras file save whose path is argument ``index`` / ``keyword``."""
+    if getattr(fn, "_prophet_file_save", False):
+        return fn
+
+    def call_with_path(args, kwargs, path):
+        if keyword in kwargs or len(args) <= index:
+            kwargs = dict(kwargs, **{keyword: path})
+        else:
+            args = list(args)
+            args[index] = path
+        return fn(*args, **kwargs)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        path = kwargs.get(keyword, args[index] if len(args) > index else None)
+        if _redirecting():
+            return call_with_path(args, kwargs, redirect(path))
+        if isinstance(path, os.PathLike):
+            path = os.fspath(path)
+        if (isinstance(path, str) and _is_local_file(path)
+                and not path.endswith(".weights.json")):  # sharded weights: several files
+            return replace_atomically(lambda tmp: call_with_path(args, kwargs, tmp), path)
+        return fn(*args, **kwargs)
+
+    wrapper = agreed(wrapper)
+    wrapper._prophet_file_save = True
+    return wrapper
+
+
+def _patch_keras_files() -> None:
+    from keras.src.legacy.saving import legacy_h5_format
+    from keras.src.saving import saving_lib
+
+    saving_lib.save_model = _file_save(saving_lib.save_model, 1, "filepath")
+    saving_lib.save_weights_only = _file_save(saving_lib.save_weights_only, 1, "filepath")
+    legacy_h5_format.save_model_to_hdf5 = _file_save(
+        legacy_h5_format.save_model_to_hdf5, 1, "filepath")
+
+
+# ---- callbacks ------------------------------------------------------------------------------
+
+_BACKUP_WRITE_PATHS = ("backup_dir", "_weights_path", "_training_metadata_path",
+                       "_prev_weights_path", "_prev_training_metadata_path")
+
+
+@contextlib.contextmanager
+def _attributes_redirected(obj: Any, names: tuple) -> Iterator[None]:
+    """On rank > 0, points ``obj``'s path attributes into the private directory meanwhile."""
+    if not _redirecting():
+        yield
+        return
+    saved = {name: getattr(obj, name) for name in names}
+    for name, value in saved.items():
+        setattr(obj, name, redirect(value))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(obj, name, value)
+
+
+def _next_metadata_path(callback: Any) -> str:
+    return callback._training_metadata_path + ".next"
+
+
+def _backup_save(callback: Any) -> None:
+    """``BackupAndRestore._save_model`` with weights and metadata that always match.
+
+    Keras writes the weights, then the metadata, each in place: a kill in between resumes the
+    wrong epoch with the new weights (or finds truncated files). Here: (1) the weights go to a
+    temporary file; (2) the metadata, naming that file's inode, is written atomically as
+    ``training_metadata.json.next``; (3) the weights are renamed into place; (4) the ``.next``
+    file is renamed over the metadata. After a kill between (3) and (4), ``.next`` names the inode
+    of the weights in place and is the valid metadata (see :func:`_backup_metadata_path`).
+    """
+    from keras.src.utils import file_utils
+
+    os.makedirs(callback.backup_dir, exist_ok=True)
+    weights, metadata = callback._weights_path, callback._training_metadata_path
+    if callback.double_checkpoint:
+        for source, copy in ((weights, callback._prev_weights_path),
+                             (metadata, callback._prev_training_metadata_path)):
+            if file_utils.exists(source):
+                replace_atomically(lambda tmp, source=source: shutil.copyfile(source, tmp), copy)
+    temporary = temporary_path(weights)
+    _remove_stale_temporaries(weights)
+    try:
+        callback.model.save_weights(temporary, overwrite=True)
+        _fsync_path(temporary)
+        state = {"epoch": callback._current_epoch, "batch": callback._last_batch_seen,
+                 "weights_inode": os.stat(temporary).st_ino}
+        next_metadata = _next_metadata_path(callback)
+        replace_atomically(lambda tmp: _write_text(tmp, json.dumps(state)), next_metadata)
+        os.replace(temporary, weights)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(temporary)
+        raise
+    os.replace(next_metadata, metadata)
+    _fsync_path(callback.backup_dir, directory=True)
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _backup_metadata_path(callback: Any) -> str:
+    """The metadata that describes the weights in place (``.next`` after a kill between the
+    weights' and the metadata's rename)."""
+    next_metadata = _next_metadata_path(callback)
+    try:
+        with open(next_metadata) as f:
+            inode = json.load(f).get("weights_inode")
+        if inode is not None and os.stat(callback._weights_path).st_ino == inode:
+            return next_metadata
+    except (OSError, ValueError):
+        pass
+    return callback._training_metadata_path
+
+
+def _backup_restore(callback: Any) -> None:
+    """``BackupAndRestore.on_train_begin`` in a multi-worker job.
+
+    Keras loads the backup and, when that fails with an OSError (a corrupt file), copies the
+    previous backup over the current one in place and loads again: on every worker at once, into
+    the real (shared) paths, while the others may be reading them. Here every worker learns
+    whether any worker failed to load; then rank 0 alone puts the previous backup in place,
+    atomically, and every worker loads it once rank 0 is done."""
+    from keras.src.utils import file_utils
+
+    error = None
+    try:
+        callback._load_model()
+    except OSError as e:
+        error = e
+    try:
+        _agree(error)  # raises on the others when a worker failed (returns on that worker)
+        failed = error is not None
+    except Exception:  # noqa: BLE001 - another worker could not load the backup
+        failed = True
+    if not failed:
+        return
+    if not file_utils.exists(callback._prev_weights_path):
+        raise error or OSError(
+            f"BackupAndRestore: another worker could not load the backup in "
+            f"{callback.backup_dir!r} and there is no previous backup to fall back to.")
+    repair_error = None
+    if not _redirecting():
+        try:
+            replace_atomically(lambda tmp: shutil.copyfile(callback._prev_weights_path, tmp),
+                               callback._weights_path)
+            if file_utils.exists(callback._prev_training_metadata_path):
+                replace_atomically(lambda tmp: shutil.copyfile(
+                    callback._prev_training_metadata_path, tmp), callback._training_metadata_path)
+            elif file_utils.exists(callback._training_metadata_path):
+                os.remove(callback._training_metadata_path)
+        except OSError as e:
+            repair_error = e
+    _agree(repair_error)
+    if repair_error is not None:
+        raise repair_error
+    callback._load_model()
+
+
+def _patch_callbacks() -> None:
+    from keras.src.callbacks import backup_and_restore, csv_logger
+
+    cls = backup_and_restore.BackupAndRestore
+    if not getattr(cls._save_model, "_prophet_patched", False):
+        original_load = cls._load_model
+        original_end = cls.on_train_end
+
+        @agreed
+        def _save_model(self):
+            with _attributes_redirected(self, _BACKUP_WRITE_PATHS):
+                _backup_save(self)
+
+        def _load_model(self):
+            # Every worker reads rank 0's files, through the metadata matching the weights.
+            metadata = self._training_metadata_path
+            self._training_metadata_path = _backup_metadata_path(self)
+            try:
+                return original_load(self)
+            finally:
+                self._training_metadata_path = metadata
+
+        @agreed
+        def on_train_end(self, logs=None):
+            # Agreed: a next fit's on_train_begin must not read a directory being deleted.
+            with _attributes_redirected(self, _BACKUP_WRITE_PATHS):
+                return original_end(self, logs)
+
+        def on_train_begin(self, logs=None):
+            if _agree is None:
+                return original_begin(self, logs)
+            _backup_restore(self)
+
+        _save_model._prophet_patched = True
+        cls._save_model, cls._load_model, cls.on_train_end = _save_model, _load_model, on_train_end
+        original_begin, cls.on_train_begin = cls.on_train_begin, on_train_begin
+
+    logger = csv_logger.CSVLogger
+    if not getattr(logger.on_train_begin, "_prophet_patched", False):
+        original_begin = logger.on_train_begin
+
+        @functools.wraps(original_begin)
+        def on_train_begin(self, logs=None):
+            with _attributes_redirected(self, ("filename",)):
+                return original_begin(self, logs)
+
+        on_train_begin._prophet_patched = True
+        logger.on_train_begin = on_train_begin
+
+
+# ---- TensorFlow checkpoints, SavedModel, summaries ------------------------------------------
 
 def _wrap_path_arg(fn, index: int, keyword: str):
     """Wraps ``fn`` so that its path argument (position ``index`` or ``keyword``) is redirected."""
@@ -97,27 +510,17 @@ def _wrap_path_arg(fn, index: int, keyword: str):
     return wrapper
 
 
-def _patch_keras():
-    from keras.src.saving import saving_lib
-    from keras.src.legacy.saving import legacy_h5_format
-
-    saving_lib.save_model = _wrap_path_arg(saving_lib.save_model, 1, "filepath")
-    saving_lib.save_weights_only = _wrap_path_arg(saving_lib.save_weights_only, 1, "filepath")
-    legacy_h5_format.save_model_to_hdf5 = _wrap_path_arg(
-        legacy_h5_format.save_model_to_hdf5, 1, "filepath")
-
-
-def _patch_tf_checkpoint():
+def _patch_tf_checkpoint() -> None:
     from tensorflow.python.checkpoint import checkpoint as tf_checkpoint
     from tensorflow.python.checkpoint import checkpoint_management
 
     cls = tf_checkpoint.Checkpoint
-    cls._write = _wrap_path_arg(cls._write, 1, "file_prefix")
-    checkpoint_management.update_checkpoint_state_internal = _wrap_path_arg(
-        checkpoint_management.update_checkpoint_state_internal, 0, "save_dir")
+    cls._write = agreed(_wrap_path_arg(cls._write, 1, "file_prefix"))
+    checkpoint_management.update_checkpoint_state_internal = agreed(_wrap_path_arg(
+        checkpoint_management.update_checkpoint_state_internal, 0, "save_dir"))
 
     original_delete = checkpoint_management._delete_file_if_exists
-    if not getattr(original_delete, "_prophet_redirect", False):
+    if _redirecting() and not getattr(original_delete, "_prophet_redirect", False):
         @functools.wraps(original_delete)
         def _delete_file_if_exists(filespec):
             # A CheckpointManager on a non-zero rank may only clean up its own redirected files.
@@ -129,8 +532,26 @@ def _patch_tf_checkpoint():
         checkpoint_management._delete_file_if_exists = _delete_file_if_exists
 
 
-def _patch_saved_model_and_summary():
-    import tensorflow as tf
+def _replace_everywhere(original: Any, replacement: Any) -> None:
+    """Replaces ``original`` in every loaded module that exports it under any name.
 
-    tf.saved_model.save = _wrap_path_arg(tf.saved_model.save, 1, "export_dir")
-    tf.summary.create_file_writer = _wrap_path_arg(tf.summary.create_file_writer, 0, "logdir")
+    ``tf.summary`` exists as several module objects (``tensorflow.summary`` imported by Keras'
+    TensorBoard callback is not always the object ``tf.summary`` was when we patched it)."""
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for name, value in list(namespace.items()):
+            if value is original:
+                setattr(module, name, replacement)
+
+
+def _patch_saved_model_and_summary() -> None:
+    import tensorflow as tf
+    import tensorflow.summary  # noqa: F401 - load every alias before replacing the function
+    from tensorflow.python.ops import summary_ops_v2
+
+    tf.saved_model.save = agreed(_wrap_path_arg(tf.saved_model.save, 1, "export_dir"))
+    if _redirecting():
+        original = summary_ops_v2.create_file_writer_v2
+        _replace_everywhere(original, _wrap_path_arg(original, 0, "logdir"))

@@ -1,38 +1,45 @@
-"""Finds and loads the compiled op library (`_prophet_ops.so`) once per process."""
+"""Finds and loads the compiled libraries once per process: the op library (`_prophet_ops.so`,
+TensorFlow ops and the runtime) and the predictor (`_prophet_predict.so`, no TensorFlow)."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import json
 import os
 import pathlib
 from types import ModuleType
+from typing import Any
 
 from prophet_tf.errors import ProphetError
 
-_LIBRARY_NAME = "_prophet_ops.so"
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
+# name -> (Bazel package, environment variable that may point at a build)
+_LIBRARIES = {"_prophet_ops.so": ("ops/tf", "PROPHET_OPS_LIBRARY"),
+              "_prophet_predict.so": ("ops/predict", "PROPHET_PREDICT_LIBRARY")}
 
 
-def library_path() -> pathlib.Path:
-    """Returns the path of the op library, or raises ProphetError saying how to build it.
+def library_path(name: str = "_prophet_ops.so") -> pathlib.Path:
+    """Returns the path of library `name`, or raises ProphetError saying how to build it.
 
-    Looked up in order: ``$PROPHET_OPS_LIBRARY``, the package directory (``pip install .`` and
+    Looked up in order: the environment variable (``$PROPHET_OPS_LIBRARY``,
+    ``$PROPHET_PREDICT_LIBRARY``), the package directory (``pip install .`` and
     ``scripts/setup.sh`` put it there), then ``bazel-bin`` of a source checkout.
     """
+    package, variable = _LIBRARIES[name]
     candidates = []
-    if os.environ.get("PROPHET_OPS_LIBRARY"):
-        candidates.append(pathlib.Path(os.environ["PROPHET_OPS_LIBRARY"]))
-    candidates.append(_PACKAGE_DIR / _LIBRARY_NAME)
-    candidates.append(_PACKAGE_DIR.parent / "bazel-bin" / "ops" / "tf" / _LIBRARY_NAME)
+    if os.environ.get(variable):
+        candidates.append(pathlib.Path(os.environ[variable]))
+    candidates.append(_PACKAGE_DIR / name)
+    candidates.append(_PACKAGE_DIR.parent / "bazel-bin" / package / name)
     for path in candidates:
         if path.is_file():
             return path
     raise ProphetError(
-        "the prophet_tf op library is not built (looked for "
+        f"the prophet_tf library {name} is not built (looked for "
         + ", ".join(str(c) for c in candidates)
         + "). Build it from the source checkout with `bash scripts/setup.sh` (or "
-        "`bazel build //ops/tf:_prophet_ops.so`), or install the package with `pip install .`."
+        f"`bazel build //{package}:{name}`), or install the package with `pip install .`."
     )
 
 
@@ -79,4 +86,42 @@ def c_api() -> ctypes.CDLL:
     lib.prophet_timeline_event.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_longlong, ctypes.c_longlong]
     lib.prophet_timeline_event.restype = None
     lib.prophet_timeline_enabled.restype = ctypes.c_int
+    lib.prophet_set_schedule.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int]
+    lib.prophet_set_schedule.restype = ctypes.c_int
+    lib.prophet_scheduler_state.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    lib.prophet_scheduler_state.restype = ctypes.c_int
+    lib.prophet_pending_updates.restype = ctypes.c_longlong
+    lib.prophet_timeline_flush.argtypes = []
+    lib.prophet_timeline_flush.restype = None
+    return lib
+
+
+@functools.lru_cache(maxsize=None)
+def runtime_constants() -> dict[str, Any]:
+    """What the core defines once and Python must agree with, read from the core itself (through
+    the TensorFlow-free library, which links the same core as the op library).
+
+    ``{"schedules": [...], "control_priority": int, "defaults": {"schedule": ..., "partition_bytes":
+    ..., "credit_bytes": ..., "replan_threshold": ..., "timeout_s": ..., "connect_timeout_s": ...,
+    "socket_buffer_bytes": ..., "max_early_bytes": ...}}``
+    """
+    lib = predict_api()
+    buf = ctypes.create_string_buffer(1024)
+    needed = lib.prophet_runtime_constants(buf, len(buf))
+    if needed >= len(buf):
+        buf = ctypes.create_string_buffer(needed + 1)
+        lib.prophet_runtime_constants(buf, len(buf))
+    return json.loads(buf.value.decode())
+
+
+@functools.lru_cache(maxsize=None)
+def predict_api() -> ctypes.CDLL:
+    """The TensorFlow-free library's C entry points (ops/predict/c_api.cc)."""
+    lib = ctypes.CDLL(str(library_path("_prophet_predict.so")))
+    lib.prophet_predict.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)]
+    lib.prophet_predict.restype = ctypes.c_int
+    lib.prophet_predict_free.argtypes = [ctypes.c_void_p]
+    lib.prophet_predict_free.restype = None
+    lib.prophet_runtime_constants.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    lib.prophet_runtime_constants.restype = ctypes.c_int
     return lib

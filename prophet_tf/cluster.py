@@ -11,20 +11,24 @@ in index order. prophet_tf has no parameter servers or evaluators; any other job
 Without ``TF_CONFIG`` (and without a resolver) the process is a single worker: rank 0 of 1.
 
 The job token comes from ``PROPHET_JOB_TOKEN``; every worker of one job must use the same value.
+A job of several workers refuses to start without one unless the user opts out explicitly
+(``PROPHET_ALLOW_NO_TOKEN=1`` or ``runtime.init(..., allow_no_token=True)``).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
 import re
-import warnings
-from typing import Any, Mapping, Optional
+import socket
+from typing import Any, Mapping, Optional, Sequence
 
 from prophet_tf.errors import ClusterConfigError
 
-__all__ = ["ClusterInfo", "resolve_cluster", "TOKEN_ENV", "TF_CONFIG_ENV", "SUPPORTED_JOBS"]
+__all__ = ["ClusterInfo", "resolve_cluster", "check_distinct_addresses", "TOKEN_ENV", "TF_CONFIG_ENV",
+           "SUPPORTED_JOBS"]
 
 TF_CONFIG_ENV = "TF_CONFIG"
 TOKEN_ENV = "PROPHET_JOB_TOKEN"
@@ -45,7 +49,8 @@ class ClusterInfo:
       world_size: number of workers in the job.
       addresses: ``"host:port"`` of every worker in rank order (``addresses[rank]`` is where this
         worker listens). Empty for a single worker without a cluster description.
-      token: the job token shared by all workers (``PROPHET_JOB_TOKEN``); may be empty.
+      token: the job token shared by all workers (``PROPHET_JOB_TOKEN``); empty when unset (the
+        runtime then refuses to start a multi-worker job unless told to allow it).
     """
 
     rank: int
@@ -96,14 +101,7 @@ def resolve_cluster(cluster_resolver: Optional[Any] = None) -> ClusterInfo:
             f"{source}: could not read the cluster description: {type(e).__name__}: {e}. "
             f"Fix the resolver's configuration (for TF_CONFIG, e.g. {_EXAMPLE}).") from e
 
-    info = _info_from_spec(spec, task_type, task_id, token, source)
-    if info.world_size > 1 and not token:
-        warnings.warn(
-            f"{TOKEN_ENV} is empty for a job of {info.world_size} workers: any process that can "
-            f"reach the workers' ports can join the job. Set the same random {TOKEN_ENV} on every "
-            "worker (python -m prophet_tf.launch does this for you).",
-            RuntimeWarning, stacklevel=2)
-    return info
+    return _info_from_spec(spec, task_type, task_id, token, source)
 
 
 def _validate_tf_config_text(raw: str) -> None:
@@ -180,6 +178,50 @@ def _check_address(addr: str, where: str) -> str:
     return a
 
 
+def check_distinct_addresses(addresses: Sequence[str], source: str) -> None:
+    """Raises ClusterConfigError if two ranks name the same endpoint.
+
+    Addresses are compared as written and, where two share a port, after name resolution:
+    ``localhost:2222`` and ``127.0.0.1:2222`` are one endpoint. A name that does not resolve here
+    (yet: in Kubernetes a pod's name appears when the pod starts) is compared as written.
+    """
+    def duplicate(first: int, second: int, what: str) -> ClusterConfigError:
+        return ClusterConfigError(
+            f"{source}: {what} (ranks {first} and {second}); two workers cannot listen on the same "
+            "host:port. Give each task its own port (or host).")
+
+    seen: dict[str, int] = {}
+    by_port: dict[int, list[tuple[int, str]]] = collections.defaultdict(list)
+    for rank, a in enumerate(addresses):
+        key = a.strip().lower()
+        if key in seen:
+            raise duplicate(seen[key], rank, f"address {a!r} appears twice")
+        seen[key] = rank
+        m = _ADDR_RE.match(a.strip())
+        if m is not None:
+            by_port[int(m.group("port"))].append((rank, m.group("host").strip("[]")))
+    for port, entries in by_port.items():
+        if len(entries) < 2:
+            continue
+        owner: dict[str, int] = {}
+        for rank, host in entries:
+            for ip in _resolve(host, port):
+                if ip in owner and owner[ip] != rank:
+                    raise duplicate(owner[ip], rank,
+                                    f"addresses {addresses[owner[ip]]!r} and {addresses[rank]!r} are the "
+                                    f"same endpoint ({ip} port {port})")
+                owner[ip] = rank
+
+
+def _resolve(host: str, port: int) -> set[str]:
+    """The IP addresses ``host`` resolves to; empty if it does not resolve."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError, OSError):
+        return set()
+    return {info[4][0] for info in infos}
+
+
 def _job_list(spec: Mapping[str, Any], job: str, source: str) -> list[str]:
     tasks = spec.get(job)
     if tasks is None:
@@ -229,14 +271,7 @@ def _info_from_spec(spec: Mapping[str, Any], task_type: Optional[str], task_id: 
     if not addresses:
         raise ClusterConfigError(
             f"{source}: the cluster has no 'worker' (or 'chief') tasks. Add them, e.g. {_EXAMPLE}.")
-    seen: dict[str, int] = {}
-    for rank, a in enumerate(addresses):
-        key = a.lower()
-        if key in seen:
-            raise ClusterConfigError(
-                f"{source}: address {a!r} appears twice (ranks {seen[key]} and {rank}); two workers "
-                "cannot listen on the same host:port. Give each task its own port (or host).")
-        seen[key] = rank
+    check_distinct_addresses(addresses, source)
 
     if task_type is None or task_type == "":
         raise ClusterConfigError(

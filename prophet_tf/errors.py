@@ -6,7 +6,7 @@ can catch one type. Messages name the problem and, where there is one, the fix.
 
 from __future__ import annotations
 
-__all__ = ["ProphetError", "ClusterConfigError"]
+__all__ = ["ProphetError", "ClusterConfigError", "SaveError", "GradientReductionError"]
 
 
 class ProphetError(RuntimeError):
@@ -18,3 +18,20 @@ class ClusterConfigError(ProphetError, ValueError):
 
     Also a ``ValueError``: the problem is in the configuration the user gave, not in the runtime.
     """
+
+
+class SaveError(ProphetError):
+    """A save failed on another worker, so this worker stops too (the message names the rank and
+    its error). Raised instead of the other worker's own exception type when that type is not a
+    built-in one."""
+
+
+class GradientReductionError(ProphetError):
+    """A trainable variable would be updated with a gradient that was not summed across workers
+    exactly once (each worker would apply its own local gradient and the workers would silently
+    diverge). The message names the variable and says how to fix the program.
+    """
+
+    # Raised while a tf.function is traced: autograph re-raises an error from user code as its own
+    # type only when the type's __init__ is Exception.__init__ (otherwise as a StagingError).
+    __init__ = Exception.__init__

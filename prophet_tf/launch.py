@@ -3,15 +3,19 @@
 Usage::
 
     python -m prophet_tf.launch -n 2 [options] [--] script.py [script args]
+    python -m prophet_tf.launch -np 2 script.py                      # horovodrun spelling
     python -m prophet_tf.launch -n 2 -- -m package.module [args]    # run a module
     python -m prophet_tf.launch -n 2 -- /path/to/executable [args]  # anything else
 
 Each worker gets ``TF_CONFIG`` (``{"cluster": {"worker": [...]}, "task": {"type": "worker",
-"index": i}}``), the same fresh random ``PROPHET_JOB_TOKEN`` and ``PYTHONUNBUFFERED=1``. Every
-output line is prefixed with ``[rank i]`` (stdout stays stdout, stderr stays stderr). When a
-worker exits non-zero the others are stopped (SIGTERM, then SIGKILL after ``--grace`` seconds),
-the failing worker and the tail of its stderr are reported, and the launcher exits non-zero.
-Ctrl-C / SIGTERM stop all workers. The exit status is 0 only when every worker exits 0.
+"index": i}}``), the same fresh random ``PROPHET_JOB_TOKEN``, ``PYTHONUNBUFFERED=1``, and
+``PYTHONPATH`` led by the directory this ``prophet_tf`` was imported from (so a script anywhere on
+disk imports the same package, installed or not). Every output line is prefixed with
+``[rank i]`` (stdout stays stdout, stderr stays stderr). When a worker exits non-zero the others
+are stopped (SIGTERM, then SIGKILL after ``--grace`` seconds), and the launcher reports the worker
+that failed FIRST (the one whose Python traceback, or death, came earliest: the others usually
+fail because it died) with the tail of its stderr, and exits non-zero. Ctrl-C / SIGTERM stop all
+workers. The exit status is 0 only when every worker exits 0.
 
 Exit status: 0 success; the failing worker's status (128+signal if it was killed) on a worker
 failure; 124 on ``--timeout``; 128+signal when the launcher itself was interrupted; 2 on usage
@@ -24,9 +28,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import secrets
+import select
 import signal
 import socket
 import subprocess
@@ -35,10 +41,12 @@ import threading
 import time
 from typing import Callable, Deque, Mapping, Optional, Sequence, TextIO
 
-__all__ = ["launch", "main", "free_ports", "worker_envs", "EXIT_TIMEOUT"]
+__all__ = ["launch", "main", "free_ports", "worker_envs", "package_root", "EXIT_TIMEOUT"]
 
 EXIT_TIMEOUT = 124
 _STDERR_TAIL_LINES = 20
+# Lines that open the report of an uncaught failure on a worker's stderr.
+_FAILURE_STARTS = ("Traceback (most recent call last):", "Fatal Python error:")
 _POLL_S = 0.05
 
 # Started through this stub, a worker gets SIGKILL when the launcher dies, even by SIGKILL
@@ -98,8 +106,31 @@ def worker_envs(n: int, addresses: Sequence[str], token: str,
         env["PYTHONUNBUFFERED"] = "1"
         if extra_env:
             env.update(extra_env)
+        root = package_root()
+        entries = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        if root is not None and root not in entries:
+            env["PYTHONPATH"] = os.pathsep.join([root, *entries])
         envs.append(env)
     return envs
+
+
+def package_root() -> Optional[str]:
+    """The directory this ``prophet_tf`` package was imported from, or None when it is a
+    site-packages directory (Python finds those without help).
+
+    Workers run the user's script, whose own directory (not the launcher's working directory)
+    leads ``sys.path``: without this entry a package used from a source checkout is missing there.
+    """
+    import site
+    import sysconfig
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = sysconfig.get_paths()
+    standard = [*site.getsitepackages(), site.getusersitepackages(), paths["purelib"],
+                paths["platlib"]]
+    if os.path.realpath(root) in {os.path.realpath(p) for p in standard}:
+        return None
+    return root
 
 
 def _command(script_argv: Sequence[str]) -> list[str]:
@@ -116,24 +147,67 @@ class _Worker:
     """One child process plus the threads that copy its output with a ``[rank i]`` prefix."""
 
     def __init__(self, rank: int, proc: subprocess.Popen, out: TextIO, err: TextIO,
-                 lock: threading.Lock) -> None:
+                 lock: threading.Lock, peers: Sequence["_Worker"] = ()) -> None:
         self.rank = rank
         self.proc = proc
+        self.peers = peers  # every worker of the job (filled in as they start)
+        self._pidfd: Optional[int] = None
         self.tail: Deque[str] = collections.deque(maxlen=_STDERR_TAIL_LINES)
+        # When it failed: its first uncaught Python traceback (printed before any clean-up, which
+        # can take seconds), else when it was seen to exit. Peers of a failed worker fail after it.
+        self.traceback_at: Optional[float] = None
+        self.exited_at: Optional[float] = None
         self.threads = [
             threading.Thread(target=self._pump, args=(proc.stdout, out, lock, False), daemon=True),
             threading.Thread(target=self._pump, args=(proc.stderr, err, lock, True), daemon=True),
         ]
+        self._watch_exit()
         for t in self.threads:
             t.start()
 
+    def _watch_exit(self) -> None:
+        """Records the moment the process dies (a pidfd turns readable; nothing is reaped, so
+        ``Popen`` still owns the exit status). Without pidfds: when ``poll_exit`` first sees it."""
+        try:
+            self._pidfd = os.pidfd_open(self.proc.pid)
+        except (AttributeError, OSError):
+            return
+        pidfd = self._pidfd
+
+        def watch() -> None:
+            select.select([pidfd], [], [])
+            self.note_if_dead()
+
+        self.threads.append(threading.Thread(target=watch, daemon=True))
+
+    def note_if_dead(self) -> None:
+        """Records the exit time now if the process is already dead and none was recorded."""
+        if self.exited_at is None and self._pidfd is not None:
+            if select.select([self._pidfd], [], [], 0)[0] and self.exited_at is None:
+                self.exited_at = time.monotonic()
+
+    def close(self) -> None:
+        if self._pidfd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._pidfd)
+            self._pidfd = None
+
     def _pump(self, src, dst: TextIO, lock: threading.Lock, keep_tail: bool) -> None:
         prefix = f"[rank {self.rank}] "
+        previous = ""
         try:
             for raw in iter(src.readline, b""):
                 line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
                 if keep_tail:
                     self.tail.append(line)
+                    if (self.traceback_at is None and line.startswith(_FAILURE_STARTS)
+                            and not previous.startswith("Exception ignored")):
+                        # A peer already dead died before this traceback was written (often its
+                        # cause): stamp it first, even if its own watcher has not woken yet.
+                        for peer in self.peers:
+                            peer.note_if_dead()
+                        self.traceback_at = time.monotonic()
+                    previous = line
                 with lock:
                     try:
                         dst.write(prefix + line + "\n")
@@ -147,6 +221,17 @@ class _Worker:
         deadline = time.monotonic() + timeout
         for t in self.threads:
             t.join(max(0.0, deadline - time.monotonic()))
+
+    def poll_exit(self) -> Optional[int]:
+        """The exit status once the worker has exited (recording when that was seen), else None."""
+        code = self.proc.poll()
+        if code is not None and self.exited_at is None:
+            self.exited_at = time.monotonic()
+        return code
+
+    def failed_at(self) -> float:
+        candidates = [t for t in (self.traceback_at, self.exited_at) if t is not None]
+        return min(candidates) if candidates else float("inf")
 
     def signal_group(self, sig: int) -> None:
         """Sends ``sig`` to the worker's process group (the worker and anything it started)."""
@@ -255,7 +340,7 @@ def launch(script_argv: Sequence[str], n: int, *, host: str = "127.0.0.1",
                 say(f"could not start worker {i} ({' '.join(argv[5:])}): {e}")
                 _stop(workers, grace)
                 return 127
-            workers.append(_Worker(i, proc, out, err, lock))
+            workers.append(_Worker(i, proc, out, err, lock, workers))
 
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -264,18 +349,30 @@ def launch(script_argv: Sequence[str], n: int, *, host: str = "127.0.0.1",
                 say(f"got {signal.Signals(sig).name}; stopping all workers")
                 _stop(workers, grace)
                 return 128 + sig
-            failed = next((w for w in workers
-                           if w.proc.poll() is not None and w.proc.returncode != 0), None)
-            if failed is not None:
-                code = failed.proc.returncode
+            codes = [w.poll_exit() for w in workers]
+            if any(code not in (None, 0) for code in codes):
+                stopping_at = time.monotonic()
                 _stop(workers, grace)
-                failed.join_output(1.0)
-                tail = "\n".join(f"    {line}" for line in failed.tail) or "    (no stderr output)"
-                say(f"worker rank {failed.rank} (pid {failed.proc.pid}) "
-                    f"{_describe_status(code)}; stopped the other workers. Last lines of its "
-                    f"stderr:\n{tail}")
+                for w in workers:
+                    w.poll_exit()
+                    w.join_output(1.0)
+                failed = [w for w in workers if w.proc.returncode not in (None, 0)]
+                culprit = min(failed, key=lambda w: (w.failed_at(), w.rank))
+                code = culprit.proc.returncode
+                if culprit.exited_at is not None and culprit.exited_at >= stopping_at:
+                    # It failed first but was still exiting when the launcher stopped it.
+                    status = "failed first and was stopped by the launcher while exiting"
+                    code = next(c for c in codes if c not in (None, 0))
+                else:
+                    status = _describe_status(code)
+                later = [w.rank for w in failed if w is not culprit
+                         and w.exited_at is not None and w.exited_at < stopping_at]
+                also = f" (then rank(s) {later} failed too)" if later else ""
+                tail = "\n".join(f"    {line}" for line in culprit.tail) or "    (no stderr output)"
+                say(f"worker rank {culprit.rank} (pid {culprit.proc.pid}) {status}{also}; "
+                    f"stopped the other workers. Last lines of its stderr:\n{tail}")
                 return 128 - code if code < 0 else min(code, 255)
-            if all(w.proc.returncode == 0 for w in workers):
+            if all(code == 0 for code in codes):
                 for w in workers:
                     w.join_output(5.0)
                 return 0
@@ -289,6 +386,8 @@ def launch(script_argv: Sequence[str], n: int, *, host: str = "127.0.0.1",
         _stop(workers, grace)
         raise
     finally:
+        for w in workers:
+            w.close()
         for s, h in old_handlers.items():
             signal.signal(s, h)  # type: ignore[arg-type]
 
@@ -328,8 +427,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Start N prophet_tf workers on this machine (TF_CONFIG, job token, "
                     "[rank i] output prefixes, stop-all on failure).",
         usage="%(prog)s -n N [options] [--] script.py [args]")
-    p.add_argument("-n", "--num-workers", "--np", dest="n", type=int, required=True,
-                   help="number of worker processes")
+    p.add_argument("-n", "-np", "--np", "--num-workers", dest="n", type=int, required=True,
+                   help="number of worker processes (-np as in horovodrun)")
     p.add_argument("--host", default="127.0.0.1", help="address the workers listen on")
     p.add_argument("--base-port", type=int, default=None,
                    help="worker i listens on BASE_PORT+i (default: free ports)")

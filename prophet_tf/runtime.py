@@ -12,10 +12,14 @@ import json
 import os
 from typing import Any, Optional, Sequence
 
-from prophet_tf._library import c_api
+from prophet_tf._library import c_api, runtime_constants
+from prophet_tf.cluster import check_distinct_addresses
 from prophet_tf.errors import ProphetError
 
-SCHEDULES = ("fifo", "priority", "prophet")
+#: Set to 1 to run a multi-worker job without a job token (see ``allow_no_token``).
+ALLOW_NO_TOKEN_ENV = "PROPHET_ALLOW_NO_TOKEN"
+#: Address to listen on instead of the host of this worker's own address (see ``bind_host``).
+BIND_HOST_ENV = "PROPHET_BIND_HOST"
 
 _config: Optional[dict[str, Any]] = None
 
@@ -24,51 +28,113 @@ class RuntimeInitError(ProphetError):
     """The runtime could not start: the message says why (port in use, peer unreachable, ...)."""
 
 
+def schedules() -> tuple[str, ...]:
+    """The scheduling policies the runtime knows (``prophet``, ``priority``, ``fifo``)."""
+    return tuple(runtime_constants()["schedules"])
+
+
+def defaults() -> dict[str, Any]:
+    """The runtime's default settings: what :func:`init` uses for an option left as ``None``."""
+    return dict(runtime_constants()["defaults"])
+
+
+def control_priority() -> int:
+    """Priorities at or above this are control traffic (metrics, loss-scale flags): sent before
+    every gradient and never profiled as one."""
+    return int(runtime_constants()["control_priority"])
+
+
+def check_schedule(schedule: Optional[str]) -> str:
+    """Returns the policy ``schedule`` names (``None``: the default); ValueError if unknown."""
+    if schedule is None:
+        return defaults()["schedule"]
+    if schedule not in schedules():
+        raise ValueError(f"schedule must be one of {schedules()}, got {schedule!r}")
+    return schedule
+
+
 def init(
     rank: int,
     world_size: int,
     addresses: Sequence[str] = (),
     token: Optional[str] = None,
     *,
-    schedule: str = "priority",
-    partition_bytes: int = 4 << 20,
-    credit_bytes: int = 16 << 20,
+    schedule: Optional[str] = None,
+    partition_bytes: Optional[int] = None,
+    credit_bytes: Optional[int] = None,
     timeout_s: Optional[float] = None,
-    replan_threshold: float = 0.2,
-    connect_timeout_s: float = 60.0,
-    socket_buffer_bytes: int = 4 << 20,
+    replan_threshold: Optional[float] = None,
+    connect_timeout_s: Optional[float] = None,
+    heartbeat_s: Optional[float] = None,
+    socket_buffer_bytes: Optional[int] = None,
+    max_early_bytes: Optional[int] = None,
     timeline_path: Optional[str] = None,
+    allow_no_token: Optional[bool] = None,
+    bind_host: Optional[str] = None,
 ) -> None:
     """Starts the runtime: listens on ``addresses[rank]`` and connects to every other worker.
+
+    Options left as ``None`` take the runtime's defaults (:func:`defaults`; the schedule is
+    ``prophet``).
 
     Args:
       rank: this worker's index in ``[0, world_size)``.
       world_size: number of workers; 1 needs no addresses and opens no socket.
       addresses: ``host:port`` of every worker, in rank order, identical on all workers.
-      token: job token every worker must share (default: ``$PROPHET_JOB_TOKEN``).
-      schedule: ``fifo``, ``priority`` or ``prophet``.
+      token: job token every worker must share (default: ``$PROPHET_JOB_TOKEN``). Workers prove
+        to each other that they hold it (HMAC-SHA256 over fresh nonces; it never travels).
+      schedule: one of :func:`schedules`.
       partition_bytes: tensors are cut into partitions of at most this size.
       credit_bytes: bytes of partitions that may be in flight at once.
       replan_threshold: the ``prophet`` policy re-plans when the measured bandwidth or a stage
         interval moves by more than this fraction.
       timeout_s: an operation not completed within this time fails instead of hanging
-        (default ``$PROPHET_TIMEOUT_S`` or 60).
-      connect_timeout_s: how long to wait for all peers at start-up.
+        (default ``$PROPHET_TIMEOUT_S``, else 60): every worker then asks the others whether they
+        reached it and fails it with ``DeadlineExceededError`` naming the ranks that did not (or
+        did not answer); every worker names the same ranks.
+      connect_timeout_s: how long to wait for all peers at start-up. A peer that is seen and then
+        goes away, or that cannot join (another token, world size or version), ends the start-up
+        at once on every worker instead.
+      heartbeat_s: when > 0, a peer from which nothing arrived for this long (a stopped or frozen
+        process, an unreachable host) is declared lost and pending operations fail, naming it,
+        long before ``timeout_s``. A program that is merely slow is not affected (its runtime
+        thread keeps answering). Every worker must use the same value. Default 0 (off).
       socket_buffer_bytes: SO_SNDBUF/SO_RCVBUF of each connection (0: kernel autotuning).
+      max_early_bytes: memory for frames that arrive before this worker submits their operation
+        (a faster peer's gradients, a broadcast to a worker that starts late), and the largest
+        allgather contribution accepted from a peer. Beyond it the operation fails on every worker
+        with an error naming this option, and the sender's connection is dropped.
       timeline_path: write a Chrome trace of this worker there (default ``$PROPHET_TIMELINE``,
         with ``{rank}`` replaced by the rank).
+      allow_no_token: a job of several workers refuses to start without a token unless this is
+        true (default ``$PROPHET_ALLOW_NO_TOKEN`` = 1): then any process that can reach the
+        workers' ports can join the job.
+      bind_host: listen on this address instead of the host of ``addresses[rank]`` (default
+        ``$PROPHET_BIND_HOST``), e.g. the pod IP or ``0.0.0.0`` in Kubernetes, where the address
+        in ``TF_CONFIG`` may be a Service that no pod can bind. Without it, a worker whose own
+        address is not an address of its machine listens on every interface and logs a warning.
 
     Calling it again with the same arguments does nothing; with different ones it raises.
     """
     global _config
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    schedule = check_schedule(schedule)
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside [0, world_size={world_size})")
     if world_size > 1 and len(addresses) != world_size:
         raise ValueError(f"{len(addresses)} addresses given for {world_size} workers")
+    if world_size > 1:
+        check_distinct_addresses(list(addresses), "runtime.init")
+    if allow_no_token is None:
+        allow_no_token = os.environ.get(ALLOW_NO_TOKEN_ENV, "").strip().lower() in ("1", "true", "yes")
+    if bind_host is None:
+        bind_host = os.environ.get(BIND_HOST_ENV, "").strip() or None
+    default = defaults()
     if timeout_s is None:
-        timeout_s = float(os.environ.get("PROPHET_TIMEOUT_S", "60"))
+        timeout_s = float(os.environ.get("PROPHET_TIMEOUT_S", default["timeout_s"]))
+
+    def pick(value: Any, key: str) -> Any:
+        return default[key] if value is None else value
+
     if timeline_path is None:
         timeline_path = os.environ.get("PROPHET_TIMELINE") or None
     if timeline_path:
@@ -82,13 +148,17 @@ def init(
         addresses=",".join(addresses),
         token=os.environ.get("PROPHET_JOB_TOKEN", "") if token is None else token,
         schedule=schedule,
-        partition_bytes=int(partition_bytes),
-        credit_bytes=int(credit_bytes),
+        partition_bytes=int(pick(partition_bytes, "partition_bytes")),
+        credit_bytes=int(pick(credit_bytes, "credit_bytes")),
         timeout_s=float(timeout_s),
-        replan_threshold=float(replan_threshold),
-        connect_timeout_s=float(connect_timeout_s),
-        socket_buffer_bytes=int(socket_buffer_bytes),
+        replan_threshold=float(pick(replan_threshold, "replan_threshold")),
+        connect_timeout_s=float(pick(connect_timeout_s, "connect_timeout_s")),
+        heartbeat_s=float(pick(heartbeat_s, "heartbeat_s")),
+        socket_buffer_bytes=int(pick(socket_buffer_bytes, "socket_buffer_bytes")),
+        max_early_bytes=int(pick(max_early_bytes, "max_early_bytes")),
         timeline_path=timeline_path or "",
+        allow_no_token=int(bool(allow_no_token)),
+        bind_host=bind_host or "",
     )
     for key, value in config.items():
         if "\n" in str(value):
@@ -161,6 +231,33 @@ def stats() -> dict[str, Any]:
     return json.loads(buf.value.decode())
 
 
+def set_schedule(schedule: str) -> None:
+    """Schedules with ``schedule`` (one of :func:`schedules`) from the next moment no partition is
+    queued (between training steps); the bandwidth measured so far carries over."""
+    _require()
+    if schedule not in schedules():
+        raise ValueError(f"schedule must be one of {schedules()}, got {schedule!r}")
+    error = ctypes.create_string_buffer(1024)
+    if c_api().prophet_set_schedule(schedule.encode(), error, len(error)) != 0:
+        raise ProphetError(error.value.decode(errors="replace"))
+
+
+def scheduler_state() -> dict[str, Any]:
+    """The scheduling policy's state: ``{"schedule", "bandwidth_Bps" (goodput of completed
+    pushes), "bandwidth_samples", "profile"}``; ``profile`` (prophet only, else None) holds
+    ``steps_observed``, ``step_origin_ns`` (first gradient of the open step, CLOCK_MONOTONIC) and
+    ``tensors``: ``[{"name", "priority", "bytes", "ready_offset_ns"}]`` (median offsets from each
+    step's first gradient)."""
+    _require()
+    size = 1 << 18
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        needed = c_api().prophet_scheduler_state(buf, size)
+        if needed < size:
+            return json.loads(buf.value.decode())
+        size = needed + 1
+
+
 def timeline_enabled() -> bool:
     """Whether this worker writes a timeline (cheap; check it before building event names)."""
     return is_initialized() and bool(c_api().prophet_timeline_enabled())
@@ -173,6 +270,13 @@ def timeline_event(track: str, name: str, start_ns: int, end_ns: Optional[int] =
     """
     if is_initialized():
         c_api().prophet_timeline_event(track.encode(), name.encode(), int(start_ns), int(end_ns or 0))
+
+
+def timeline_flush() -> None:
+    """Writes out the events the timeline has buffered (it flushes by itself every second of
+    events and at shutdown; a process that leaves through ``os._exit`` calls this first)."""
+    if is_initialized():
+        c_api().prophet_timeline_flush()
 
 
 atexit.register(shutdown)

@@ -7,7 +7,11 @@ cross-worker communication:
 * gradients (``ReplicaContext.all_reduce`` from the Keras optimizer) -> ``push_pull`` with a
   deterministic name per variable (``grad/<variable path>``) and a priority that makes the first
   layer most urgent (``priority = number_of_gradients - index`` in ``trainable_weights`` order);
-  sparse gradients (``tf.IndexedSlices``) -> ``allgather`` of indices and values;
+  sparse gradients (``tf.IndexedSlices``) -> ``allgather`` of indices and values (one-process
+  semantics: repeated indices are kept; values summed where the indices do not come from the
+  input and are the same on every worker, see ``_sparse``). Every gradient is tracked by its variable object from the
+  reduction to the update, and a multi-worker run fails closed where a trainable variable would
+  be updated with a gradient that was not summed exactly once (see ``prophet_tf/_gradients.py``);
 * ``strategy.reduce`` / ``extended.reduce_to`` / ``batch_reduce_to`` -> ``push_pull`` (SUM is a real
   sum, MEAN divides by the number of workers);
 * ``strategy.gather`` / ``ReplicaContext.all_gather`` -> ``allgather``;
@@ -26,20 +30,22 @@ Known limits:
 
 * every worker must see the same number of global batches per epoch (AUTO sharding is turned into
   DATA sharding, which guarantees it; an explicit FILE policy may not);
-* BatchNorm statistics stay local (non-trainable weights may differ across workers; rank 0's are
-  saved); variables created with ``synchronization=ON_READ`` outside Keras metrics stay local;
-* ``clipnorm``/``clipvalue``/``global_clipnorm`` clip each worker's share of the gradient before
-  the sum (as with tf.distribute strategies), not the summed gradient;
+* BatchNorm statistics stay local unless ``BatchNormalization(synchronized=True)`` (non-trainable
+  weights may differ across workers; rank 0's are saved); variables created with ``synchronization=ON_READ`` outside Keras metrics stay local;
 * ``jit_compile=True`` is not supported (the ops have no XLA kernels);
 * non-zero ranks write files into a private temporary directory (see ``_keras_saving``); reads are
-  not redirected, so wait (``strategy.barrier()``) before reading what rank 0 just wrote;
-* ``evaluate``/``get_metrics_result``/``predict`` are collectives: call them on every worker.
+  not redirected; a save ends when every worker's save did, so rank 0's files are complete then;
+* ``evaluate``/``get_metrics_result``/``predict`` and saves are collectives: call them on every
+  worker (not only on rank 0, as Horovod scripts do).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import functools
 import logging
+import os
 import re
 import threading
 import weakref
@@ -56,21 +62,26 @@ from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.framework import tensor_util
 from tensorflow.python.util import nest
 
+from prophet_tf import _gradients, _sparse
+from prophet_tf._library import runtime_constants
 from prophet_tf.cluster import resolve_cluster
 
 __all__ = ["ProphetStrategy", "SCHEDULES"]
 
 logger = logging.getLogger("prophet_tf")
 
-#: Scheduling policies accepted by ``ProphetStrategy(schedule=...)``.
-SCHEDULES = ("prophet", "priority", "fifo")
+#: Scheduling policies accepted by ``ProphetStrategy(schedule=...)``: the runtime's, and "auto"
+#: (the one predicted fastest; see prophet_tf/_auto_schedule.py).
+SCHEDULES: tuple[str, ...] = tuple(runtime_constants()["schedules"]) + ("auto",)
 # Small collectives a step waits on (metrics, loss-scale flags, strategy.reduce) outrank every
 # gradient (priorities 1..number of gradients): queued behind low-priority gradients they would
-# put a barrier back at the end of every step.
-CONTROL_PRIORITY = 1 << 40  # = kControlPriority in ops/core/scheduler.h: not profiled as a gradient
+# put a barrier back at the end of every step. The runtime defines the band (never profiled as a
+# gradient); this is its lower end.
+CONTROL_PRIORITY: int = runtime_constants()["control_priority"]
 
-# Options consumed by the strategy itself (everything else goes to ``runtime.init``).
-_DEFAULT_SPARSE_AS_DENSE_BYTES = 256 << 10
+# Sparse gradients are gathered, never densified, unless the user asks for it (see the docstring of
+# ProphetStrategy: densifying changes the result of Adam, RMSprop, Adagrad...).
+_DEFAULT_SPARSE_AS_DENSE_BYTES = 0
 
 
 def _ops():
@@ -167,12 +178,17 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
 
     def __init__(self, container_strategy, device: str, rank: int, world_size: int,
                  sparse_as_dense_bytes: int = _DEFAULT_SPARSE_AS_DENSE_BYTES,
-                 cross_barrier: bool = False):
+                 cross_barrier: bool = False, recording: bool = False):
         super().__init__(container_strategy, device)
         self._cross_barrier = bool(cross_barrier)
-        # Local gradients whose sum is deferred to the asynchronous update: id -> (name, priority).
-        self._deferred_grads: dict = {}
-        self.deferred_updates_traced = 0  # diagnostics: updates emitted as asynchronous applies
+        # A one-worker run that records a profile: the step's collectives (gradients, metrics,
+        # loss-scale flags) go through the runtime as with several workers, which returns them at
+        # once, so that the trace shows them (see prophet_tf.predict.profile).
+        self._recording = bool(recording)
+        self._auto_schedule = None  # an _auto_schedule.AutoSchedule with schedule="auto"
+        # Gradients verified so far, by how they were reduced ("summed", "gathered", "deferred"):
+        # counted when an optimizer step is traced (or runs eagerly), see _gradients.GradientSite.
+        self.gradient_counts: collections.Counter = collections.Counter()
         self._rank = int(rank)
         self._world_size = int(world_size)
         self._sparse_as_dense_bytes = int(sparse_as_dense_bytes)
@@ -216,6 +232,12 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
     @property
     def _multi(self) -> bool:
         return self._world_size > 1
+
+    @property
+    def _communicates(self) -> bool:
+        """The training step's collectives go through the runtime (several workers, or a
+        recording)."""
+        return self._multi or self._recording
 
     # ---- replicas -----------------------------------------------------------------------
     def _call_for_each_replica(self, fn, args, kwargs):
@@ -282,20 +304,29 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
 
         Keras calls ``extended.update(var, fn, args=(reduced_grad, lr))`` once per variable after
         the gradients were reduced (and without ``args`` for weight decay, EMA, accumulation).
-        This is the hook for overlapping the update with the next step ("crossing the barrier").
+        Inside an optimizer step the gradient is looked up by the variable object: a deferred one
+        becomes the asynchronous update ("crossing the barrier"); a trainable variable without a
+        reduced gradient is an error (see _gradients.GradientSite.take_for_update).
         """
-        deferred = None
-        if self._deferred_grads and len(args) == 2 and not kwargs:
-            from prophet_tf._keras_patches import _variable_path
-
-            deferred = self._deferred_grads.pop(_variable_path(var), None)
-        if deferred is not None:
+        site = self._active_site()
+        gradient = site.take_for_update(var) if site is not None else None
+        if gradient is not None and gradient.reduced == _gradients.DEFERRED:
             from prophet_tf import _crossing
 
-            name, priority, optimizer = deferred
+            if len(args) != 2 or kwargs:
+                raise _gradients.GradientReductionError(
+                    f"ProphetStrategy: the deferred gradient of '{gradient.path}' must be applied "
+                    f"as update(var, fn, args=(gradient, learning_rate)); got {len(args)} "
+                    f"positional and {sorted(kwargs)} keyword arguments.")
             grad, learning_rate = args
-            self.deferred_updates_traced += 1
-            return _crossing.deferred_update(var, fn, grad, learning_rate, optimizer, name, priority)
+            clip = _gradient_clipping(site.optimizer)
+            if clip is not None:  # clipnorm/clipvalue: per tensor, on the sum (see _reduce_gradients)
+                apply_fn = fn
+
+                def fn(v, summed, lr):
+                    return apply_fn(v, clip([summed])[0], lr)
+            return _crossing.deferred_update(var, fn, grad, learning_rate, site.optimizer,
+                                             gradient.name, gradient.priority)
         return super()._update(var, fn, args, kwargs, group)
 
     # ---- input --------------------------------------------------------------------------
@@ -332,29 +363,55 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
     # ---- reductions ---------------------------------------------------------------------
     def _reduce_to(self, reduce_op, value, destinations, options):
         del destinations, options
-        if not self._multi:
+        if not self._communicates:
             return value
         return self._reduce_one(reduce_op, value, self._namer.site("reduce"), priority=CONTROL_PRIORITY)
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         del options
         values = [v for v, _ in value_destination_pairs]
-        if not self._multi:
+        if not self._communicates:
             return values
-        n = len(values)
-        grad_paths, optimizer = self._take_gradient_site(n)
-        if grad_paths is not None:
-            names = [self._namer.unique(f"grad/{p}") for p in grad_paths]
-            if self._can_defer(optimizer):
-                return [self._defer(v, name, n - i, optimizer, path)
-                        for i, (v, name, path) in enumerate(zip(values, names, grad_paths))]
-        else:
-            site = self._namer.site("allreduce")
-            names = [f"{site}/{i}" for i in range(n)]
-            return [self._reduce_one(reduce_op, v, name, priority=CONTROL_PRIORITY) for v, name in zip(values, names)]
-        # Forward order (first layer first): the first value is the most urgent.
-        return [self._reduce_one(reduce_op, v, name, priority=n - i)
-                for i, (v, name) in enumerate(zip(values, names))]
+        site = self._site_to_reduce()
+        if site is not None:
+            return self._reduce_gradients(site, reduce_op, values)
+        prefix = self._namer.site("allreduce")
+        return [self._reduce_one(reduce_op, v, f"{prefix}/{i}", priority=CONTROL_PRIORITY)
+                for i, v in enumerate(values)]
+
+    def _reduce_gradients(self, site, reduce_op, values):
+        """The optimizer's gradient all-reduce: ``values[i]`` is the gradient of the site's i-th
+        variable. Returns what Keras hands to ``update``: summed/gathered gradients, or the local
+        ones where the update is deferred (it sums them itself).
+
+        Clipping (``clipnorm``, ``clipvalue``, ``global_clipnorm``) applies to the reduced
+        gradients, as in one process on the global batch: Keras's own clipping of the local
+        gradients is skipped (see ``clips_after_reduction``); a deferred update clips its sum."""
+        site.reduced = True
+        if len(values) != len(site):
+            raise _gradients.GradientReductionError(
+                f"ProphetStrategy: the optimizer all-reduces {len(values)} gradients but applies "
+                f"{len(site)} ({', '.join(site.paths()[:6])}...): cannot tell which gradient "
+                "belongs to which variable.")
+        defer = self._can_defer(site.optimizer)
+        out = []
+        for gradient, value in zip(site.gradients, values):
+            sparse = isinstance(value, indexed_slices.IndexedSlices)
+            if defer and not sparse and value.dtype.is_floating:
+                gradient.reduced = _gradients.DEFERRED
+                out.append(tf.convert_to_tensor(value))
+            else:
+                # Sparse gradients are gathered synchronously (also when crossing the barrier).
+                gradient.reduced = _gradients.GATHERED if sparse and not self._densified(value) \
+                    else _gradients.SUMMED
+                out.append(self._reduce_one(reduce_op, value, gradient.name, gradient.priority))
+        clip = _gradient_clipping(site.optimizer)
+        if clip is None:
+            return out
+        if getattr(site.optimizer, "global_clipnorm", None):  # _can_defer: nothing deferred
+            return clip(out)
+        return [g if gradient.reduced == _gradients.DEFERRED else clip([g])[0]
+                for gradient, g in zip(site.gradients, out)]
 
     def _reduce_one(self, reduce_op, value, name, priority):
         if isinstance(reduce_op, str):
@@ -365,16 +422,54 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
         value = tf.convert_to_tensor(value)
         return self._push_pull(value, name, priority, mean)
 
-    def _reduce_indexed_slices(self, slices, name, priority, mean):
+    def _densified(self, slices) -> bool:
+        """Whether these sparse gradients are summed as a dense tensor (``sparse_as_dense_bytes``)."""
+        if self._sparse_as_dense_bytes <= 0:
+            return False
         dense_bytes = self._static_dense_bytes(slices)
-        if dense_bytes is not None and dense_bytes <= self._sparse_as_dense_bytes:
-            # A small table: one dense push_pull is cheaper than gathering rows (and scheduled).
+        return dense_bytes is not None and dense_bytes <= self._sparse_as_dense_bytes
+
+    def _reduce_indexed_slices(self, slices, name, priority, mean):
+        if self._densified(slices):
+            # Asked for by the user: one dense push_pull (see sparse_as_dense_bytes).
             return self._push_pull(tf.convert_to_tensor(slices), name, priority, mean)
+        if _sparse.mixes_origins(slices.indices):
+            raise _gradients.GradientReductionError(
+                f"ProphetStrategy: the sparse gradient '{name}' joins lookups of ids from the "
+                "input batch with lookups of ids that are not (e.g. one Embedding used for tokens "
+                "and for tf.range positions). One process sums the latter over the batch and "
+                "keeps the former per row; gathered or summed, the workers' slices cannot give "
+                "both. Use a separate Embedding layer for each kind of lookup.")
         values = self._allgather(slices.values, name + "/values", priority)
         indices = self._allgather(slices.indices, name + "/indices", priority)
+        if not _sparse.may_come_from_input(slices.indices):
+            sizes = self._allgather(tf.reshape(tf.size(slices.indices), [1]), name + "/sizes",
+                                    priority)
+            values, indices = self._sum_if_same_indices(sizes, values, indices)
         if mean:
             values = values / tf.cast(self._world_size, values.dtype)
         return indexed_slices.IndexedSlices(values, indices, slices.dense_shape)
+
+    def _sum_if_same_indices(self, sizes, values, indices):
+        """Gathered slices whose indices do not come from the input (see ``_sparse``): where
+        every worker had the same indices, one process on the global batch has those indices once
+        with the values summed over the batch, so sum the workers' values. Every worker decides
+        on the same gathered tensors, so all take the same branch."""
+        n = self._world_size
+        first = sizes[0]
+
+        def same_indices():
+            rows = tf.reshape(indices, [n, first])
+            return tf.reduce_all(tf.equal(rows, rows[:1]))
+
+        same = tf.cond(tf.reduce_all(tf.equal(sizes, first)), same_indices,
+                       lambda: tf.constant(False))
+
+        def summed():
+            per_worker = tf.reshape(values, tf.concat([[n, first], tf.shape(values)[1:]], 0))
+            return tf.reduce_sum(per_worker, axis=0), indices[:first]
+
+        return tf.cond(same, summed, lambda: (values, indices))
 
     @staticmethod
     def _static_dense_bytes(slices) -> Optional[int]:
@@ -412,27 +507,55 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
         gathered = self._allgather(tf.transpose(value, perm), name)
         return tf.transpose(gathered, inverse)
 
-    # ---- keras integration helpers ---------------------------------------------------------
-    @contextlib.contextmanager
-    def _gradient_site(self, variable_paths, optimizer=None):
-        """Names the next ``batch_reduce_to`` of ``len(variable_paths)`` values as gradients."""
-        stack = getattr(self._local, "grad_sites", None)
-        if stack is None:
-            stack = self._local.grad_sites = []
-        stack.append((list(variable_paths), optimizer))
+    # ---- the optimizer step (Keras TFOptimizer._backend_update_step) ---------------------------
+    def clips_after_reduction(self) -> bool:
+        """Whether an optimizer step running now has its gradients clipped after they are reduced
+        (by ``_reduce_gradients``) instead of by Keras before: exactly when the step will be
+        tracked here (see ``_optimizer_update_step``)."""
+        context = tf.distribute.get_replica_context()
+        return (self._communicates and context is not None
+                and context.strategy is self._container_strategy())
+
+    def _optimizer_update_step(self, optimizer, grads, variables, apply):
+        """Runs ``apply()`` (Keras's update step) with its gradients tracked by variable object.
+
+        Raises GradientReductionError before anything is applied when the step runs outside this
+        strategy's replica context, and after it when a gradient was not reduced and applied
+        exactly once (at trace time in a tf.function).
+        """
+        keras_variables = [v for g, v in zip(grads, variables) if g is not None]
+        paths = [_gradients.variable_path(v) for v in keras_variables]
+        context = tf.distribute.get_replica_context()
+        if context is None or context.strategy is not self._container_strategy():
+            if not self._multi:  # one worker recording a profile: nothing to diverge from
+                return apply()
+            raise _gradients.outside_replica_context_error(paths, cross_replica=context is None)
+        names = [self._namer.unique(f"grad/{p}") for p in paths]
+        site = _gradients.GradientSite.create(optimizer, keras_variables, names)
+        stack = self._site_stack()
+        stack.append(site)
         try:
-            yield
+            result = apply()
         finally:
             stack.pop()
+        self.gradient_counts.update(site.verify())
+        return result
 
-    def _take_gradient_site(self, n):
-        """Returns (variable paths, optimizer) of a pending gradient site, or (None, None)."""
-        stack = getattr(self._local, "grad_sites", None)
-        if not stack or stack[-1] is None or len(stack[-1][0]) != n:
-            return None, None
-        site = stack[-1]
-        stack[-1] = None  # consumed: only the optimizer's own all-reduce is named after it
-        return site
+    def _site_stack(self) -> list:
+        stack = getattr(self._local, "gradient_sites", None)
+        if stack is None:
+            stack = self._local.gradient_sites = []
+        return stack
+
+    def _active_site(self):
+        """The optimizer step being traced or run in this thread, if any."""
+        stack = getattr(self._local, "gradient_sites", None)
+        return stack[-1] if stack else None
+
+    def _site_to_reduce(self):
+        """The optimizer step whose gradient all-reduce has not happened yet, if any."""
+        site = self._active_site()
+        return site if site is not None and not site.reduced else None
 
     # ---- crossing the barrier -------------------------------------------------------------
     def _can_defer(self, optimizer) -> bool:
@@ -441,6 +564,8 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
             return False
         if getattr(optimizer, "gradient_accumulation_steps", None):
             return False
+        if getattr(optimizer, "global_clipnorm", None):
+            return False  # the clipping needs the norm of every summed gradient first
         # Inside a cond (loss scaling skips a step, accumulation) or a while loop the update
         # must stay where Keras put it.
         graph = tf.compat.v1.get_default_graph()
@@ -450,17 +575,9 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
             graph = getattr(graph, "outer_graph", None)
         return True
 
-    def _defer(self, value, name, priority, optimizer, path):
-        """Returns the LOCAL gradient; its sum is made by the asynchronous update in _update."""
-        if isinstance(value, indexed_slices.IndexedSlices) or not value.dtype.is_floating:
-            return self._reduce_one(reduce_util.ReduceOp.SUM, value, name, priority)
-        # Keyed by variable path: Keras hands `update` an identity of what we return here.
-        self._deferred_grads[path] = (name, priority, optimizer)
-        return tf.convert_to_tensor(value)
-
     def _all_finite(self, finite):
         """True on every worker iff ``finite`` is true on every worker (loss scaling)."""
-        if not self._multi:
+        if not self._communicates:
             return finite
         bad = tf.cast(tf.logical_not(tf.cast(finite, tf.bool)), tf.float32)
         total = self._push_pull(bad, self._namer.site("loss_scale_finite"), CONTROL_PRIORITY, False)
@@ -472,7 +589,7 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
         All variables of one (dtype, aggregation) group travel in one push_pull.
         """
         values = [tf.convert_to_tensor(v) for v in variables]
-        if not self._multi or not values:
+        if not self._communicates or not values:
             return values
         groups: dict = {}
         for i, (v, t) in enumerate(zip(variables, values)):
@@ -522,6 +639,16 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
         x = t if wire == t.dtype else tf.cast(t, wire)
         y = _ops().allgather(x, name=name, priority=int(priority))
         return y if wire == t.dtype else tf.cast(y, t.dtype)
+
+
+def _gradient_clipping(optimizer):
+    """Keras's clipping of ``optimizer`` as a function of a gradient list, or None without
+    clipping."""
+    if not any(getattr(optimizer, option, None)
+               for option in ("clipnorm", "clipvalue", "global_clipnorm")):
+        return None
+    from prophet_tf import _keras_patches
+    return functools.partial(_keras_patches.keras_clip_gradients(), optimizer)
 
 
 def _check_replication_mode(options) -> None:
@@ -580,19 +707,35 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
     """Synchronous data-parallel training across worker processes with prophet_tf's runtime.
 
     Args:
-      schedule: communication scheduling policy, one of ``"prophet"``, ``"priority"``, ``"fifo"``.
+      schedule: communication scheduling policy, one of ``"prophet"`` (the default),
+        ``"priority"``, ``"fifo"``, or ``"auto"``: after a few steps of ``fit``, the one the
+        predictor (``prophet_tf.predict``) expects to be fastest for the measured bandwidth,
+        chosen on rank 0 for every worker and revisited when the bandwidth changes.
       cluster_resolver: a ``tf.distribute.cluster_resolver.ClusterResolver``; default: read
         ``TF_CONFIG`` (set by ``python -m prophet_tf.launch``); no ``TF_CONFIG`` = one worker.
       device: the device of this worker (default ``"/cpu:0"``).
-      sparse_as_dense_bytes: sparse gradients of tables up to this many bytes are reduced as one
-        dense ``push_pull``; larger ones by ``allgather`` of indices and values (default 256 KiB).
+      sparse_as_dense_bytes: by default (0) sparse gradients (``tf.IndexedSlices``, e.g. of an
+        ``Embedding``) are reduced by gathering every worker's indices and values, repeated
+        indices kept, so the optimizer sees exactly the gradient of one process on the global
+        batch (as TensorFlow's own strategies do). A value > 0 sums the sparse gradients of tables
+        of at most this many bytes as one dense tensor instead (fewer bytes on the wire when most
+        rows occur in every step). That CHANGES THE RESULT of optimizers that are not linear in
+        the gradient when an index occurs more than once in a global batch: Keras applies an
+        ``IndexedSlices`` gradient slice by slice, so e.g. Adam's and RMSprop's second moments and
+        Adagrad's accumulator get the sum of the squared slices, whereas the dense sum gives them
+        the square of the summed slices. SGD (with or without momentum) is unaffected (up to
+        float rounding). Dense reduction is also synchronous, like gathering.
       cross_barrier: let the next step start while lower-priority gradients of the previous
         step are still being summed (results identical to synchronous training): each optimizer
         update is applied asynchronously when its summed gradient arrives, and every read of a
         variable waits only for that variable's pending update. Falls back to synchronous
         updates where an update cannot be deferred (sparse gradients, gradient accumulation,
-        loss scaling); updates that read variables right after the optimizer (EMA, constraints,
-        weight decay) simply wait for them.
+        loss scaling, ``steps_per_execution`` > 1, eager execution); updates that read variables
+        right after the optimizer (EMA, constraints, weight decay) simply wait for them.
+      profile_path: record this run's timeline there for ``python -m prophet_tf.predict``
+        (default ``$PROPHET_PROFILE``). On one worker, the step's collectives then go through the
+        runtime (which returns them at once) so that the trace shows when each gradient is ready,
+        its bytes and its update; with several workers it is the same as ``timeline_path``.
       sync_random_seed: when no TensorFlow global seed is set, set one (drawn on rank 0) on every
         worker, so that unseeded shuffles (``fit(shuffle=True)`` on arrays, ``Dataset.shuffle``)
         produce the same order everywhere and the shards of every global batch stay disjoint.
@@ -606,32 +749,48 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
         unreachable...).
     """
 
-    def __init__(self, schedule: str = "prophet", cluster_resolver=None, *,
+    def __init__(self, schedule: Optional[str] = None, cluster_resolver=None, *,
                  device: Optional[str] = None,
                  sparse_as_dense_bytes: int = _DEFAULT_SPARSE_AS_DENSE_BYTES,
                  sync_random_seed: bool = True,
                  cross_barrier: bool = True,
+                 profile_path: Optional[str] = None,
                  **runtime_options):
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-        info = resolve_cluster(cluster_resolver)
+        from prophet_tf import _auto_schedule
         runtime = _runtime()
+        auto = schedule == _auto_schedule.AUTO
+        if not auto and schedule is not None and schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        policy = "prophet" if auto else runtime.check_schedule(schedule)
+        info = resolve_cluster(cluster_resolver)
         self._cluster_info = info
-        self._schedule_requested = schedule
-        self._schedule = _init_runtime(runtime, info, schedule, runtime_options)
+        self._schedule = _auto_schedule.AUTO if auto else policy
+        profile_path = profile_path or os.environ.get("PROPHET_PROFILE") or None
+        if profile_path:
+            if runtime_options.get("timeline_path"):
+                raise ValueError("give ProphetStrategy either profile_path (or $PROPHET_PROFILE) or "
+                                 "timeline_path: a profile is the run's timeline")
+            runtime_options["timeline_path"] = profile_path
+        recording = bool(profile_path) and info.world_size == 1
+        runtime.init(info.rank, info.world_size, list(info.addresses), info.token, schedule=policy,
+                     **runtime_options)
         extended = ProphetExtended(self, device or "/cpu:0", info.rank, info.world_size,
                                    sparse_as_dense_bytes=sparse_as_dense_bytes,
-                                   cross_barrier=cross_barrier and info.world_size > 1)
+                                   cross_barrier=cross_barrier and (info.world_size > 1 or recording),
+                                   recording=recording)
         extended._cluster_resolver = cluster_resolver or _resolver_for(info)
+        if auto and info.world_size > 1:
+            extended._auto_schedule = _auto_schedule.AutoSchedule(
+                extended, replan_threshold=runtime.config()["replan_threshold"])
         distribute_lib.Strategy.__init__(self, extended)
         distribute_lib.distribution_strategy_gauge.get_cell("V2").set("ProphetStrategy")
         if info.world_size > 1 and sync_random_seed:
             _sync_global_seed(extended)
-        if info.world_size > 1:
-            from prophet_tf import _keras_patches, _keras_saving
-            _keras_patches.install()
-            if info.rank != 0:
-                _keras_saving.install(info.rank)
+        from prophet_tf import _keras_patches
+        _keras_patches.install()  # each hook acts only for the strategies it concerns
+        if extended._communicates:
+            from prophet_tf import _keras_saving
+            _keras_saving.install(extended)
 
     # Convenience accessors -------------------------------------------------------------------
     @property
@@ -646,8 +805,21 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
 
     @property
     def schedule(self) -> str:
-        """The scheduling policy in effect (may differ from the requested one, see logs)."""
+        """The schedule asked for (a policy of the runtime, or ``"auto"``)."""
         return self._schedule
+
+    @property
+    def schedule_in_use(self) -> str:
+        """The runtime's policy now (with ``"auto"``, the last one chosen)."""
+        auto = self.extended._auto_schedule
+        return auto.current if auto is not None else self._schedule
+
+    @property
+    def schedule_decisions(self) -> list:
+        """With ``schedule="auto"``: every decision so far (step, schedule, predicted step time
+        of each candidate, link rate, reason); otherwise empty."""
+        auto = self.extended._auto_schedule
+        return list(auto.decisions) if auto is not None else []
 
     def barrier(self):
         """Blocks until every worker has called ``barrier()`` (e.g. after rank 0 saved a file)."""
@@ -675,9 +847,3 @@ def _sync_global_seed(extended) -> None:
     seed = int(extended._broadcast(local, "init/random_seed", root_rank=0).numpy()[0])
     tf.random.set_seed(seed)
 
-
-def _init_runtime(runtime, info, schedule: str, options: dict) -> str:
-    """Starts the runtime with ``schedule``; returns it."""
-    runtime.init(info.rank, info.world_size, list(info.addresses), info.token, schedule=schedule, **options)
-    return schedule
-    return effective

@@ -34,6 +34,7 @@ __all__ = [
     "load_trace",
     "main",
     "plot_timeline",
+    "step_window",
     "track_names",
     "worker_names",
 ]
@@ -209,6 +210,42 @@ def counter_series(events: Sequence[Event]) -> Dict[Tuple[int, str], List[Tuple[
     return series
 
 
+def step_window(events: Sequence[Event], step: int) -> Tuple[float, float]:
+    """``(start_us, end_us)`` of training step ``step`` (0 = the first "step" span of the trace):
+    from its start to the next step's start (the step's own end for the last one).
+
+    The strategy writes one "step" span per call of the train function. Raises
+    :class:`TraceError` when the trace has no such step.
+    """
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0) or 0))
+                   for e in events_by_track(events).get("step", []) if e.get("ph") == "X")
+    if not 0 <= step < len(spans):
+        raise TraceError(f"no step {step} in the trace: it has {len(spans)} \"step\" spans "
+                         "(steps are marked when ProphetStrategy writes a timeline)")
+    start, end = spans[step]
+    if step + 1 < len(spans):
+        end = max(end, spans[step + 1][0])
+    return start, end
+
+
+def _clip(events: Sequence[Event], start_us: float, end_us: float) -> List[Event]:
+    """The events that overlap [start_us, end_us], cut to it (metadata kept)."""
+    out: List[Event] = []
+    for e in events:
+        phase = e.get("ph")
+        if phase not in ("X", "i", "I", "C"):
+            out.append(e)
+            continue
+        ts = float(e["ts"])
+        end = ts + float(e.get("dur", 0) or 0) if phase == "X" else ts
+        if end < start_us or ts > end_us:
+            continue
+        if phase == "X":
+            e = dict(e, ts=max(ts, start_us), dur=min(end, end_us) - max(ts, start_us))
+        out.append(e)
+    return out
+
+
 def _ordered_tracks(present: Iterable[str], wanted: Optional[Sequence[str]]) -> List[str]:
     present = set(present)
     if wanted:
@@ -226,12 +263,17 @@ def plot_timeline(
     start_ms: Optional[float] = None,
     end_ms: Optional[float] = None,
     dpi: int = 120,
+    window_us: Optional[Tuple[float, float]] = None,
 ) -> Path:
     """Draws `traces` (one event list per file) into the PNG `output` and returns its path.
 
     Time is in milliseconds from the earliest event of all traces (the workers share the clock).
-    `tracks` selects and orders the rows; `start_ms`/`end_ms` crop the time axis.
+    `tracks` selects and orders the rows; `start_ms`/`end_ms` crop the time axis. `window_us`
+    (trace timestamps, e.g. from :func:`step_window`) keeps only what happens in that window,
+    cut to it, and counts time from its start.
     """
+    if window_us is not None:
+        traces = [_clip(events, *window_us) for events in traces]
     import matplotlib
 
     matplotlib.use("Agg")
@@ -269,6 +311,8 @@ def plot_timeline(
         for _, points in series:
             timestamps.extend(ts for ts, _ in points)
     origin_us = min(timestamps) if timestamps else 0.0
+    if window_us is not None:
+        origin_us = window_us[0]
 
     n_rows = max(1, len(rows)) * len(bands)
     fig_height = min(40.0, 1.8 + 0.28 * n_rows + 2.2)
@@ -346,6 +390,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--title", default=None)
     p.add_argument("--start-ms", type=float, default=None, help="crop: first millisecond shown")
     p.add_argument("--end-ms", type=float, default=None, help="crop: last millisecond shown")
+    p.add_argument("--step", type=int, default=None, metavar="K",
+                   help="show only training step K (0 = the first \"step\" span of the first "
+                        "trace), from its start to the next step's start")
     p.add_argument("--dpi", type=int, default=120)
     return p
 
@@ -355,8 +402,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     tracks = [t.strip() for t in args.tracks.split(",") if t.strip()] if args.tracks else None
     try:
         traces = [load_trace(path) for path in args.traces]
+        window = None if args.step is None else step_window(traces[0], args.step)
         output = plot_timeline(traces, args.output, tracks=tracks, title=args.title,
-                               start_ms=args.start_ms, end_ms=args.end_ms, dpi=args.dpi)
+                               start_ms=args.start_ms, end_ms=args.end_ms, dpi=args.dpi,
+                               window_us=window)
     except TraceError as e:
         print(f"prophet_tf.timeline: error: {e}", file=sys.stderr)
         return 2

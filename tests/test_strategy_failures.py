@@ -53,6 +53,15 @@ def test_worker_crash_mid_fit_makes_every_worker_exit_nonzero(spawn_workers):
     assert code0 == 3, out0[-3000:]                  # fit raised, the script exited non-zero
     (err,) = parse_results(out0, default_rank=0)[0]
     assert err["section"] == "error"
-    # It noticed the dead peer (connection loss), well before the operation timeout.
-    assert t0 - t1 < op_timeout_s + 20, (t0, t1)
+    # The class survives model.fit's tf.function (not "InternalError: Graph execution error").
+    assert err["type"] == "UnavailableError" and "rank 1" in err["message"], err
+    # It reported the dead peer (connection loss) before the operation timeout could have fired
+    # (its report, not its exit: the exit adds the interpreter's teardown).
+    detection = err["wall"] - (spawned.started_wall + t1)
+    assert detection < op_timeout_s, f"reported {detection:.1f} s after rank 1 died"
     assert "FINISHED WITHOUT ERROR" not in out0
+    # Then it exits by itself within the 60 s: a bound that only a hang fails. The runtime's
+    # own shutdown takes milliseconds (at most 3 s with a stopped peer); the rest is CPython's and
+    # TensorFlow's exit: about 1.2 s of CPU, 6-25 s of wall time measured on a loaded machine.
+    teardown = spawned.started_wall + t0 - err["wall"]
+    assert teardown < 60, f"the survivor took {teardown:.1f} s to exit after reporting the failure"

@@ -44,3 +44,46 @@ def floats(values):
 def digest_json(obj) -> str:
     """A hash of a JSON-serialisable object (exact float values included)."""
     return hashlib.sha1(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def run_programs_main(programs, run, timeout_s=None, leave_without_barrier=()) -> None:
+    """The driver of a worker script of named programs, run either on every worker of a launch or
+    as the one-process reference they are compared with::
+
+        script.py distributed|reference WORKDIR [--programs a,b] [--timeout-s S] [--schedule NAME]
+
+    Calls ``run(name, strategy, workdir, rank, role)`` per program, in order; ``strategy`` is the
+    ProphetStrategy, or None in the reference process. The workers wait for each other before
+    leaving: a broadcast completes on its root without waiting for the receivers, so a root that
+    exits early fails a receiver still behind it. A program in ``leave_without_barrier`` needs a
+    worker to leave without waiting (it is run last): the workers wait for each other before it.
+    """
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("role", choices=["distributed", "reference"])
+    p.add_argument("workdir")
+    p.add_argument("--programs", default=",".join(programs))
+    p.add_argument("--timeout-s", type=float, default=timeout_s)
+    p.add_argument("--schedule", default=None)
+    args = p.parse_args()
+    strategy, rank = None, 0
+    if args.role == "distributed":
+        from prophet_tf.strategy import ProphetStrategy
+
+        options = {} if args.timeout_s is None else {"timeout_s": args.timeout_s}
+        strategy = ProphetStrategy(args.schedule, **options)
+        rank = strategy.rank
+    waited = False
+    for name in args.programs.split(","):
+        if strategy is not None and name in leave_without_barrier and not waited:
+            strategy.barrier()
+            waited = True
+        run(name, strategy, args.workdir, rank, args.role)
+    if strategy is not None:
+        from prophet_tf import _crossing
+
+        _crossing.wait_all()
+        if not waited:
+            strategy.barrier()
+    print("WORKER DONE", flush=True)

@@ -45,7 +45,8 @@ def main():
         model.fit(x, y, batch_size=16, epochs=5, verbose=0,
                   callbacks=[Crash(strategy.rank, crash_rank, crash_step)])
     except Exception as e:  # noqa: BLE001 - report what the survivors saw, then fail
-        common.result(section="error", type=type(e).__name__, message=str(e)[:500],
+        # The end of the message is the runtime's own words (a graph error starts with a trace).
+        common.result(section="error", type=type(e).__name__, message=str(e)[-800:],
                       seconds=round(time.time() - t0, 2), wall=time.time())
         sys.exit(3)
     print("FINISHED WITHOUT ERROR", flush=True)

@@ -95,15 +95,15 @@ def regularized():
 
 
 # name: (model builder, optimizer factory, data kind, input kind, steps_per_execution,
-#        sparse_as_dense_bytes)
+#        sparse_as_dense_bytes or None for the default)
 CASES = {
     "sgd": (sequential, lambda: keras.optimizers.SGD(0.1), "dense", "numpy", 1, None),
     "momentum": (functional, lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
                  "dense", "dataset", 1, None),
     "adam": (subclassed, lambda: keras.optimizers.Adam(0.01), "dense", "numpy", 2, None),
-    "embedding": (embedding(), lambda: keras.optimizers.SGD(0.5), "tokens", "numpy", 1, 0),
+    "embedding": (embedding(), lambda: keras.optimizers.SGD(0.5), "tokens", "numpy", 1, None),
     "embedding_adam": (embedding(), lambda: keras.optimizers.Adam(0.01), "tokens", "dataset",
-                       1, 0),
+                       1, None),
     "embedding_small_dense": (embedding(50), lambda: keras.optimizers.SGD(0.5), "tokens",
                               "numpy", 1, 1 << 20),
     "regularizers": (regularized, lambda: keras.optimizers.RMSprop(0.01), "dense", "numpy", 1,
