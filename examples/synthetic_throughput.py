@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 import keras  # noqa: E402
 
-from prophet_tf.strategy import ProphetStrategy  # noqa: E402
+from prophet_tf.strategy import SCHEDULES, ProphetStrategy  # noqa: E402
 
 MODELS = {
     "resnet50": keras.applications.ResNet50,
@@ -52,7 +52,7 @@ def main():
     p.add_argument("--warmup", type=int, default=3, help="unmeasured steps (tracing)")
     p.add_argument("--image-size", type=int, default=64)
     p.add_argument("--classes", type=int, default=10)
-    p.add_argument("--schedule", default="prophet", choices=["prophet", "priority", "fifo"])
+    p.add_argument("--schedule", default=None, choices=SCHEDULES, help="default: prophet")
     p.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"])
     args = p.parse_args()
 

@@ -16,9 +16,10 @@ import pytest
 
 from prophet_tf.bench import train
 from prophet_tf.bench.train import (SYSTEMS, choose_bandwidth, choose_bandwidths, comm_bytes,
-                                    comm_time_s, format_bandwidth, format_markdown,
-                                    lower_bound_s, make_setting, median, parse_results,
-                                    step_periods, validate_settings, write_csv, write_json)
+                                    comm_time_s, emulated_time_scale, format_bandwidth,
+                                    format_markdown, lower_bound_s, make_setting, median,
+                                    parse_results, step_periods, validate_settings, write_csv,
+                                    write_json)
 
 REPO = Path(__file__).resolve().parents[1]
 MB = 1_000_000
@@ -66,6 +67,35 @@ def test_choose_bandwidths_numbers_and_errors():
         choose_bandwidth(MB, 1, 1.0, 1.0)
 
 
+def test_emulated_time_scale_puts_the_links_at_the_budget():
+    # ResNet50: 102.3 MB of gradients, 14.9 ms per step on the modelled accelerator
+    grad, acc = 102.3 * MB, 0.0149
+    for n in (2, 4, 8):
+        scale = emulated_time_scale(grad, n, acc, 4e9)
+        link_at_ratio1 = choose_bandwidth(grad, n, acc * scale, 1.0)
+        assert link_at_ratio1 * n <= 4e9                          # within the budget ...
+        assert link_at_ratio1 * n >= 4e9 / 1.1                    # ... after rounding up
+        assert scale == float(f"{scale:.2g}")                     # two significant digits
+    assert emulated_time_scale(grad, 2, acc, 4e9) == 28.0         # 54.9 Gbit/s -> 2 Gbit/s
+    assert emulated_time_scale(MB, 2, 1.0, 4e9) == 1.0            # never below 1
+    with pytest.raises(ValueError):
+        emulated_time_scale(grad, 2, 0.0, 4e9)
+
+
+def test_cpu_fraction():
+    runs = {0: {"window_s": 10.0, "window_machine_busy_s": 19.0, "window_cpu_s": 4.0},
+            1: {"window_s": 10.0, "window_machine_busy_s": 19.0, "window_cpu_s": 5.0}}
+    assert train.cpu_fraction(runs, 2) == pytest.approx((0.95, 0.45))
+    runs[1]["window_cpu_s"] = None
+    assert train.cpu_fraction(runs, 2) == pytest.approx((0.95, None))
+    assert train.cpu_fraction({}, 2) == (None, None)
+
+
+def test_timeline_pattern():
+    assert train.timeline_pattern("/t/dir", "m_n2_prophet") == "/t/dir/m_n2_prophet.{rank}.json"
+    assert train.timeline_pattern("/t/trace.json", "x") == "/t/trace.x.{rank}.json"
+
+
 def test_step_periods_and_median():
     begins = [0.0, 5.0, 5.5, 6.1, 6.6, 7.2]
     assert step_periods(begins, 0) == pytest.approx([5.0, 0.5, 0.6, 0.5, 0.6])
@@ -90,13 +120,18 @@ def _setting(mwms=1.0, prophet=0.6, bw=800e6):
     return make_setting("vgg16", 2, bw, compute_s=0.5, gradient_bytes=50 * MB,
                         batch_per_worker=16,
                         step_s={"prophet": prophet, "prophet_nocross": 0.7, "priority": 0.65,
-                                "fifo": 0.8, "mwms": mwms},
+                                "fifo": 0.8, "auto": 0.62, "mwms": mwms},
                         ratio=1.0, extra={"prophet": {"schedule_effective": "prophet"}},
                         notes=["a note"])
 
 
 def test_make_setting_derived_numbers():
     st = _setting()
+    assert st["compute"] == "real"
+    assert make_setting("m", 2, 1e9, 0.5, MB, 8, {"prophet": 0.6},
+                        compute="emulated")["compute"] == "emulated"
+    with pytest.raises(ValueError):
+        make_setting("m", 2, 1e9, 0.5, MB, 8, {"prophet": 0.6}, compute="gpu")
     assert st["lower_bound_s"] == pytest.approx(0.5)       # 50 MB at 800 Mbit/s = 0.5 s = compute
     assert st["global_batch"] == 32
     p = st["results"]["prophet"]
@@ -134,7 +169,7 @@ def test_write_json_schema(tmp_path):
         for system, res in st["results"].items():
             assert system in SYSTEMS
             assert {"step_s_median", "samples_per_s"} <= set(res)
-    assert data[0]["bandwidth_bps"] == 800e6
+    assert data[0]["bandwidth_bps"] == 800e6 and data[0]["compute"] == "real"
     assert data[1]["bandwidth_bps"] is None
     assert data[1]["results"]["mwms"]["step_s_median"] is None   # NaN -> null
     validate_settings(data)
@@ -144,6 +179,8 @@ def test_write_json_schema(tmp_path):
     lambda st: st.pop("model"),
     lambda st: st.update(workers="2"),
     lambda st: st.update(bandwidth_bps=-1),
+    lambda st: st.pop("compute"),
+    lambda st: st.update(compute="gpu"),
     lambda st: st["results"].update(single={"step_s_median": 1, "samples_per_s": 1}),
     lambda st: st["results"]["prophet"].pop("samples_per_s"),
     lambda st: st["results"]["prophet"].update(step_s_median="fast"),
@@ -170,6 +207,19 @@ def test_format_markdown_table():
     assert second[:7] == [""] * 7 and second[7] == "prophet_nocross"
     # missing mwms in the second setting: n/a speed-ups
     assert "n/a" in lines[2 + len(SYSTEMS)]
+
+
+def test_format_markdown_emulated_setting():
+    st = make_setting("resnet50", 2, 1.97e9, 0.416, 102 * MB, 64, {"prophet": 0.45, "mwms": 0.9},
+                      ratio=1.0, compute="emulated",
+                      extra={"prophet": {"machine_cpu": 0.93}})
+    st["emulation"] = {"time_scale": 28.0, "accelerator_tflops": 100.0, "accelerator_s": 0.416,
+                       "modelled_accelerator_s": 0.0149, "modelled_bandwidth_bps": 1.97e9 * 28}
+    st["compute_single"] = {"step_s_median": 0.47}
+    row = [c.strip() for c in format_markdown([st]).splitlines()[2].strip("|").split("|")]
+    assert row[4] == "1.97 Gbit/s (55.2 Gbit/s)"
+    assert row[5] == "416 (alone 470)"
+    assert row[7] == "prophet (CPU-limited: cores 93% busy)"
 
 
 def test_write_csv(tmp_path):
@@ -228,7 +278,100 @@ def test_bad_flags_are_usage_errors():
     r = _run(["--models", "alexnet", "--loopback"], timeout=60)
     assert r.returncode == 2 and "unknown model" in r.stdout
     r = _run(["--workers", "9", "--loopback"], timeout=60)
-    assert r.returncode == 2 and "between 2 and 4" in r.stdout
+    assert r.returncode == 2 and "between 2 and 8" in r.stdout
+    r = _run(["--full", "--loopback"], timeout=60)
+    assert r.returncode == 2 and "--compute emulated" in r.stdout
+    r = _run(["--compute", "emulated", "--accelerator-tflops", "0", "--loopback"], timeout=60)
+    assert r.returncode == 2 and "--accelerator_tflops must be positive" in r.stdout
+
+
+def _flags(**overrides):
+    """The command line's flag values (defaults of train._define_flags) with overrides."""
+    from types import SimpleNamespace
+    values = dict(compute="real", accelerator_tflops=100.0, time_scale=None, link_budget_gbps=4.0,
+                  full=False, quick=False, models=None, workers=None, batch=None, steps=None,
+                  warmup=None, ratios=None, systems=None, loopback=False, out="bench_out",
+                  json=None, intra_threads=1, inter_threads=2, launch_timeout=600.0,
+                  prophet_options="{}", model_options="{}", contended=None, retries=None,
+                  noise_cores=0.3, netns_prefix="ptfbench", timeline=None, alone=False,
+                  verbose=False, rate_change=None)
+    values.update(overrides)
+    return SimpleNamespace(**values)
+
+
+def test_options_for_emulated_compute():
+    quick = train.options_from_flags(_flags(compute="emulated", quick=True))
+    assert train.sweep_cells(quick) == [("resnet50", [(2, (1.0,))])]
+    assert quick.compute == "emulated" and not quick.contended and quick.grid is None
+    assert (quick.steps, quick.warmup) == (train.EMULATED_STEPS, train.EMULATED_WARMUP)
+    # --quick: no auto and no retries unless asked for; the sweeps retry a disturbed launch once
+    assert quick.systems == list(train.QUICK_SYSTEMS) and quick.retries == 0
+    asked = train.options_from_flags(_flags(compute="emulated", quick=True, retries=2,
+                                            systems=["prophet", "auto"]))
+    assert asked.systems == ["prophet", "auto"] and asked.retries == 2
+    default = train.options_from_flags(_flags(compute="emulated"))
+    cells = train.sweep_cells(default)
+    assert [m for m, _ in cells] == list(dict.fromkeys(m for m, _, _ in
+                                                       train.EMULATED_DEFAULT_GRID))
+    assert sum(len(runs) for _, runs in cells) == len(train.EMULATED_DEFAULT_GRID)
+    assert default.retries == 1 and default.systems == list(train.EMULATED_DEFAULT_SYSTEMS)
+    full = train.options_from_flags(_flags(compute="emulated", full=True))
+    assert full.systems == list(train.SYSTEMS)
+    cells = train.sweep_cells(full)
+    assert [m for m, _ in cells] == list(train.EMULATED_DEFAULT_MODELS)
+    assert all(runs == [(n, train.EMULATED_RATIOS) for n in (2, 4, 8)] for _, runs in cells)
+    # explicit choices replace the default grid
+    mine = train.options_from_flags(_flags(compute="emulated", models=["vgg16"], workers=["4"]))
+    assert train.sweep_cells(mine) == [("vgg16", [(4, train.EMULATED_RATIOS)])]
+    real = train.options_from_flags(_flags())
+    assert real.compute == "real" and real.contended and real.steps == 10
+    assert real.systems == list(train.SYSTEMS)
+    assert train.sweep_cells(real) == [(m, [(2, train.DEFAULT_RATIOS)])
+                                       for m in train.DEFAULT_MODELS]
+
+
+def test_default_emulated_sweep_runs_mwms_only_at_comm_comp_1(monkeypatch, tmp_path):
+    opts = train.options_from_flags(_flags(compute="emulated", out=str(tmp_path)))
+    assert opts.mwms_ratios == (1.0,)
+    assert train.options_from_flags(_flags(compute="emulated", systems=["mwms"])).mwms_ratios is None
+    assert train.options_from_flags(_flags(compute="emulated", ratios=["2"])).mwms_ratios is None
+    from prophet_tf.bench import netem
+    monkeypatch.setattr(netem.EmulatedCluster, "check_available", staticmethod(lambda: None))
+    monkeypatch.setattr(train, "_describe", lambda *a, **k: {
+        "gradient_bytes": 1e8, "accelerator_s": 0.015, "spec_path": "x"})
+    monkeypatch.setattr(train, "_emulation_facts", lambda *a, **k: {})
+    monkeypatch.setattr(train, "_write_outputs", lambda *a, **k: None)
+    monkeypatch.setattr(train, "available_memory_bytes", lambda: None)
+    ran = []
+
+    def fake_setting(model, n, cfg, batch, ratio, bw, compute_s, gbytes, systems, *rest):
+        ran.append((model, n, ratio, tuple(systems)))
+        return {}
+    monkeypatch.setattr(train, "_run_setting", fake_setting)
+    train.run_sweep(opts)
+    assert len(ran) == sum(len(r) for _, _, r in train.EMULATED_DEFAULT_GRID)
+    for model, n, ratio, systems in ran:
+        want = train.EMULATED_DEFAULT_SYSTEMS
+        assert systems == (want if ratio == 1.0 else tuple(s for s in want if s != "mwms"))
+
+
+def test_rate_change_flag_and_summary():
+    opts = train.options_from_flags(_flags(compute="emulated", quick=True, rate_change="15:0.5"))
+    assert opts.rate_change == (15, 0.5)
+    for bad in ("15", "x:0.5", "0:0.5", "25:0.5", "15:0", "15:-1"):
+        with pytest.raises(ValueError, match="--rate_change"):
+            train.options_from_flags(_flags(compute="emulated", quick=True, rate_change=bad))
+    with pytest.raises(ValueError, match="loopback"):
+        train.options_from_flags(_flags(quick=True, loopback=True, rate_change="5:2"))
+    # periods[i] is step warmup + i; the link halves at step 8: steps 5-7 before, 8-12 around,
+    # 13- after. Compute 1 s, 1 GB of gradients, 2 workers at 8 Gbit/s: comm 1 s, then 2 s.
+    periods = [1.0, 1.1, 1.2, 1.5, 2.5, 2.2, 2.1, 2.0, 2.05, 2.0, 2.1]
+    s = train.rate_change_summary(periods, 5, (8, 0.5), 1.0, int(1e9), 2, 8e9)
+    assert s["median_before_s"] == 1.1
+    assert s["first_steps_after_s"] == [1.5, 2.5, 2.2, 2.1, 2.0]
+    assert s["median_after_s"] == 2.05
+    assert (s["lower_bound_before_s"], s["lower_bound_after_s"]) == (1.0, 2.0)
+    assert "before 1100 ms (bound 1000)" in s["text"] and "after 2050 ms (bound 2000)" in s["text"]
 
 
 def test_without_root_says_use_loopback(monkeypatch, tmp_path):
@@ -248,7 +391,9 @@ def test_end_to_end_loopback_smoke(tmp_path):
     r = _run(["--loopback", "--models", "transformer", "--systems", "prophet,mwms",
               "--model_options", '{"transformer": {"blocks": 1, "d_model": 32, "ff": 64, '
               '"seq_len": 8, "vocab": 64}}', "--batch", "4", "--steps", "3", "--warmup", "1",
-              "--out", str(out), "--json", str(js)], timeout=240)
+              # a smoke test: no re-runs of launches disturbed by other programs
+              "--retries", "0", "--nocontended", "--out", str(out), "--json", str(js)],
+             timeout=240)
     assert r.returncode == 0, r.stdout[-4000:]
     data = json.loads(js.read_text())
     validate_settings(data)
@@ -262,6 +407,37 @@ def test_end_to_end_loopback_smoke(tmp_path):
         assert (out / name).stat().st_size > 0
     assert "| transformer | 2 | 8 |" in (out / "results.md").read_text()
     print(f"smoke run: {time.monotonic() - t0:.0f} s")
+
+
+def test_end_to_end_emulated_loopback_smoke(tmp_path):
+    """Emulated compute: a small model's specs, 2 workers on loopback, prophet (with a
+    timeline) and mwms, one worker alone, 3 steps (about 40-60 s)."""
+    out, js = tmp_path / "out", tmp_path / "r.json"
+    r = _run(["--loopback", "--compute", "emulated", "--models", "transformer", "--systems",
+              "prophet,mwms", "--model_options", '{"transformer": {"blocks": 1, "d_model": 32, '
+              '"ff": 64, "seq_len": 8, "vocab": 64}}', "--batch", "4", "--steps", "3",
+              "--warmup", "1", "--alone", "--time_scale", "2", "--retries", "0", "--out",
+              str(out), "--json", str(js), "--timeline", str(tmp_path / "tl")], timeout=300)
+    assert r.returncode == 0, r.stdout[-4000:]
+    data = json.loads(js.read_text())
+    validate_settings(data)
+    st = data[0]
+    assert st["compute"] == "emulated" and set(st["results"]) == {"prophet", "mwms"}
+    em = st["emulation"]
+    assert em["time_scale"] == 2.0 and em["accelerator_tflops"] == 100.0
+    assert st["compute_s"] == pytest.approx(em["accelerator_s"])
+    assert em["accelerator_s"] == pytest.approx(2 * em["modelled_accelerator_s"])
+    assert st["compute_single"]["step_s_median"] > 0
+    for res in st["results"].values():
+        assert res["step_s_median"] > 0
+    [spec_file] = (out / "specs").glob("transformer-*.json")
+    specs = json.loads(spec_file.read_text())
+    assert sum(len([w for w in s["weights"] if w["trainable"]]) for s in specs) == 20
+    # one measured step of the prophet launch drawn from both workers' timelines
+    assert Path(st["results"]["prophet"]["timeline_png"]).stat().st_size > 0
+    trace = json.loads((tmp_path / "tl" / "transformer_n2_loopback_prophet.0.json").read_text())
+    tracks = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
+    assert {"forward", "backward", "step"} <= tracks
 
 
 # ---------------------------------------------------------------- models

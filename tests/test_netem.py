@@ -95,6 +95,9 @@ def test_shaped_transfer_and_teardown(prefix: str, tmp_path: Path) -> None:
         print(f"\nshaped TCP rate: {rate / 1e6:.1f} Mbit/s (limit {RATE / 1e6:.0f} Mbit/s)")
         assert 0.5 * RATE <= rate <= 1.1 * RATE, rate
         assert "tbf" in cl.qdisc_stats(0) and "rate 200Mbit" in cl.qdisc_stats(0)
+        # A host's worker can change its own link mid-run (the training benchmark's --rate_change).
+        cl.run(0, cl.rate_change_argv(RATE / 2), check=True, timeout=10)
+        assert "rate 100Mbit" in cl.qdisc_stats(0) and "rate 200Mbit" in cl.qdisc_stats(1)
         # Isolation, checked structurally (without sending anything): a host has only lo and
         # eth0 and a route to 10.77.0.0/24 only (no default route), the root namespace has no
         # route to that subnet.
@@ -207,3 +210,7 @@ def test_argument_checks() -> None:
         EmulatedCluster(2, -1)
     with pytest.raises(IndexError):
         EmulatedCluster(2, RATE).host_address(2)
+    with pytest.raises(ValueError, match="shaped cluster"):
+        EmulatedCluster(2, None).rate_change_argv(RATE)
+    assert EmulatedCluster(2, RATE).rate_change_argv(RATE / 2)[:8] == [
+        "tc", "qdisc", "change", "dev", "eth0", "root", "handle", "1:"]

@@ -1,6 +1,19 @@
 """Models and synthetic data for the training benchmark (``python -m prophet_tf.bench.train``).
 
-Three models, all built with random weights (nothing is downloaded) for small inputs:
+Every model has two default sizes: one for ``--compute real`` (this machine's CPU runs the
+model, so inputs are small) and one for ``--compute emulated`` (the real parameter shapes; the
+compute runs on an emulated accelerator, see :mod:`prophet_tf.bench.emulated`):
+
+* ``resnet50``, ``vgg16``: 32x32 images and 10 classes for real compute; 224x224 and 1000
+  classes (25.6M / 138.4M parameters) for emulated compute.
+* ``transformer``: the small encoder below (both modes).
+* ``bert_base``: a BERT-base-sized encoder (12 blocks, d=768, 12 heads, FFN 3072, vocabulary
+  30522, 512 positions, 2 token types, embedding LayerNorm, pooler; 109.5M parameters) over 128
+  tokens. Meant for emulated compute: its token embedding is a lookup, whose gradient is sparse
+  under real compute (the emulated gradient is dense, as ``sparse_as_dense`` makes it in
+  Horovod/BytePS BERT training).
+
+Real-compute sizes, built with random weights (nothing is downloaded):
 
 * ``resnet50``: ``keras.applications.ResNet50(weights=None, classes=10)`` on 32x32 RGB images
   (23.6M parameters, 94 MB of float32 gradients, many small tensors).
@@ -28,12 +41,14 @@ from typing import Any, Optional
 
 import numpy as np
 
-__all__ = ["MODEL_NAMES", "ModelConfig", "DEFAULT_CONFIGS", "DenseEmbedding", "build_model",
-           "build_transformer", "synthetic_batch", "gradient_bytes", "parameter_count",
+__all__ = ["MODEL_NAMES", "COMPUTE_MODES", "ModelConfig", "DEFAULT_CONFIGS", "EMULATED_CONFIGS",
+           "DenseEmbedding", "build_model", "build_transformer", "synthetic_batch", "gradient_bytes", "parameter_count",
            "config_for", "loss_name", "make_optimizer"]
 
 #: Models known to the benchmark, in the order they are run.
-MODEL_NAMES = ("resnet50", "vgg16", "transformer")
+MODEL_NAMES = ("resnet50", "vgg16", "transformer", "bert_base")
+#: ``--compute`` modes.
+COMPUTE_MODES = ("real", "emulated")
 NUM_CLASSES = 10
 
 
@@ -51,6 +66,13 @@ class ModelConfig:
       ff: hidden width of the feed-forward block.
       blocks: number of encoder blocks.
       classes: number of output classes.
+      positions: rows of the position embedding (0: ``seq_len``); the first ``seq_len`` are used.
+      token_types: rows of a token-type embedding (0: none); every token has type 0.
+      embedding_norm: LayerNormalization after the embeddings (BERT).
+      pooler: a ``tanh`` Dense layer on the first token before the classifier (BERT) instead of
+        mean pooling.
+      embedding: ``"dense"`` (one-hot x matrix: dense gradient) or ``"lookup"``
+        (``keras.layers.Embedding``).
     """
 
     name: str
@@ -62,25 +84,48 @@ class ModelConfig:
     ff: int = 1024
     blocks: int = 4
     classes: int = NUM_CLASSES
+    positions: int = 0
+    token_types: int = 0
+    embedding_norm: bool = False
+    pooler: bool = False
+    embedding: str = "dense"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-#: Default configuration of every model.
+_BERT_BASE = ModelConfig("bert_base", seq_len=128, vocab=30522, d_model=768, heads=12, ff=3072,
+                         blocks=12, positions=512, token_types=2, embedding_norm=True,
+                         pooler=True, embedding="lookup")
+_TRANSFORMER = ModelConfig("transformer", seq_len=64, vocab=512, d_model=256, heads=4, ff=1024,
+                           blocks=4)
+
+#: Default configuration of every model under real compute (this machine's CPU).
 DEFAULT_CONFIGS: dict[str, ModelConfig] = {
     "resnet50": ModelConfig("resnet50", image_size=32),
     "vgg16": ModelConfig("vgg16", image_size=32),
-    "transformer": ModelConfig("transformer", seq_len=64, vocab=512, d_model=256, heads=4,
-                               ff=1024, blocks=4),
+    "transformer": _TRANSFORMER,
+    "bert_base": _BERT_BASE,
+}
+
+#: Default configuration under emulated compute: the real parameter shapes.
+EMULATED_CONFIGS: dict[str, ModelConfig] = {
+    "resnet50": ModelConfig("resnet50", image_size=224, classes=1000),
+    "vgg16": ModelConfig("vgg16", image_size=224, classes=1000),
+    "transformer": _TRANSFORMER,
+    "bert_base": _BERT_BASE,
 }
 
 
-def config_for(name: str, **overrides: Any) -> ModelConfig:
-    """The default :class:`ModelConfig` of ``name`` with ``overrides`` applied."""
-    if name not in DEFAULT_CONFIGS:
+def config_for(name: str, compute: str = "real", **overrides: Any) -> ModelConfig:
+    """The default :class:`ModelConfig` of ``name`` for ``compute`` with ``overrides`` applied."""
+    if compute not in COMPUTE_MODES:
+        raise ValueError(f"unknown compute mode {compute!r}; choose from "
+                         f"{', '.join(COMPUTE_MODES)}")
+    configs = EMULATED_CONFIGS if compute == "emulated" else DEFAULT_CONFIGS
+    if name not in configs:
         raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODEL_NAMES)}")
-    return dataclasses.replace(DEFAULT_CONFIGS[name], **overrides)
+    return dataclasses.replace(configs[name], **overrides)
 
 
 def _keras():
@@ -138,36 +183,63 @@ def _encoder_block(x: Any, cfg: ModelConfig, i: int) -> Any:
     return layers.LayerNormalization(epsilon=1e-6, name=f"block{i}_ln2")(layers.Add()([x, h]))
 
 
-def _position_embedding_class():
+def _learned_add_class():
     keras = _keras()
 
-    class _AddPosition(keras.layers.Layer):
-        """Adds a learned position embedding ``[T, D]`` to ``[B, T, D]``."""
+    class _LearnedAdd(keras.layers.Layer):
+        """Adds rows of a learned table ``[rows, D]`` to ``[B, T, D]``: row t to token t
+        (positions), or row 0 to every token (``same_row``: token types, all of type 0)."""
+
+        def __init__(self, rows: int, weight_name: str, same_row: bool = False,
+                     **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.rows, self.weight_name, self.same_row = int(rows), weight_name, bool(same_row)
 
         def build(self, input_shape: Any) -> None:
-            self.pos = self.add_weight(name="positions", shape=tuple(input_shape[1:]),
-                                       initializer=keras.initializers.RandomNormal(stddev=0.02))
+            self.table = self.add_weight(
+                name=self.weight_name, shape=(self.rows, int(input_shape[-1])),
+                initializer=keras.initializers.RandomNormal(stddev=0.02))
 
         def call(self, x: Any) -> Any:
-            return x + self.pos
+            if self.same_row:
+                return x + self.table[0]
+            return x + self.table[:keras.ops.shape(x)[1]]
 
-    return _AddPosition
+    return _LearnedAdd
 
 
 def build_transformer(cfg: ModelConfig) -> Any:
-    """``cfg.blocks`` post-norm encoder blocks over ``cfg.seq_len`` token ids, 10-way classifier."""
+    """``cfg.blocks`` post-norm encoder blocks over ``cfg.seq_len`` token ids and a classifier
+    (the small ``transformer`` and ``bert_base``; see :class:`ModelConfig`)."""
     keras = _keras()
     layers = keras.layers
     if cfg.d_model % cfg.heads:
         raise ValueError(f"d_model {cfg.d_model} must be divisible by heads {cfg.heads}")
+    if cfg.embedding not in ("dense", "lookup"):
+        raise ValueError(f"embedding must be 'dense' or 'lookup', got {cfg.embedding!r}")
+    if cfg.positions and cfg.positions < cfg.seq_len:
+        raise ValueError(f"positions {cfg.positions} must be >= seq_len {cfg.seq_len}")
     ids = keras.Input(shape=(cfg.seq_len,), dtype="int32", name="token_ids")
-    x = DenseEmbedding(cfg.vocab, cfg.d_model, name="token_embedding")(ids)
-    x = _position_embedding_class()(name="position_embedding")(x)
+    if cfg.embedding == "dense":
+        x = DenseEmbedding(cfg.vocab, cfg.d_model, name="token_embedding")(ids)
+    else:
+        x = layers.Embedding(cfg.vocab, cfg.d_model, name="token_embedding")(ids)
+    learned_add = _learned_add_class()
+    x = learned_add(cfg.positions or cfg.seq_len, "positions", name="position_embedding")(x)
+    if cfg.token_types:
+        x = learned_add(cfg.token_types, "token_types", same_row=True,
+                        name="token_type_embedding")(x)
+    if cfg.embedding_norm:
+        x = layers.LayerNormalization(epsilon=1e-12, name="embedding_ln")(x)
     for i in range(cfg.blocks):
         x = _encoder_block(x, cfg, i)
-    x = layers.GlobalAveragePooling1D(name="pool")(x)
+    if cfg.pooler:
+        x = layers.Lambda(lambda t: t[:, 0], name="first_token")(x)
+        x = layers.Dense(cfg.d_model, activation="tanh", name="pooler")(x)
+    else:
+        x = layers.GlobalAveragePooling1D(name="pool")(x)
     out = layers.Dense(cfg.classes, activation="softmax", name="classifier")(x)
-    return keras.Model(ids, out, name="transformer")
+    return keras.Model(ids, out, name=cfg.name)
 
 
 def build_model(cfg: ModelConfig) -> Any:
@@ -178,7 +250,7 @@ def build_model(cfg: ModelConfig) -> Any:
         return keras.applications.ResNet50(weights=None, input_shape=shape, classes=cfg.classes)
     if cfg.name == "vgg16":
         return keras.applications.VGG16(weights=None, input_shape=shape, classes=cfg.classes)
-    if cfg.name == "transformer":
+    if cfg.name in ("transformer", "bert_base"):
         return build_transformer(cfg)
     raise ValueError(f"unknown model {cfg.name!r}; choose from {', '.join(MODEL_NAMES)}")
 
@@ -189,7 +261,7 @@ def synthetic_batch(cfg: ModelConfig, batch: int, seed: int = 0) -> tuple[np.nda
         raise ValueError(f"batch must be >= 1, got {batch}")
     rng = np.random.default_rng(seed)
     labels = rng.integers(0, cfg.classes, size=(batch,)).astype(np.int32)
-    if cfg.name == "transformer":
+    if cfg.name in ("transformer", "bert_base"):
         x = rng.integers(0, cfg.vocab, size=(batch, cfg.seq_len)).astype(np.int32)
     else:
         x = rng.random((batch, cfg.image_size, cfg.image_size, 3), dtype=np.float32)

@@ -339,6 +339,23 @@ class EmulatedCluster:
                     f"`modprobe sch_{kind}`): {str(e).rstrip('.')}.{hint}") from None
             raise
 
+    def rate_change_argv(self, bandwidth_bps: float) -> list[str]:
+        """``tc`` command that sets a host's egress rate to ``bandwidth_bps`` mid-run.
+
+        It is run inside the host's namespace (by the host's own worker, so that the change lands
+        at a known training step), on a cluster that was started with a rate. The bucket keeps
+        the larger of the two rates' sizes, so a faster rate is not held back by a small burst.
+        """
+        if not self.bandwidth_bps:
+            raise ValueError("only a shaped cluster (built with a bandwidth) can change its rate")
+        if not bandwidth_bps or bandwidth_bps <= 0:
+            raise ValueError(f"bandwidth_bps must be positive, got {bandwidth_bps}")
+        rate = int(bandwidth_bps)
+        burst = max(self.burst_bytes, int(rate / 8 / 250))
+        where = ["parent", "1:1", "handle", "10:"] if self.delay_ms > 0 else ["root", "handle", "1:"]
+        return ["tc", "qdisc", "change", "dev", HOST_IFACE, *where, "tbf", "rate", f"{rate}bit",
+                "burst", str(burst), "latency", f"{self.latency_ms:g}ms"]
+
     def qdisc_stats(self, i: int) -> str:
         """``tc -s qdisc show`` of host ``i``'s interface (sent bytes, drops, overlimits)."""
         return _run(["tc", "-s", "-n", self.namespace(i), "qdisc", "show", "dev", HOST_IFACE]).stdout

@@ -1,31 +1,51 @@
 """Training step time of prophet_tf's schedules vs TensorFlow's MultiWorkerMirroredStrategy.
 
-    python -m prophet_tf.bench.train [--quick] [--models vgg16,transformer] [--workers 2]
-        [--ratios 0.3,1,3] [--systems prophet,prophet_nocross,priority,fifo,mwms]
-        [--batch 16] [--steps 10] [--warmup 3] [--out bench_out/] [--json PATH] [--loopback]
+    python -m prophet_tf.bench.train [--compute real|emulated] [--quick | --full]
+        [--models resnet50,vgg16,transformer,bert_base] [--workers 2,4,8] [--ratios 0.5,1]
+        [--systems prophet,prophet_nocross,priority,fifo,auto,mwms] [--batch 64] [--steps 20]
+        [--warmup 5] [--accelerator_tflops 100] [--time_scale 28] [--out bench_out/]
+        [--json PATH] [--timeline DIR] [--rate_change STEP:FACTOR] [--loopback]
 
-For every model (``--models``: ``vgg16``, ``transformer``, ``resnet50``; see
-:mod:`prophet_tf.bench.models`) and worker count N (``--workers``, 2-4):
+Two ways for the workers to compute (``--compute``):
 
-1. **compute time** (``compute_s``): the model with the per-worker batch (``--batch``) trains
-   in one process alone, without any strategy. The run also reports the gradient bytes. With
-   ``--contended`` (default, not with ``--quick``) N such uncoupled processes also run at
-   once: the compute time when N workers share this machine's cores (``compute_contended_s``,
-   shown in parentheses; not used for the bound).
+* ``real`` (default): this machine's CPU runs the models (small inputs: 32x32 images, a small
+  Transformer). Compute, summation and TCP copies then share the same cores, which on this
+  2-core machine sets the step time more than any schedule does.
+* ``emulated``: every layer keeps its real variables (real shapes and dtypes, so gradient bytes,
+  count and order are those of the real model: ResNet50 and VGG16 at 224x224 with 1000 classes,
+  a BERT-base-sized encoder) but its forward and backward passes take a fixed time on an
+  emulated accelerator that uses no CPU (:mod:`prophet_tf.bench.emulated`): layer time = FLOPs x
+  batch / ``--accelerator_tflops`` (backward: twice the forward). Everything else is real
+  training: ``ProphetStrategy`` with ``model.fit``, MultiWorkerMirroredStrategy on the same
+  model. Real accelerators are so fast that comm/comp 1 needs tens of Gbit/s per host, more than
+  one machine's CPU can push through emulated links, so every compute time runs ``time_scale``
+  times slower and every link as much slower (all ratios unchanged); by default the time scale
+  puts the N links at comm/comp 1 together at ``--link_budget_gbps`` (4 Gbit/s).
+
+For every model and worker count N (2-8):
+
+1. **compute time** (``compute_s``). Real: the model with the per-worker batch (``--batch``)
+   trains in one process alone, without any strategy; with ``--contended`` (default with real
+   compute, not with ``--quick``) N such uncoupled processes also run at once
+   (``compute_contended_s``, in parentheses; not used for the bound). Emulated: the emulated
+   accelerator's time per step (the sum of all layers' forward and backward times), a true lower
+   bound that does not depend on this machine's load; ``--alone`` also times one worker alone.
 2. **bandwidths**: for every ratio r in ``--ratios`` (communication time / compute time), the
    per-host link rate is ``2(N-1)/N * gradient_bytes * 8 / (r * compute_s)`` bit/s: moving the
    all-reduce optimum of 2(N-1)/N of the gradient bytes at that rate takes r times the compute
    time.
 3. **systems**: for every bandwidth an emulated cluster of N hosts is built
    (:class:`~prophet_tf.bench.netem.EmulatedCluster`: a network namespace per host, ``tbf`` on
-   each host's NIC), and each system is a separate launch of N worker processes inside it
-   (``prophet_tf.launch.launch(..., hosts=..., wrap_argv=cluster.exec_argv)``), on the same model
-   and global batch (N x ``--batch``): ``ProphetStrategy`` with ``schedule="prophet"``,
-   ``"priority"`` and ``"fifo"``; ``prophet`` with barrier crossing off (``prophet_nocross``:
-   ``cross_barrier=False``, passed only when the constructor has that parameter, otherwise the
-   run equals ``prophet`` and the output says so); and TensorFlow's
-   ``tf.distribute.MultiWorkerMirroredStrategy`` (``mwms``: RING collectives on CPU, cluster
-   from the launcher's ``TF_CONFIG``).
+   each host's NIC; names start with ``--netns_prefix``), and each system is a separate launch
+   of N worker processes inside it (``prophet_tf.launch.launch(..., hosts=...,
+   wrap_argv=cluster.exec_argv)``), on the same model and global batch (N x ``--batch``):
+   ``ProphetStrategy`` with ``schedule="prophet"``, ``"priority"`` and ``"fifo"``; ``prophet``
+   with barrier crossing off (``prophet_nocross``: ``cross_barrier=False``, passed only when the
+   constructor has that parameter, otherwise the run equals ``prophet`` and the output says so);
+   ``auto`` (``schedule="auto"``: the schedule the predictor expects to be fastest, chosen by
+   the runtime after a few steps; the JSON says which one it ran, ``schedule_in_use``);
+   and TensorFlow's ``tf.distribute.MultiWorkerMirroredStrategy`` (``mwms``: RING collectives on
+   CPU, cluster from the launcher's ``TF_CONFIG``).
 4. Each worker trains on synthetic data with ``model.fit``; ``mwms`` uses the same train step as
    a custom loop, because Keras 3's ``fit`` fails under MultiWorkerMirroredStrategy
    (keras-team/keras#20585). A Keras callback timestamps every ``on_train_batch_begin``; a step's
@@ -35,21 +55,44 @@ For every model (``--models``: ``vgg16``, ``transformer``, ``resnet50``; see
 Per setting: each system's median step time and samples/s, speed-up over ``mwms``, the lower
 bound ``max(compute_s, 2(N-1)/N * gradient_bytes * 8 / bandwidth)`` and each system's ratio to
 it. Outputs in ``--out`` (default ``bench_out/``): ``results.md`` (Markdown table),
-``results.csv``, ``results.json``, ``results.png`` (chart) and ``logs/`` (every launch's
-output); ``--json PATH`` also writes the JSON list there.
+``results.csv``, ``results.json`` (``"compute": "real"|"emulated"`` per setting; emulated
+settings add ``"emulation"``: time scale, accelerator times, modelled link rate), ``results.png``
+(chart) and ``logs/`` (every launch's output); ``--json PATH`` also writes the JSON list there.
+``--timeline DIR`` (or ``$PROPHET_TIMELINE``) writes a Chrome trace per ProphetStrategy launch
+and worker and draws one measured step of each (``DIR/<launch>.step<K>.png``; emulated compute
+adds the layers' forward and backward spans).
 
-Noise: the machine's CPU time outside the workers during the measured steps is recorded per
-launch (``foreign_cores``); a launch disturbed by other programs (more than ``--noise_cores``)
-is run again up to ``--retries`` times and the quietest attempt kept; the table flags those that
-stayed noisy. Every worker pins TensorFlow to 1 intra-op and 2 inter-op threads
-(``--intra_threads``, ``--inter_threads``).
+``--rate_change STEP:FACTOR``: at the start of training step STEP every worker sets its own host's
+link to FACTOR times the setting's rate (``tc`` inside its namespace), to watch Prophet re-plan:
+the output gives the step times before, around and after the change against both bounds, and
+``--timeline`` draws the steps around it (the re-plans are marked on the ``block`` track, the
+change on the ``bench`` track).
+
+Noise and CPU limits: the machine's CPU time outside the workers during the measured steps is
+recorded per launch (``foreign_cores``); a launch disturbed by other programs (more than
+``--noise_cores``) is run again up to ``--retries`` times and the quietest attempt kept; the
+table flags those that stayed noisy, and those during which the machine's cores were at least
+85% busy ("CPU-limited": then this machine, not the modelled cluster, set the step time). Every
+worker pins TensorFlow to 1 intra-op and 2 inter-op threads (``--intra_threads``,
+``--inter_threads``).
 
 The emulated cluster needs root (network namespaces, tc); without it the program says so and
 ``--loopback`` runs the workers on 127.0.0.1 without shaping (one setting per model and N).
 Namespaces are deleted and every worker process is killed at the end, on errors and on
 Ctrl-C/SIGTERM (exit status 128 + signal).
 
-``--quick``: the Transformer, 2 workers, comm/comp = 1, no contended run (about 2-3 minutes).
+Grids. Real compute: ``--models`` x ``--workers`` x ``--ratios`` (default VGG16 and the
+Transformer, N=2, comm/comp 0.3, 1, 3). Emulated compute: by default
+:data:`EMULATED_DEFAULT_GRID` with :data:`EMULATED_DEFAULT_SYSTEMS`, ``mwms`` only at comm/comp 1
+(estimated from measured launch times to fit in 25 minutes on an idle 2-core machine);
+``--full``: every model x N = 2, 4, 8 x comm/comp 0.5, 1, 1.5, 2 (several hours); any of ``--models``,
+``--workers``, ``--ratios`` makes a grid of their product instead.
+
+``--quick``: one model, 2 workers, comm/comp = 1, no contended run, no ``auto`` (it runs one of
+the other schedules) and no retries (a disturbed launch is flagged, not run twice): the small
+Transformer with real compute, ResNet50 with emulated compute (expected to take about 3 minutes
+on an idle 2-core machine, estimated from measured launch times; start-up and the first step's
+tracing are about 11 s of each launch there).
 """
 
 from __future__ import annotations
@@ -57,6 +100,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import datetime
+import hashlib
 import io
 import json
 import math
@@ -70,14 +114,26 @@ import threading
 import time
 from typing import Any, Iterable, Mapping, Optional, Sequence, TextIO
 
+from prophet_tf.bench.emulated import DEFAULT_ACCELERATOR_TFLOPS
+from prophet_tf.bench.models import COMPUTE_MODES, MODEL_NAMES
+
 __all__ = [
     "SYSTEMS", "ALL_SYSTEMS", "comm_bytes", "comm_time_s", "lower_bound_s", "choose_bandwidth",
     "choose_bandwidths", "step_periods", "median", "make_setting", "validate_settings",
     "write_json", "format_markdown", "write_csv", "plot", "SweepOptions", "run_sweep", "main",
+    "rate_change_summary",
 ]
 
 #: Multi-worker systems compared in every setting (the keys of ``results`` in the JSON output).
-SYSTEMS = ("prophet", "prophet_nocross", "priority", "fifo", "mwms")
+SYSTEMS = ("prophet", "prophet_nocross", "priority", "fifo", "auto", "mwms")
+#: ``--quick``'s systems: ``auto`` runs one of the others (the one the predictor picks), so the
+#: quick run leaves it out unless ``--systems`` names it; one launch less.
+QUICK_SYSTEMS = ("prophet", "prophet_nocross", "priority", "fifo", "mwms")
+#: The emulated-compute sweeps' systems without ``--full``: what the goals compare (prophet
+#: against priority, fifo and MultiWorkerMirroredStrategy); ``prophet_nocross`` and ``auto`` add a
+#: launch per setting each and come with ``--full`` or ``--systems``. With all six the default
+#: sweep would not fit in 25 minutes on a 2-core machine (docs/benchmarks.md).
+EMULATED_DEFAULT_SYSTEMS = ("prophet", "priority", "fifo", "mwms")
 #: SYSTEMS plus the single-worker compute-time run.
 ALL_SYSTEMS = SYSTEMS + ("single",)
 #: ProphetStrategy schedule and barrier crossing of each prophet_tf system.
@@ -86,13 +142,35 @@ PROPHET_SYSTEMS = {
     "prophet_nocross": ("prophet", False),
     "priority": ("priority", True),
     "fifo": ("fifo", True),
+    "auto": ("auto", True),   # the schedule the predictor expects to be fastest (rank 0 decides)
 }
 DEFAULT_MODELS = ("vgg16", "transformer")
 QUICK_MODEL = "transformer"
 DEFAULT_RATIOS = (0.3, 1.0, 3.0)
+#: ``--compute emulated`` defaults (see the module docstring for how they were chosen).
+EMULATED_DEFAULT_MODELS = ("resnet50", "bert_base", "vgg16")
+EMULATED_QUICK_MODEL = "resnet50"
+EMULATED_RATIOS = (0.5, 1.0, 1.5, 2.0)
+#: The default emulated sweep (model, workers, ratios), with EMULATED_DEFAULT_SYSTEMS and
+#: ``mwms`` only at comm/comp 1 (where the goals compare with it; it is the slowest system):
+#: estimated from measured launch times to take 17-23 minutes on an idle 2-core machine.
+EMULATED_DEFAULT_GRID = (
+    ("resnet50", 2, EMULATED_RATIOS),
+    ("bert_base", 2, (1.0,)),
+    ("resnet50", 4, (1.0,)),
+)
+EMULATED_STEPS = 20
+EMULATED_WARMUP = 5
+MAX_WORKERS = 8
 NETNS_PREFIX = "ptfbench"
 #: A measurement during which other programs used more cores than this is flagged in the table.
 NOISY_CORES = 0.3
+#: A launch during which the machine's cores were busier than this fraction is flagged as limited
+#: by this machine's CPU (the workers' own work, the kernel's network stack, other programs).
+CPU_LIMITED_FRACTION = 0.85
+#: Default aggregate egress of all emulated hosts at comm/comp 1 under emulated compute, bit/s;
+#: sets the time scale (see :func:`emulated_time_scale`).
+DEFAULT_LINK_BUDGET_BPS = 4e9
 _RESULT_RE = re.compile(r"^\[rank (\d+)\] RESULT (\{.*\})\s*$")
 
 
@@ -143,6 +221,43 @@ def choose_bandwidths(gradient_bytes: float, workers: int, compute_s: float,
             for r in ratios]
 
 
+def emulated_time_scale(gradient_bytes: float, workers: int, accelerator_s: float,
+                        link_budget_bps: float) -> float:
+    """How many times slower than the modelled accelerator and links the emulation runs.
+
+    Moving the all-reduce optimum of ``gradient_bytes`` in one step of ``accelerator_s`` (the
+    modelled accelerator's compute time) takes links of ``comm_bytes * 8 / accelerator_s`` bit/s
+    per host at comm/comp 1: tens of Gbit/s for these models, far more than one machine's CPU can
+    push through emulated links. Scaling every compute time up and every link rate down by the
+    same factor keeps every ratio (comm/comp, step/bound, speed-ups) of the modelled cluster. The
+    factor puts the N hosts' links at comm/comp 1 together at ``link_budget_bps``; it is rounded
+    up to two significant digits and never below 1.
+    """
+    if accelerator_s <= 0 or link_budget_bps <= 0:
+        raise ValueError(f"accelerator time and link budget must be positive, got "
+                         f"{accelerator_s}, {link_budget_bps}")
+    per_host = link_budget_bps / workers
+    scale = comm_bytes(gradient_bytes, workers) * 8.0 / (accelerator_s * per_host)
+    if scale <= 1:
+        return 1.0
+    digits = 10 ** (math.floor(math.log10(scale)) - 1)
+    return float(math.ceil(scale / digits - 1e-9) * digits)
+
+
+def cpu_fraction(results: Mapping[int, Mapping[str, Any]], cores: int) -> tuple[Optional[float],
+                                                                               Optional[float]]:
+    """``(machine, workers)``: share of this machine's ``cores`` that were busy during rank 0's
+    measured window, in total and with the workers' own processes."""
+    r0 = results.get(0, {})
+    window, busy = r0.get("window_s"), r0.get("window_machine_busy_s")
+    own = [r.get("window_cpu_s") for r in results.values()]
+    if not window or cores < 1:
+        return None, None
+    machine = None if busy is None else busy / window / cores
+    workers = None if any(o is None for o in own) else sum(own) / window / cores
+    return machine, workers
+
+
 def step_periods(begin_times: Sequence[float], warmup: int) -> list[float]:
     """Intervals between consecutive step starts, dropping the first ``warmup`` steps.
 
@@ -167,19 +282,22 @@ def make_setting(model: str, workers: int, bandwidth_bps: Optional[float], compu
                  gradient_bytes: int, batch_per_worker: int,
                  step_s: Mapping[str, Optional[float]], *, ratio: Optional[float] = None,
                  extra: Optional[Mapping[str, Mapping[str, Any]]] = None,
-                 notes: Sequence[str] = ()) -> dict[str, Any]:
+                 notes: Sequence[str] = (), compute: str = "real") -> dict[str, Any]:
     """One output object (one model, worker count and bandwidth) in the JSON schema.
 
     Args:
       step_s: median step time of each system that ran (None for a system that failed).
       extra: more per-system fields (e.g. ``schedule_effective``, ``error``) merged into
         ``results[SYSTEM]``.
+      compute: ``"real"`` or ``"emulated"`` (how the workers computed).
 
-    Returns ``{"model", "workers", "bandwidth_bps", "compute_s", "lower_bound_s", "results":
-    {SYSTEM: {"step_s_median", "samples_per_s", "speedup_vs_mwms", "ratio_to_lower_bound",
-    ...}}, ...}`` plus context fields (``comm_compute_ratio``, ``global_batch``,
-    ``gradient_bytes``, ``comm_s``, ``notes``).
+    Returns ``{"model", "workers", "bandwidth_bps", "compute_s", "lower_bound_s", "compute",
+    "results": {SYSTEM: {"step_s_median", "samples_per_s", "speedup_vs_mwms",
+    "ratio_to_lower_bound", ...}}, ...}`` plus context fields (``comm_compute_ratio``,
+    ``global_batch``, ``gradient_bytes``, ``comm_s``, ``notes``).
     """
+    if compute not in COMPUTE_MODES:
+        raise ValueError(f"compute must be one of {COMPUTE_MODES}, got {compute!r}")
     global_batch = batch_per_worker * workers
     lb = lower_bound_s(compute_s, gradient_bytes, workers, bandwidth_bps)
     mwms = step_s.get("mwms")
@@ -204,6 +322,7 @@ def make_setting(model: str, workers: int, bandwidth_bps: Optional[float], compu
         "bandwidth_bps": float(bandwidth_bps) if bandwidth_bps else None,
         "compute_s": float(compute_s),
         "lower_bound_s": lb,
+        "compute": compute,
         "results": results,
         "comm_compute_ratio": ratio if ratio is not None else (
             comm_time_s(gradient_bytes, workers, bandwidth_bps) / compute_s
@@ -227,6 +346,9 @@ def validate_settings(settings: Sequence[Mapping[str, Any]]) -> None:
                 raise ValueError(f"{where}: missing {key!r}")
             if not isinstance(st[key], kind) or isinstance(st[key], bool):
                 raise ValueError(f"{where}: {key!r} has type {type(st[key]).__name__}")
+        if st.get("compute") not in COMPUTE_MODES:
+            raise ValueError(f"{where}: 'compute' must be one of {COMPUTE_MODES}, got "
+                             f"{st.get('compute')!r}")
         if "bandwidth_bps" not in st:
             raise ValueError(f"{where}: missing 'bandwidth_bps'")
         bw = st["bandwidth_bps"]
@@ -284,9 +406,12 @@ def _fmt(x: Optional[float], spec: str, suffix: str = "") -> str:
 def format_markdown(settings: Sequence[Mapping[str, Any]]) -> str:
     """One Markdown table: a row per (setting, system), setting columns filled on its first row.
 
-    Columns: model, N (workers), global batch, comm/compute ratio, link rate, compute ms (one
-    worker alone; in parentheses N uncoupled workers at once, when measured), lower bound ms,
-    system, median step ms, samples/s, speed-up over mwms, step / lower bound.
+    Columns: model, N (workers), global batch, comm/compute ratio, link rate (emulated compute:
+    in parentheses the modelled link, time scale x rate), compute ms (real: one worker alone, in
+    parentheses N uncoupled workers at once when measured; emulated: the accelerator's time, in
+    parentheses one worker alone when measured),
+    lower bound ms, system, median step ms, samples/s, speed-up over mwms, step / lower bound.
+    A system is flagged when other programs disturbed it or when the machine's CPU was the limit.
     """
     head = ("| model | N | batch | comm/comp | link | compute ms | bound ms | system | step ms | "
             "samples/s | vs mwms | step/bound |")
@@ -303,11 +428,21 @@ def format_markdown(settings: Sequence[Mapping[str, Any]]) -> str:
             noise = res.get("foreign_cores")
             if _finite(noise) and noise > NOISY_CORES:
                 label += f" (noisy: other programs used {noise:.1f} cores)"
+            busy = res.get("machine_cpu")
+            if _finite(busy) and busy >= CPU_LIMITED_FRACTION:
+                label += f" (CPU-limited: cores {busy:.0%} busy)"
             compute = _fmt(st["compute_s"] * 1e3, ".0f")
+            emulation = st.get("emulation") or {}
+            alone = (st.get("compute_single") or {}).get("step_s_median")
             if st.get("compute_contended_s"):
                 compute += f" ({st['compute_contended_s'] * 1e3:.0f})"
+            elif emulation and _finite(alone):
+                compute += f" (alone {alone * 1e3:.0f})"
+            link = format_bandwidth(st["bandwidth_bps"])
+            if _finite(emulation.get("modelled_bandwidth_bps")):
+                link += f" ({format_bandwidth(emulation['modelled_bandwidth_bps'])})"
             cells = [st["model"], str(st["workers"]), str(st.get("global_batch", "")),
-                     _fmt(ratio, ".2g"), format_bandwidth(st["bandwidth_bps"]),
+                     _fmt(ratio, ".2g"), link,
                      compute, _fmt(st["lower_bound_s"] * 1e3, ".0f")]
             if not first:
                 cells = [""] * len(cells)
@@ -321,10 +456,12 @@ def format_markdown(settings: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-CSV_FIELDS = ("model", "workers", "global_batch", "comm_compute_ratio", "bandwidth_bps",
-              "gradient_bytes", "compute_s", "compute_contended_s", "lower_bound_s", "system",
-              "step_s_median", "samples_per_s", "speedup_vs_mwms", "ratio_to_lower_bound", "schedule_effective",
-              "cross_barrier", "foreign_cores", "attempts", "note", "error")
+CSV_FIELDS = ("model", "workers", "global_batch", "compute", "comm_compute_ratio",
+              "bandwidth_bps", "gradient_bytes", "compute_s", "compute_contended_s",
+              "lower_bound_s", "time_scale", "accelerator_tflops", "accelerator_s",
+              "modelled_bandwidth_bps", "system", "step_s_median", "samples_per_s",
+              "speedup_vs_mwms", "ratio_to_lower_bound", "schedule_effective", "cross_barrier",
+              "foreign_cores", "machine_cpu", "workers_cpu", "attempts", "note", "error")
 
 
 def write_csv(path: str, settings: Sequence[Mapping[str, Any]]) -> None:
@@ -335,6 +472,8 @@ def write_csv(path: str, settings: Sequence[Mapping[str, Any]]) -> None:
         for st in settings:
             for system, res in st["results"].items():
                 row = {k: st.get(k) for k in CSV_FIELDS}
+                row.update({k: v for k, v in (st.get("emulation") or {}).items()
+                            if k in CSV_FIELDS})
                 row.update({k: v for k, v in res.items() if k in CSV_FIELDS})
                 row["system"] = system
                 w.writerow({k: ("" if v is None else v) for k, v in row.items()})
@@ -357,7 +496,7 @@ def plot(settings: Sequence[Mapping[str, Any]], path: str, title: str = "") -> N
         return
     systems = [s for s in SYSTEMS if any(s in st["results"] for st in settings)]
     colors = {"prophet": "#d62728", "prophet_nocross": "#ff9896", "priority": "#1f77b4",
-              "fifo": "#7f7f7f", "mwms": "#2ca02c"}
+              "fifo": "#7f7f7f", "auto": "#9467bd", "mwms": "#2ca02c"}
     fig, axes = plt.subplots(1, len(groups), figsize=(max(5.5, 4.8 * len(groups)), 4.2),
                              squeeze=False)
     width = 0.8 / max(1, len(systems))
@@ -455,14 +594,76 @@ def _make_strategy(system: str, tf: Any, prophet_options: Mapping[str, Any]) -> 
     return strategy, facts
 
 
+def _model_config(config: Mapping[str, Any]) -> Any:
+    from prophet_tf.bench import models
+    fields = {k: v for k, v in config["model"].items() if k != "name"}
+    return models.config_for(config["model"]["name"], config.get("compute", "real"), **fields)
+
+
+def _layer_specs(config: Mapping[str, Any]) -> list:
+    """The emulated model's layer specs: from ``config["spec_path"]`` or from the real model."""
+    from prophet_tf.bench import emulated, models
+    cfg = _model_config(config)
+    return emulated.load_or_make_specs(config.get("spec_path"), lambda: models.build_model(cfg))
+
+
+def describe_model(config: Mapping[str, Any]) -> None:
+    """Worker task ``specs``: stores the layer specs at ``config["spec_path"]``."""
+    _set_thread_env(config["intra_threads"], config["inter_threads"])
+    specs = _layer_specs(config)
+    print("RESULT " + json.dumps({"system": "specs", "rank": 0, "layers": len(specs)}),
+          flush=True)
+
+
+def describe_specs(specs: Sequence[Any], batch: int, tflops: float) -> dict[str, Any]:
+    """What the orchestrator needs from a model's layer specs: gradient bytes and count,
+    parameters, FLOPs per step and the accelerator's time per step (time scale 1)."""
+    from prophet_tf.bench import emulated
+    grads = [w for s in specs for w in s.weights if w.trainable]
+    return {"layers": len(specs), "num_gradients": len(grads),
+            "gradient_bytes": sum(s.gradient_bytes() for s in specs),
+            "params": sum(math.prod(w.shape) for w in grads),
+            "step_flops": emulated.step_flops(specs, batch),
+            "accelerator_s": emulated.accelerator_step_s(specs, batch, tflops)}
+
+
+def _build_model(config: Mapping[str, Any], cfg: Any,
+                 specs: Optional[Sequence[Any]]) -> tuple[Any, Any]:
+    """The model to train and its loss: the real model, or (with ``specs``) its emulated twin."""
+    from prophet_tf.bench import emulated, models
+    if specs is None:
+        return models.build_model(cfg), models.loss_name(cfg)
+    import keras
+    model = emulated.build_emulated_model(specs, int(config["batch_per_worker"]),
+                                          config["accelerator_tflops"], config["time_scale"],
+                                          cfg.classes, name=f"{cfg.name}_emulated")
+    return model, keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _training_data(config: Mapping[str, Any], cfg: Any, global_batch: int) -> tuple[Any, Any]:
+    import numpy as np
+
+    from prophet_tf.bench import models
+    if config.get("compute", "real") == "emulated":
+        # The emulated layers ignore their input: a [batch, 1] placeholder and real labels.
+        labels = np.random.default_rng(1).integers(0, cfg.classes, size=(global_batch,))
+        return np.zeros((global_batch, 1), np.float32), labels.astype(np.int32)
+    return models.synthetic_batch(cfg, global_batch, seed=1)
+
+
 def run_worker(config: Mapping[str, Any]) -> None:
     """Trains ``config["model"]`` with ``config["system"]`` and prints ``RESULT {json}``.
 
     Config keys: system, model (a :class:`ModelConfig` dict), batch_per_worker, steps, warmup,
-    intra_threads, inter_threads, prophet_options.
+    intra_threads, inter_threads, prophet_options; compute (``real``/``emulated``) and, for
+    emulated compute, accelerator_tflops, time_scale and spec_path (layer specs shared by the
+    workers). System ``specs`` only writes the layer specs (:func:`describe_model`).
     """
     t_start = time.perf_counter()
     system = config["system"]
+    if system == "specs":
+        describe_model(config)
+        return
     if system == "single":
         os.environ.pop("TF_CONFIG", None)
     _set_thread_env(config["intra_threads"], config["inter_threads"])
@@ -482,16 +683,17 @@ def run_worker(config: Mapping[str, Any]) -> None:
         rank, world = int(resolver.task_id), strategy.num_replicas_in_sync
     else:
         rank, world = strategy.rank, strategy.world_size
-    cfg = models.config_for(config["model"]["name"], **{k: v for k, v in config["model"].items()
-                                                         if k != "name"})
+    cfg = _model_config(config)
     per_worker = int(config["batch_per_worker"])
     global_batch = per_worker * world
+    # Any real model the specs need is built here, outside the strategy's scope.
+    specs = _layer_specs(config) if config.get("compute", "real") == "emulated" else None
 
     scope = strategy.scope() if strategy is not None else _null_context()
     with scope:
-        model = models.build_model(cfg)
-        model.compile(optimizer=models.make_optimizer(), loss=models.loss_name(cfg))
-    x, y = models.synthetic_batch(cfg, global_batch, seed=1)
+        model, loss = _build_model(config, cfg, specs)
+        model.compile(optimizer=models.make_optimizer(), loss=loss)
+    x, y = _training_data(config, cfg, global_batch)
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
     dataset = tf.data.Dataset.from_tensors((x, y)).repeat().with_options(options)
@@ -514,18 +716,25 @@ def run_worker(config: Mapping[str, Any]) -> None:
             self.end: list[float] = []
             self.cpu: list[float] = []
             self.machine: list[Optional[float]] = []
+            self.first_step_cpu: Optional[float] = None
 
         def on_train_batch_begin(self, batch: int, logs: Optional[dict] = None) -> None:
+            if rate_change and len(self.begin) == rate_change["step"]:
+                _change_link_rate(rate_change, strategy if system in PROPHET_SYSTEMS else None)
             self.begin.append(time.perf_counter())
             self.cpu.append(time.process_time())
             self.machine.append(machine_busy_s())
 
         def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
             self.end.append(time.perf_counter())
+            if len(self.end) == 1:
+                self.first_step_cpu = time.process_time() - self.cpu[0]
 
+    rate_change = config.get("rate_change")
     warmup, steps = int(config["warmup"]), int(config["steps"])
     timer = StepTimes()
     t_fit = time.perf_counter()
+    startup_cpu = time.process_time()
     total = warmup + steps + 1
     if system == "mwms":
         # Keras 3 `fit` cannot run under MultiWorkerMirroredStrategy (its symbolic build calls
@@ -555,12 +764,56 @@ def run_worker(config: Mapping[str, Any]) -> None:
                                   and busy_machine[-1] is not None else None),
         "first_step_s": (timer.end[0] - timer.begin[0]) if timer.end else None,
         "startup_s": t_fit - t_start, "fit_s": t_done - t_fit,
+        # CPU seconds of this process before training and in the first step (tracing): what
+        # start-up costs on a machine that gives every worker a core of its own
+        "startup_cpu_s": startup_cpu, "first_step_cpu_s": timer.first_step_cpu,
         "params": models.parameter_count(model), "gradient_bytes": models.gradient_bytes(model),
         "num_gradients": len(model.trainable_weights),
+        "max_rss_bytes": _max_rss_bytes(),
         **facts,
     }
+    if strategy is not None and hasattr(strategy, "schedule_in_use"):
+        result["schedule_in_use"] = strategy.schedule_in_use
+        result["schedule_decisions"] = [dict(step=d.step, schedule=d.schedule, reason=d.reason)
+                                        for d in strategy.schedule_decisions]
     print("RESULT " + json.dumps(_json_safe(result)), flush=True)
     _fast_exit(strategy, system, tf)
+
+
+def _change_link_rate(change: Mapping[str, Any], strategy: Any) -> None:
+    """Sets this worker's host link to ``change["bandwidth_bps"]`` (``tc`` inside the host's
+    namespace) and marks the moment on the timeline's "bench" track."""
+    subprocess.run(change["argv"], check=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    if strategy is not None:
+        from prophet_tf import runtime
+        runtime.timeline_event("bench", f"tc rate -> {format_bandwidth(change['bandwidth_bps'])}",
+                               time.monotonic_ns())
+
+
+def _max_rss_bytes() -> Optional[int]:
+    try:
+        import resource
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024   # KiB on Linux
+    except (ImportError, OSError):
+        return None
+
+
+def worker_memory_bytes(gradient_bytes: float) -> float:
+    """Rough peak memory of one worker: TensorFlow and Keras (~1.2 GB) plus about 6 copies of
+    the gradient bytes (weights, optimizer slot, gradients, summed gradients, runtime buffers)."""
+    return 1.2e9 + 6.0 * float(gradient_bytes)
+
+
+def available_memory_bytes() -> Optional[float]:
+    """``MemAvailable`` of this machine (``/proc/meminfo``), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def _fast_exit(strategy: Any, system: str, tf: Any) -> None:
@@ -578,6 +831,9 @@ def _fast_exit(strategy: Any, system: str, tf: Any) -> None:
     except Exception as e:  # noqa: BLE001 - fall back to a normal exit
         print(f"final barrier failed ({type(e).__name__}: {e}); exiting normally", flush=True)
         return
+    if system in PROPHET_SYSTEMS:
+        from prophet_tf import runtime
+        runtime.timeline_flush()   # os._exit skips the shutdown that would write it out
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
@@ -658,10 +914,30 @@ class SweepOptions:
     meta: dict = dataclasses.field(default_factory=dict)   # filled by run_sweep
     retries: int = 1                      # re-runs of a launch disturbed by other programs
     noise_cores: float = 0.3              # ... i.e. that used more than this many cores
+    compute: str = "real"                 # "real" (this machine's CPU) or "emulated"
+    accelerator_tflops: float = 100.0     # emulated accelerator rate
+    time_scale: Optional[float] = None    # emulated: None = emulated_time_scale per model and N
+    link_budget_bps: float = DEFAULT_LINK_BUDGET_BPS
+    netns_prefix: str = NETNS_PREFIX
+    timeline: Optional[str] = None        # write a timeline per ProphetStrategy launch
+    alone: bool = False                   # emulated: also time one worker alone
+    grid: Optional[list] = None           # [(model, workers, ratios)]; None: the cartesian
+                                          # product of models, workers and ratios
+    rate_change: Optional[tuple[int, float]] = None  # (step K, factor): every host's link rate
+                                          # becomes factor x the setting's rate at step K
+    mwms_ratios: Optional[tuple[float, ...]] = None  # mwms runs only at these comm/comp ratios
+                                          # (None: at all)
 
 
-#: Default per-worker batch of each model (compute of roughly 0.3-0.6 s per step here).
-DEFAULT_BATCH = {"resnet50": 16, "vgg16": 16, "transformer": 16}
+#: Default per-worker batch of each model under real compute (0.3-0.6 s per step here).
+DEFAULT_BATCH = {"resnet50": 16, "vgg16": 16, "transformer": 16, "bert_base": 16}
+#: Default per-worker batch under emulated compute (typical per-GPU batches of these models).
+EMULATED_BATCH = {"resnet50": 64, "vgg16": 64, "transformer": 32, "bert_base": 32}
+
+
+def default_batch(model: str, compute: str) -> int:
+    """The per-worker batch of ``model`` when ``--batch`` is not given."""
+    return (EMULATED_BATCH if compute == "emulated" else DEFAULT_BATCH)[model]
 
 
 class _Tee(io.TextIOBase):
@@ -734,36 +1010,69 @@ def _reap_namespaces(cluster: Any) -> int:
     return len(pids)
 
 
+def timeline_pattern(base: str, launch_name: str) -> str:
+    """Where a launch writes its timeline (``{rank}`` = the worker's rank).
+
+    ``base`` is a directory, or a ``.json`` path whose stem then prefixes every launch's files.
+    """
+    if base.endswith(".json"):
+        return f"{base[:-len('.json')]}.{launch_name}.{{rank}}.json"
+    return os.path.join(base, f"{launch_name}.{{rank}}.json")
+
+
+def worker_config(system: str, cfg: Mapping[str, Any], batch: int, opts: SweepOptions,
+                  emulation: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+    """The configuration a worker of ``system`` gets (see :func:`run_worker`)."""
+    return {"system": system, "model": dict(cfg), "batch_per_worker": batch,
+            "steps": opts.steps, "warmup": opts.warmup, "intra_threads": opts.intra_threads,
+            "inter_threads": opts.inter_threads, "prophet_options": opts.prophet_options,
+            **(emulation or {"compute": "real"})}
+
+
 def _launch_system(system: str, n: int, cluster: Any, cfg: Mapping[str, Any], batch: int,
-                   opts: SweepOptions, timeout: float, log_name: str = "") -> dict[int, dict]:
+                   opts: SweepOptions, timeout: float, log_name: str = "",
+                   emulation: Optional[Mapping[str, Any]] = None) -> dict[int, dict]:
     """Runs one system as ``n`` worker processes; returns ``{rank: result}`` (rank 0 always).
 
-    The workers' output goes to ``OUT/logs/LOG_NAME.log``.
+    ``emulation``: the worker-config keys of emulated compute (``compute``, ``time_scale``, ...);
+    None = real compute. The workers' output goes to ``OUT/logs/LOG_NAME.log``.
     """
     from prophet_tf.launch import launch
 
-    config = {"system": system, "model": dict(cfg), "batch_per_worker": batch,
-              "steps": opts.steps, "warmup": opts.warmup, "intra_threads": opts.intra_threads,
-              "inter_threads": opts.inter_threads, "prophet_options": opts.prophet_options}
+    log_name = log_name or f"{cfg['name']}_{system}_n{n}"
+    config = worker_config(system, cfg, batch, opts, emulation)
     argv = ["-m", "prophet_tf.bench.train", "--worker", json.dumps(config)]
+    timeline = (timeline_pattern(opts.timeline, log_name)
+                if opts.timeline and system in PROPHET_SYSTEMS else "")
+    if timeline:
+        os.makedirs(os.path.dirname(os.path.abspath(timeline)), exist_ok=True)
     env = {"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": os.pathsep.join(p for p in (_repo_root(), os.environ.get("PYTHONPATH"))
+           "PYTHONPATH": os.pathsep.join(p for p in (repo_root(), os.environ.get("PYTHONPATH"))
                                          if p),
            # gRPC (mwms) must not try a proxy from inside the namespaces
            "no_proxy": "*", "NO_PROXY": "*", "grpc_proxy": "", "http_proxy": "",
-           "https_proxy": ""}
+           "https_proxy": "",
+           # One trace per launch (an inherited PROPHET_TIMELINE would be overwritten by each)
+           "PROPHET_TIMELINE": timeline}
     kwargs: dict[str, Any] = {}
     if cluster is not None and n > 1 and not opts.loopback:
         kwargs = {"hosts": [cluster.host_address(i) for i in range(n)],
                   "wrap_argv": cluster.exec_argv}
+        if opts.rate_change is not None:
+            step, factor = opts.rate_change
+            # Each worker changes its own host's link at the start of step K (all hosts within
+            # one step of each other), so the change lands at a known point of training.
+            new_bps = cluster.bandwidth_bps * factor
+            argv[-1] = json.dumps({**config, "rate_change": {
+                "step": step, "bandwidth_bps": new_bps,
+                "argv": cluster.rate_change_argv(new_bps)}})
     tee = _Tee(sys.stderr if opts.verbose else None)
     t_launch = time.monotonic()
     try:
         code = launch(argv, n, timeout=timeout, env=env, threads=None, stdout=tee, stderr=tee,
                       grace=3.0, **kwargs)
     finally:
-        _save_log(opts, log_name or f"{cfg['name']}_{system}_n{n}", tee.text(),
-                  time.monotonic() - t_launch)
+        _save_log(opts, log_name, tee.text(), time.monotonic() - t_launch)
     if cluster is not None and not opts.loopback and n > 1:
         left = _reap_namespaces(cluster)
         if left:
@@ -789,13 +1098,13 @@ def _save_log(opts: SweepOptions, name: str, text: str, seconds: float) -> None:
         pass
 
 
-def _repo_root() -> str:
+def repo_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _source_state() -> str:
     """``commit`` plus the files that differ from it (the tree may be edited while we run)."""
-    root = _repo_root()
+    root = repo_root()
     try:
         head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, timeout=10)
@@ -810,11 +1119,12 @@ def _source_state() -> str:
     return head.stdout.strip() + (f" with local changes in {', '.join(changed)}" if changed else "")
 
 
-def _make_cluster(n: int, bandwidth_bps: Optional[float], loopback: bool) -> Any:
+def _make_cluster(n: int, bandwidth_bps: Optional[float], loopback: bool,
+                  prefix: str = NETNS_PREFIX) -> Any:
     from prophet_tf.bench.netem import EmulatedCluster, LoopbackCluster
     if loopback:
         return LoopbackCluster(n)
-    return EmulatedCluster(n, bandwidth_bps=bandwidth_bps, prefix=NETNS_PREFIX)
+    return EmulatedCluster(n, bandwidth_bps=bandwidth_bps, prefix=prefix)
 
 
 class _Progress:
@@ -835,7 +1145,8 @@ class _Progress:
 
 
 def _measure(system: str, n: int, cluster: Any, cfg: Any, batch: int, opts: SweepOptions,
-             timeout: float, log: str, progress: _Progress) -> tuple[dict[int, dict], dict]:
+             timeout: float, log: str, progress: _Progress,
+             emulation: Optional[Mapping[str, Any]] = None) -> tuple[dict[int, dict], dict]:
     """One launch of ``system``, repeated (up to ``opts.retries`` times) while other programs
     used more than ``opts.noise_cores`` cores during the measured steps; keeps the quietest.
 
@@ -846,10 +1157,12 @@ def _measure(system: str, n: int, cluster: Any, cfg: Any, batch: int, opts: Swee
     for attempt in range(1 + max(0, opts.retries)):
         t0 = time.monotonic()
         runs = _launch_system(system, n, cluster, cfg.to_dict(), batch, opts, timeout,
-                              log + (f"_retry{attempt}" if attempt else ""))
+                              log + (f"_retry{attempt}" if attempt else ""), emulation)
         foreign = foreign_cores(runs)
+        machine_cpu, workers_cpu = cpu_fraction(runs, os.cpu_count() or 1)
         facts = {"foreign_cores": foreign, "attempts": attempt + 1,
-                 "launch_s": time.monotonic() - t0}
+                 "launch_s": time.monotonic() - t0, "machine_cpu": machine_cpu,
+                 "workers_cpu": workers_cpu}
         kept = None if best is None else best[1]["foreign_cores"]
         if best is None or (foreign is not None and (kept is None or foreign < kept)):
             best = (runs, facts)
@@ -862,6 +1175,17 @@ def _measure(system: str, n: int, cluster: Any, cfg: Any, batch: int, opts: Swee
     return best
 
 
+def sweep_cells(opts: SweepOptions) -> list[tuple[str, list[tuple[int, tuple[float, ...]]]]]:
+    """``[(model, [(workers, ratios), ...]), ...]`` in the order they run: ``opts.grid`` grouped
+    by model, or every model x worker count with all of ``opts.ratios``."""
+    if opts.grid:
+        by_model: dict[str, list[tuple[int, tuple[float, ...]]]] = {}
+        for model, n, ratios in opts.grid:
+            by_model.setdefault(model, []).append((int(n), tuple(float(r) for r in ratios)))
+        return list(by_model.items())
+    return [(m, [(n, tuple(opts.ratios)) for n in opts.workers]) for m in opts.models]
+
+
 def run_sweep(opts: SweepOptions) -> list[dict]:
     """Runs every setting; returns the list of setting objects (see :func:`make_setting`)."""
     from prophet_tf.bench import models as models_mod
@@ -872,77 +1196,204 @@ def run_sweep(opts: SweepOptions) -> list[dict]:
     opts.meta.update(started=datetime.datetime.now().isoformat(timespec="seconds"),
                      loadavg_start=os.getloadavg(), t0=time.monotonic(), source=_source_state())
     multi = [s for s in opts.systems if s in SYSTEMS]
-    n_ratios = 1 if opts.loopback else len(opts.ratios)
-    per_n = (1 if opts.contended else 0) + n_ratios * len(multi)
-    progress = _Progress(len(opts.models) * (1 + len(opts.workers) * per_n))
+    emulated = opts.compute == "emulated"
+    cells = sweep_cells(opts)
+
+    def systems_at(ratio: Optional[float]) -> list[str]:
+        return [s for s in multi if s != "mwms" or opts.mwms_ratios is None or ratio is None
+                or ratio in opts.mwms_ratios]
+
+    def per_n(ratios: Sequence[float]) -> int:
+        # [one worker alone (emulated, with --alone: its time scale depends on N)], [N uncoupled
+        # workers], the settings
+        return ((1 if emulated and opts.alone else 0) + (1 if opts.contended else 0)
+                + (len(multi) if opts.loopback else sum(len(systems_at(r)) for r in ratios)))
+
+    progress = _Progress(sum(1 + sum(per_n(r) for _, r in runs) for _, runs in cells))
     settings: list[dict] = []
-    for model in opts.models:
-        cfg = models_mod.config_for(model, **opts.model_overrides.get(model, {}))
-        batch = opts.batch or DEFAULT_BATCH[model]
-        progress.start(f"{model}: one worker alone, batch {batch} (compute time)")
-        try:
-            runs, single_facts = _measure("single", 1, None, cfg, batch, opts,
-                                          opts.launch_timeout, f"{model}_single", progress)
-        except LaunchFailed as e:
-            progress.finish("FAILED")
-            sys.stderr.write(f"{e}\n")
-            progress.done += len(opts.workers) * per_n
+    for model, runs in cells:
+        cfg = models_mod.config_for(model, opts.compute, **opts.model_overrides.get(model, {}))
+        batch = opts.batch or default_batch(model, opts.compute)
+        single: Optional[tuple[float, int, dict]] = None
+        described: Optional[dict] = None
+        # Per model: the layer specs (emulated) or one worker alone (real).
+        if emulated:
+            described = _describe(model, cfg, batch, opts, progress)
+        else:
+            single = _measure_single(model, 1, cfg, batch, opts, progress, None)
+        if (described if emulated else single) is None:
+            progress.done += sum(per_n(r) for _, r in runs)
             continue
-        single = runs[0]
-        compute_s, gbytes = single["step_s_median"], int(single["gradient_bytes"])
-        progress.finish(f"{compute_s * 1e3:.0f} ms/step, {single['params'] / 1e6:.1f}M "
-                        f"parameters in {single['num_gradients']} tensors, {gbytes / 1e6:.1f} MB "
-                        f"of gradients{_noise_text(single_facts)}")
-        single_info = {k: single.get(k) for k in ("step_s", "params", "num_gradients",
-                                                  "busy_s_median", "cpu_s_per_step")}
-        single_info.update(single_facts)
-        for n in opts.workers:
-            contended: Optional[float] = None
-            contended_info: dict[str, Any] = {}
-            if opts.contended:
-                progress.start(f"{model}: {n} independent workers at once (compute time when "
-                               "sharing the machine, no communication)")
-                try:
-                    runs, facts = _measure("single", n, None, cfg, batch, opts,
-                                           opts.launch_timeout, f"{model}_contended_n{n}",
-                                           progress)
-                    contended = median([r["step_s_median"] for r in runs.values()])
-                    contended_info = {"step_s_medians": [runs[r]["step_s_median"]
-                                                         for r in sorted(runs)],
-                                      "cpu_s_per_step": [runs[r].get("cpu_s_per_step")
-                                                         for r in sorted(runs)], **facts}
-                    progress.finish(f"{contended * 1e3:.0f} ms/step{_noise_text(facts)}")
-                except LaunchFailed as e:
-                    progress.finish("FAILED")
-                    sys.stderr.write(f"{e}\n")
+        for n, ratios in runs:
+            gbytes_known = (described or {}).get("gradient_bytes") or (single or (0, 0))[1]
+            need, have = n * worker_memory_bytes(gbytes_known), available_memory_bytes()
+            if have is not None and need > 0.9 * have:
+                why = (f"{model} with {n} workers skipped: they need about {need / 1e9:.0f} GB of "
+                       f"memory, {have / 1e9:.0f} GB are available")
+                print(f"  ({why})", flush=True)
+                opts.meta.setdefault("skipped", []).append(why)
+                progress.done += per_n(ratios)
+                continue
+            emulation: Optional[dict] = None
+            if described is not None:
+                scale = opts.time_scale or emulated_time_scale(
+                    described["gradient_bytes"], n, described["accelerator_s"],
+                    opts.link_budget_bps)
+                emulation = {"compute": "emulated", "accelerator_tflops": opts.accelerator_tflops,
+                             "time_scale": scale, "spec_path": described["spec_path"]}
+                # The bound's and the bandwidths' compute time is the emulated accelerator's:
+                # no system can be faster, and it does not depend on this machine's load.
+                single = (described["accelerator_s"] * scale, int(described["gradient_bytes"]),
+                          {})
+                if opts.alone:
+                    alone = _measure_single(model, n, cfg, batch, opts, progress, emulation)
+                    if alone is not None:
+                        single[2].update(alone[2], step_s_median=alone[0])
+            assert single is not None
+            compute_s, gbytes, single_info = single
+            contended, contended_info = (_measure_contended(model, n, cfg, batch, opts, progress,
+                                                            emulation)
+                                         if opts.contended else (None, {}))
             if opts.loopback:
                 plan: list[tuple[Optional[float], Optional[float]]] = [(None, None)]
             else:
-                bws = choose_bandwidths(gbytes, n, compute_s, opts.ratios)
-                plan = list(zip(opts.ratios, bws))
+                bws = choose_bandwidths(gbytes, n, compute_s, ratios)
+                plan = list(zip(ratios, bws))
             for ratio, bw in plan:
-                st = _run_setting(model, n, cfg, batch, ratio, bw, compute_s, gbytes, multi,
-                                  opts, progress)
+                st = _run_setting(model, n, cfg, batch, ratio, bw, compute_s, gbytes,
+                                  systems_at(ratio), opts, progress, emulation)
                 st["compute_contended_s"] = contended
                 # The same bound with the compute time of N workers sharing this machine.
                 st["lower_bound_contended_s"] = (None if contended is None else
                                                  lower_bound_s(contended, gbytes, n, bw))
                 st["compute_single"] = single_info
                 st["compute_contended"] = contended_info
+                if emulation is not None and described is not None:
+                    st["emulation"] = _emulation_facts(described, emulation, bw)
                 settings.append(st)
                 _write_outputs(settings, opts, final=False)
     _write_outputs(settings, opts, final=True)
     return settings
 
 
+def _emulation_facts(described: Mapping[str, Any], emulation: Mapping[str, Any],
+                     bw: Optional[float]) -> dict[str, Any]:
+    """What an emulated setting stands for: the modelled accelerator's step and link rate."""
+    scale = float(emulation["time_scale"])
+    return {"time_scale": scale, "accelerator_tflops": emulation["accelerator_tflops"],
+            "spec_path": emulation["spec_path"],
+            "accelerator_s": described["accelerator_s"] * scale,
+            "modelled_accelerator_s": described["accelerator_s"],
+            "modelled_bandwidth_bps": bw * scale if bw else None,
+            "step_flops": described["step_flops"], "layers": described["layers"],
+            "num_gradients": described["num_gradients"]}
+
+
+def _describe(model: str, cfg: Any, batch: int, opts: SweepOptions,
+              progress: _Progress) -> Optional[dict]:
+    """Emulated compute: the model's layer specs (built once from the real model, by a worker
+    process, and kept in ``OUT/specs/`` under a name that depends on the model's configuration)
+    and what the orchestrator needs from them (gradient bytes, accelerator time...)."""
+    from prophet_tf.bench import emulated
+    key = hashlib.sha1(json.dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
+    spec_path = os.path.abspath(os.path.join(opts.out, "specs", f"{model}-{key}.json"))
+    progress.start(f"{model}: layer specs from the real model (variables, FLOPs)")
+    if not os.path.exists(spec_path):
+        emulation = {"compute": "emulated", "accelerator_tflops": opts.accelerator_tflops,
+                     "time_scale": 1.0, "spec_path": spec_path}
+        try:
+            _launch_system("specs", 1, None, cfg.to_dict(), batch, opts, opts.launch_timeout,
+                           f"{model}_specs", emulation)
+        except LaunchFailed as e:
+            progress.finish("FAILED")
+            sys.stderr.write(f"{e}\n")
+            return None
+    with open(spec_path) as f:
+        specs = emulated.specs_from_json(f.read())
+    info = dict(describe_specs(specs, batch, opts.accelerator_tflops), spec_path=spec_path)
+    progress.finish(f"{info['params'] / 1e6:.1f}M parameters in {info['num_gradients']} tensors "
+                    f"({info['gradient_bytes'] / 1e6:.1f} MB of gradients), {info['layers']} "
+                    f"layers, {info['step_flops'] / 1e12:.2f} TFLOP per step = "
+                    f"{info['accelerator_s'] * 1e3:.1f} ms at {opts.accelerator_tflops:g} TFLOP/s")
+    return info
+
+
+def _measure_single(model: str, n: int, cfg: Any, batch: int, opts: SweepOptions,
+                    progress: _Progress, emulation: Optional[Mapping[str, Any]]
+                    ) -> Optional[tuple[float, int, dict]]:
+    """One worker alone, no strategy: ``(compute_s, gradient_bytes, facts)`` or None."""
+    what = f"{model}: one worker alone, batch {batch} (compute time"
+    log = f"{model}_single"
+    if emulation is not None:
+        what += f" for N={n}: emulated, time scale {emulation['time_scale']:g}"
+        log = f"{model}_n{n}_single"
+    progress.start(what + ")")
+    try:
+        runs, facts = _measure("single", 1, None, cfg, batch, opts, opts.launch_timeout, log,
+                               progress, emulation)
+    except LaunchFailed as e:
+        progress.finish("FAILED")
+        sys.stderr.write(f"{e}\n")
+        return None
+    single = runs[0]
+    compute_s, gbytes = single["step_s_median"], int(single["gradient_bytes"])
+    progress.finish(f"{compute_s * 1e3:.0f} ms/step, {single['params'] / 1e6:.1f}M "
+                    f"parameters in {single['num_gradients']} tensors, {gbytes / 1e6:.1f} MB "
+                    f"of gradients{_noise_text(facts)}")
+    info = {k: single.get(k) for k in ("step_s", "params", "num_gradients", "busy_s_median",
+                                       "cpu_s_per_step")}
+    info.update(facts)
+    return compute_s, gbytes, info
+
+
+def _measure_contended(model: str, n: int, cfg: Any, batch: int, opts: SweepOptions,
+                       progress: _Progress, emulation: Optional[Mapping[str, Any]]
+                       ) -> tuple[Optional[float], dict]:
+    """N uncoupled single workers at once: the compute time when N workers share this machine."""
+    progress.start(f"{model}: {n} independent workers at once (compute time when sharing the "
+                   "machine, no communication)")
+    try:
+        runs, facts = _measure("single", n, None, cfg, batch, opts, opts.launch_timeout,
+                               f"{model}_contended_n{n}", progress, emulation)
+    except LaunchFailed as e:
+        progress.finish("FAILED")
+        sys.stderr.write(f"{e}\n")
+        return None, {}
+    contended = median([r["step_s_median"] for r in runs.values()])
+    info = {"step_s_medians": [runs[r]["step_s_median"] for r in sorted(runs)],
+            "cpu_s_per_step": [runs[r].get("cpu_s_per_step") for r in sorted(runs)], **facts}
+    progress.finish(f"{contended * 1e3:.0f} ms/step{_noise_text(facts)}")
+    return contended, info
+
+
+def _launch_text(launch_s: float, result: Mapping[str, Any]) -> str:
+    """``"44 s: start-up 10 s (CPU 6 s), first step 12 s (CPU 7 s)"``: where a launch's time
+    went, from rank 0's result (the CPU seconds are what a worker with a core of its own needs)."""
+    text = f"{launch_s:.0f} s"
+    parts = []
+    for what, wall, cpu in (("start-up", "startup_s", "startup_cpu_s"),
+                            ("first step", "first_step_s", "first_step_cpu_s")):
+        if _finite(result.get(wall)):
+            part = f"{what} {result[wall]:.0f} s"
+            if _finite(result.get(cpu)):
+                part += f" (CPU {result[cpu]:.0f} s)"
+            parts.append(part)
+    return text + (": " + ", ".join(parts) if parts else "")
+
+
 def _noise_text(facts: Mapping[str, Any]) -> str:
     f = facts.get("foreign_cores")
-    return "" if f is None or f < 0.1 else f" [other programs: {f:.2f} cores]"
+    text = "" if f is None or f < 0.1 else f" [other programs: {f:.2f} cores]"
+    busy = facts.get("machine_cpu")
+    if _finite(busy) and busy >= CPU_LIMITED_FRACTION:
+        text += f" [CPU-limited: the machine's cores were {busy:.0%} busy]"
+    return text
 
 
 def _run_setting(model: str, n: int, cfg: Any, batch: int, ratio: Optional[float],
                  bw: Optional[float], compute_s: float, gbytes: int, systems: Sequence[str],
-                 opts: SweepOptions, progress: _Progress) -> dict:
+                 opts: SweepOptions, progress: _Progress,
+                 emulation: Optional[Mapping[str, Any]] = None) -> dict:
     step_s: dict[str, Optional[float]] = {}
     extra: dict[str, dict[str, Any]] = {}
     notes: list[str] = []
@@ -950,15 +1401,15 @@ def _run_setting(model: str, n: int, cfg: Any, batch: int, ratio: Optional[float
                                    else "loopback (unshaped)")
     # Worst case of the slowest system, plus start-up; generous.
     expected = compute_s * (1 + (ratio or 0)) * (opts.warmup + opts.steps + 1)
-    timeout = min(opts.launch_timeout, max(180.0, 60.0 + 4.0 * expected))
-    with _make_cluster(n, bw, opts.loopback) as cluster:
+    timeout = min(opts.launch_timeout, max(300.0, 120.0 + 4.0 * expected))
+    with _make_cluster(n, bw, opts.loopback, opts.netns_prefix) as cluster:
         for system in systems:
             progress.start(f"{where}: {system}")
             load_before = os.getloadavg()[0]
             log = f"{model}_n{n}_" + (f"ratio{ratio:g}" if ratio else "loopback") + f"_{system}"
             try:
                 runs, facts = _measure(system, n, cluster, cfg, batch, opts, timeout, log,
-                                       progress)
+                                       progress, emulation)
             except LaunchFailed as e:
                 progress.finish("FAILED")
                 sys.stderr.write(f"{e}\n")
@@ -971,11 +1422,18 @@ def _run_setting(model: str, n: int, cfg: Any, batch: int, ratio: Optional[float
                                     "busy_s_median": res.get("busy_s_median"),
                                     "startup_s": res.get("startup_s"),
                                     "first_step_s": res.get("first_step_s"),
+                                    "startup_cpu_s": res.get("startup_cpu_s"),
+                                    "first_step_cpu_s": res.get("first_step_cpu_s"),
+                                    "fit_s": res.get("fit_s"),
                                     "cpu_s_per_step": res.get("cpu_s_per_step"),
                                     "loadavg_1m_before": load_before, **facts}
             if system in PROPHET_SYSTEMS:
                 info["schedule_effective"] = res.get("schedule_effective")
                 info["cross_barrier"] = res.get("cross_barrier")
+                if system == "auto" and res.get("schedule_in_use"):
+                    info["schedule_in_use"] = res["schedule_in_use"]
+                    info["schedule_decisions"] = res.get("schedule_decisions")
+                    info["note"] = f"ran {res['schedule_in_use']}"
                 if not res.get("cross_barrier_supported"):
                     if system == "prophet_nocross":
                         info["note"] = "= prophet: no cross_barrier option yet"
@@ -986,12 +1444,98 @@ def _run_setting(model: str, n: int, cfg: Any, batch: int, ratio: Optional[float
                 want = PROPHET_SYSTEMS[system][0]
                 if res.get("schedule_effective") not in (None, want):
                     info["note"] = f"ran {res.get('schedule_effective')}"
+                if opts.timeline:
+                    info["timeline"] = timeline_pattern(
+                        opts.timeline, log + (f"_retry{facts['attempts'] - 1}"
+                                              if facts["attempts"] > 1 else ""))
+                    picture = _draw_one_step(info["timeline"], n, opts.warmup + opts.steps // 2,
+                                             f"{where}: {system}, one measured step")
+                    if picture:
+                        info["timeline_png"] = picture
+                    if opts.rate_change is not None and bw:
+                        k = opts.rate_change[0]
+                        info["timeline_png_rate_change"] = [
+                            p for s in (k - 1, k, k + 1, k + 2, opts.warmup + opts.steps - 1)
+                            if (p := _draw_one_step(info["timeline"], n, s,
+                                                    f"{where}: {system}, step {s} (link rate "
+                                                    f"changes at step {k})"))]
             extra[system] = info
             lb = lower_bound_s(compute_s, gbytes, n, bw)
-            progress.finish(f"{res['step_s_median'] * 1e3:.0f} ms/step (bound {lb * 1e3:.0f} ms, "
-                            f"{facts['launch_s']:.0f} s){_noise_text(facts)}")
+            after = ""
+            if opts.rate_change is not None and bw:
+                info["rate_change"] = rate_change_summary(
+                    res.get("step_s") or [], opts.warmup, opts.rate_change, compute_s, gbytes, n,
+                    bw)
+                after = " " + info["rate_change"]["text"]
+            progress.finish(f"{res['step_s_median'] * 1e3:.0f} ms/step (bound {lb * 1e3:.0f} ms; "
+                            f"launch {_launch_text(facts['launch_s'], res)}){after}"
+                            f"{_noise_text(facts)}")
     return make_setting(model, n, bw, compute_s, gbytes, batch, step_s, ratio=ratio, extra=extra,
-                        notes=notes)
+                        notes=notes, compute=opts.compute)
+
+
+def rate_change_summary(periods: Sequence[float], warmup: int, rate_change: tuple[int, float],
+                        compute_s: float, gradient_bytes: int, workers: int,
+                        bandwidth_bps: float) -> dict[str, Any]:
+    """Step times around a mid-run link-rate change at step K: the median before it (measured
+    steps before K), each of the 5 steps from K on, the median of the rest, and both bounds.
+
+    ``periods[i]`` is step ``warmup + i`` (see :func:`step_periods`).
+    """
+    step, factor = rate_change
+    steps = {warmup + i: p for i, p in enumerate(periods)}
+    before = [p for s, p in steps.items() if s < step]
+    around = [steps[s] for s in range(step, step + 5) if s in steps]
+    rest = [p for s, p in steps.items() if s >= step + 5]
+    bound_before = lower_bound_s(compute_s, gradient_bytes, workers, bandwidth_bps)
+    bound_after = lower_bound_s(compute_s, gradient_bytes, workers, bandwidth_bps * factor)
+    text = (f"[link x{factor:g} at step {step}: before {median(before) * 1e3:.0f} ms "
+            f"(bound {bound_before * 1e3:.0f}), steps {step}-{step + len(around) - 1}: "
+            + "/".join(f"{p * 1e3:.0f}" for p in around)
+            + f" ms, after {median(rest) * 1e3:.0f} ms (bound {bound_after * 1e3:.0f})]")
+    return {"step": step, "factor": factor, "median_before_s": median(before),
+            "first_steps_after_s": around, "median_after_s": median(rest),
+            "lower_bound_before_s": bound_before, "lower_bound_after_s": bound_after,
+            "text": text}
+
+
+def _draw_one_step(pattern: str, n: int, step: int, title: str) -> Optional[str]:
+    """Draws step ``step`` of a launch's timeline (all workers) next to its files; returns the
+    PNG's path, or None when the traces cannot be drawn (the reason goes to stderr)."""
+    from prophet_tf import timeline
+    paths = [pattern.replace("{rank}", str(r)) for r in range(n)]
+    out = pattern.replace(".{rank}.json", f".step{step}.png")
+    try:
+        traces = [timeline.load_trace(p) for p in paths]
+        window = timeline.step_window(traces[0], step)
+        timeline.plot_timeline(traces, out, title=title, window_us=window)
+    except (timeline.TraceError, ImportError) as e:
+        sys.stderr.write(f"  (no timeline picture: {e})\n")
+        return None
+    return out
+
+
+def compute_summary(settings: Sequence[Mapping[str, Any]], opts: SweepOptions) -> str:
+    """One paragraph saying how the workers computed (and, emulated, what the times model)."""
+    if opts.compute != "emulated":
+        return ("Compute: real (this machine's CPU runs the model); compute ms = one worker "
+                "alone, in parentheses N uncoupled workers at once.")
+    parts = []
+    seen: set[tuple] = set()
+    for st in settings:
+        em = st.get("emulation") or {}
+        key = (st["model"], st["workers"])
+        if not em or key in seen:
+            continue
+        seen.add(key)
+        parts.append(f"{st['model']} N={st['workers']}: time scale {em['time_scale']:g}, "
+                     f"accelerator {em['modelled_accelerator_s'] * 1e3:.1f} ms per step "
+                     f"({em['accelerator_s'] * 1e3:.0f} ms scaled)")
+    return (f"Compute: emulated (an accelerator at {opts.accelerator_tflops:g} TFLOP/s; every "
+            "time x the time scale, every link / the time scale; link column: tc rate "
+            "(modelled rate)); compute ms = the emulated accelerator's time per step (in "
+            "parentheses: one worker alone, no strategy, when measured). "
+            + "; ".join(parts) + ".")
 
 
 def _write_outputs(settings: Sequence[dict], opts: SweepOptions, final: bool) -> None:
@@ -1003,6 +1547,7 @@ def _write_outputs(settings: Sequence[dict], opts: SweepOptions, final: bool) ->
         return
     table = format_markdown(settings)
     notes = sorted({n for st in settings for n in st.get("notes", [])})
+    notes += opts.meta.get("skipped", [])
     with open(os.path.join(opts.out, "results.md"), "w") as f:
         f.write(f"# Training benchmark ({opts.label or 'prophet_tf.bench.train'})\n\n")
         meta = opts.meta
@@ -1015,6 +1560,7 @@ def _write_outputs(settings: Sequence[dict], opts: SweepOptions, final: bool) ->
                 f"intra {opts.intra_threads} / inter {opts.inter_threads} per worker; load "
                 f"average (1/5/15 min) {la0} at the start, {la1} at the end; source "
                 f"{meta.get('source', 'unknown')}.\n\n")
+        f.write(compute_summary(settings, opts) + "\n\n")
         f.write(table)
         if notes:
             f.write("\n" + "\n".join(f"- {n}" for n in notes) + "\n")
@@ -1030,19 +1576,47 @@ def _write_outputs(settings: Sequence[dict], opts: SweepOptions, final: bool) ->
 def _define_flags() -> Any:
     from absl import flags
     f = flags
+    f.DEFINE_enum("compute", "real", list(COMPUTE_MODES),
+                  "real: this machine's CPU runs the models (small inputs); emulated: every "
+                  "layer keeps its real variables but its forward and backward passes take a "
+                  "fixed time on an emulated accelerator that uses no CPU (real model sizes).")
+    f.DEFINE_float("accelerator_tflops", DEFAULT_ACCELERATOR_TFLOPS,
+                   "Emulated compute: sustained accelerator rate in TFLOP/s that turns each "
+                   "layer's FLOPs into its time.")
+    f.DEFINE_alias("accelerator-tflops", "accelerator_tflops")
+    f.DEFINE_float("time_scale", None, "Emulated compute: run every time this many times "
+                   "slower than the modelled accelerator, and every link as much slower (default: "
+                   "per model and N, so that the links at comm/comp 1 add up to "
+                   "--link_budget_gbps).")
+    f.DEFINE_float("link_budget_gbps", DEFAULT_LINK_BUDGET_BPS / 1e9,
+                   "Emulated compute: the N hosts' links together at comm/comp 1 (sets the "
+                   "default time scale; what this machine's CPU can move through the emulated "
+                   "network).")
+    f.DEFINE_bool("alone", False, "Emulated compute: also time one worker alone (no strategy) "
+                  "per model and N: the accelerator time plus what the CPU adds (optimizer, "
+                  "framework).")
+    f.DEFINE_bool("full", False, "Emulated compute: the full grid (every model, 2/4/8 workers, "
+                  f"comm/comp {','.join(f'{r:g}' for r in EMULATED_RATIOS)}), several hours.")
     f.DEFINE_bool("quick", False,
-                  f"One model ({QUICK_MODEL}), 2 workers, the setting where communication = "
-                  "computation, no contended-compute run (about 3 minutes).")
-    f.DEFINE_list("models", None, f"Models among {', '.join(('resnet50', 'vgg16', 'transformer'))} "
-                  f"(default: {','.join(DEFAULT_MODELS)}).")
-    f.DEFINE_list("workers", None, "Worker counts, 2-4 (default: 2).")
+                  "One model, 2 workers, the setting where communication = computation, no "
+                  f"contended-compute run (about 3 minutes): {QUICK_MODEL} with real compute, "
+                  f"{EMULATED_QUICK_MODEL} with emulated compute.")
+    f.DEFINE_list("models", None, f"Models among {', '.join(MODEL_NAMES)} (default: "
+                  f"{','.join(DEFAULT_MODELS)} with real compute; emulated: see --full and the "
+                  "module docstring).")
+    f.DEFINE_list("workers", None, "Worker counts, 2-8 (default: 2).")
     f.DEFINE_integer("batch", None, "Per-worker batch size; the global batch is N times this "
-                     f"(default per model: {DEFAULT_BATCH}).")
-    f.DEFINE_integer("steps", None, "Measured steps per run (default 10).")
-    f.DEFINE_integer("warmup", None, "Unmeasured steps first (tracing, planning; default 3).")
+                     f"(default per model: {DEFAULT_BATCH} real, {EMULATED_BATCH} emulated).")
+    f.DEFINE_integer("steps", None, "Measured steps per run (default 10 real, "
+                     f"{EMULATED_STEPS} emulated).")
+    f.DEFINE_integer("warmup", None, "Unmeasured steps first (tracing, planning; default 3 "
+                     f"real, {EMULATED_WARMUP} emulated).")
     f.DEFINE_list("ratios", None, "Communication/computation ratios that set the bandwidths "
-                  f"(default: {','.join(f'{r:g}' for r in DEFAULT_RATIOS)}).")
-    f.DEFINE_list("systems", None, f"Systems among {', '.join(SYSTEMS)} (default: all).")
+                  f"(default: {','.join(f'{r:g}' for r in DEFAULT_RATIOS)} real, "
+                  f"{','.join(f'{r:g}' for r in EMULATED_RATIOS)} emulated).")
+    f.DEFINE_list("systems", None, f"Systems among {', '.join(SYSTEMS)} (default: all; with "
+                  f"--quick {','.join(QUICK_SYSTEMS)}; emulated compute without --full "
+                  f"{','.join(EMULATED_DEFAULT_SYSTEMS)}).")
     f.DEFINE_bool("loopback", False, "Run on plain loopback (no root needed, no bandwidth "
                   "shaping: one setting per model and worker count).")
     f.DEFINE_string("out", "bench_out", "Output directory (results.md, .csv, .json, .png).")
@@ -1057,9 +1631,21 @@ def _define_flags() -> Any:
     f.DEFINE_bool("contended", None, "Also time N uncoupled single workers running at once "
                   "(compute time when N workers share this machine's cores; not in the bound). "
                   "Default: on, off with --quick.")
-    f.DEFINE_integer("retries", 1, "Run a launch again (keeping the quietest attempt) when other "
-                     "programs used more than --noise_cores cores during its measured steps.")
+    f.DEFINE_integer("retries", None, "Run a launch again (keeping the quietest attempt) when "
+                     "other programs used more than --noise_cores cores during its measured "
+                     "steps (default 1; 0 with --quick, which flags a disturbed launch instead "
+                     "of doubling its time).")
     f.DEFINE_float("noise_cores", 0.3, "See --retries.")
+    f.DEFINE_string("netns_prefix", NETNS_PREFIX, "Name prefix of the emulated cluster's "
+                    "network namespaces (one per concurrent benchmark run).")
+    f.DEFINE_string("timeline", None, "Write a timeline per ProphetStrategy launch into this "
+                    "directory (or next to this .json path; default $PROPHET_TIMELINE) and draw "
+                    "one measured step of each (PNG next to the traces).")
+    f.DEFINE_string("rate_change", None, "STEP:FACTOR: at the start of training step STEP (0 = "
+                    "the first, warm-up included) every host's link rate becomes FACTOR times "
+                    "the setting's rate (e.g. 15:0.5), to watch Prophet re-plan; the output "
+                    "gives the step times before and after, and --timeline draws the steps "
+                    "around it. Needs the emulated cluster (not --loopback).")
     f.DEFINE_bool("verbose", False, "Echo the workers' output.")
     f.DEFINE_string("worker", None, "Internal: run as a worker with this JSON configuration.")
     return flags.FLAGS
@@ -1067,24 +1653,43 @@ def _define_flags() -> Any:
 
 def options_from_flags(flags_: Any) -> SweepOptions:
     """Resolves the command-line flags (and ``--quick`` defaults) into :class:`SweepOptions`."""
-    from prophet_tf.bench.models import MODEL_NAMES
     quick = flags_.quick
-    models = flags_.models or ([QUICK_MODEL] if quick else list(DEFAULT_MODELS))
+    emulated = flags_.compute == "emulated"
+    if flags_.full and (quick or not emulated):
+        raise ValueError("--full is the emulated-compute grid: use it with --compute emulated "
+                         "and without --quick")
+    grid: Optional[list] = None
+    if emulated and not quick and not flags_.full and not (
+            flags_.models or flags_.workers or flags_.ratios):
+        grid = [(m, n, tuple(r)) for m, n, r in EMULATED_DEFAULT_GRID]
+    quick_model = EMULATED_QUICK_MODEL if emulated else QUICK_MODEL
+    all_models = list(EMULATED_DEFAULT_MODELS if emulated else DEFAULT_MODELS)
+    models = flags_.models or ([quick_model] if quick else all_models)
     bad = [m for m in models if m not in MODEL_NAMES]
     if bad:
         raise ValueError(f"unknown model(s) {bad}; choose from {', '.join(MODEL_NAMES)}")
-    workers = [int(w) for w in (flags_.workers or ["2"])]
-    if any(not 2 <= w <= 4 for w in workers):
-        raise ValueError(f"--workers must be between 2 and 4, got {workers}")
-    ratios = [float(r) for r in (flags_.ratios or (["1"] if quick else DEFAULT_RATIOS))]
+    workers = [int(w) for w in (flags_.workers or (["2", "4", "8"] if flags_.full else ["2"]))]
+    if any(not 2 <= w <= MAX_WORKERS for w in workers):
+        raise ValueError(f"--workers must be between 2 and {MAX_WORKERS}, got {workers}")
+    default_ratios = EMULATED_RATIOS if emulated else DEFAULT_RATIOS
+    ratios = [float(r) for r in (flags_.ratios or (["1"] if quick else default_ratios))]
     if any(r <= 0 for r in ratios):
         raise ValueError(f"--ratios must be positive, got {ratios}")
-    systems = list(flags_.systems or SYSTEMS)
+    default_systems = (QUICK_SYSTEMS if quick else
+                       EMULATED_DEFAULT_SYSTEMS if emulated and not flags_.full else SYSTEMS)
+    systems = list(flags_.systems or default_systems)
     bad = [s for s in systems if s not in SYSTEMS]
     if bad:
         raise ValueError(f"unknown system(s) {bad}; choose from {', '.join(SYSTEMS)}")
-    steps = flags_.steps if flags_.steps is not None else 10
-    warmup = flags_.warmup if flags_.warmup is not None else 3
+    steps = flags_.steps if flags_.steps is not None else (EMULATED_STEPS if emulated else 10)
+    warmup = flags_.warmup if flags_.warmup is not None else (EMULATED_WARMUP if emulated
+                                                              else 3)
+    if not (flags_.accelerator_tflops > 0 and math.isfinite(flags_.accelerator_tflops)):
+        raise ValueError(f"--accelerator_tflops must be positive, got {flags_.accelerator_tflops}")
+    if flags_.time_scale is not None and not flags_.time_scale >= 1:
+        raise ValueError(f"--time_scale must be >= 1, got {flags_.time_scale}")
+    if not flags_.link_budget_gbps > 0:
+        raise ValueError(f"--link_budget_gbps must be positive, got {flags_.link_budget_gbps}")
     if steps < 1 or warmup < 0:
         raise ValueError("--steps must be >= 1 and --warmup >= 0")
     if flags_.batch is not None and flags_.batch < 1:
@@ -1093,27 +1698,59 @@ def options_from_flags(flags_: Any) -> SweepOptions:
     model_overrides = json.loads(flags_.model_options or "{}")
     if not isinstance(prophet_options, dict) or not isinstance(model_overrides, dict):
         raise ValueError("--prophet_options and --model_options must be JSON objects")
+    rate_change: Optional[tuple[int, float]] = None
+    if flags_.rate_change:
+        try:
+            k, factor = flags_.rate_change.split(":")
+            rate_change = (int(k), float(factor))
+        except ValueError:
+            raise ValueError(f"--rate_change must be STEP:FACTOR (e.g. 15:0.5), got "
+                             f"{flags_.rate_change!r}") from None
+        if not (0 < rate_change[0] < warmup + steps and rate_change[1] > 0):
+            raise ValueError(f"--rate_change: STEP must be in 1..{warmup + steps - 1} (the "
+                             f"steps run) and FACTOR positive, got {flags_.rate_change!r}")
+        if flags_.loopback:
+            raise ValueError("--rate_change needs the emulated cluster; drop --loopback")
     return SweepOptions(models=models, workers=workers, ratios=ratios, systems=systems,
                         batch=flags_.batch, steps=steps, warmup=warmup, loopback=flags_.loopback,
                         out=flags_.out, json_path=flags_.json,
                         intra_threads=flags_.intra_threads, inter_threads=flags_.inter_threads,
                         launch_timeout=flags_.launch_timeout, verbose=flags_.verbose,
                         prophet_options=prophet_options, model_overrides=model_overrides,
-                        contended=(not quick) if flags_.contended is None else flags_.contended,
-                        retries=flags_.retries, noise_cores=flags_.noise_cores,
-                        label=" ".join(["python -m prophet_tf.bench.train", *sys.argv[1:]]))
+                        contended=((not quick and not emulated) if flags_.contended is None
+                                   else flags_.contended),
+                        retries=(flags_.retries if flags_.retries is not None
+                                 else 0 if quick else 1),
+                        noise_cores=flags_.noise_cores,
+                        label=" ".join(["python -m prophet_tf.bench.train", *sys.argv[1:]]),
+                        compute=flags_.compute, accelerator_tflops=flags_.accelerator_tflops,
+                        time_scale=flags_.time_scale,
+                        link_budget_bps=flags_.link_budget_gbps * 1e9,
+                        netns_prefix=flags_.netns_prefix, alone=flags_.alone,
+                        timeline=flags_.timeline or os.environ.get("PROPHET_TIMELINE") or None,
+                        grid=grid, rate_change=rate_change,
+                        mwms_ratios=(1.0,) if grid is not None and not flags_.systems else None)
+
+
+def worker_or_bad_arguments(argv: Sequence[str], flags_: Any) -> Optional[int]:
+    """The exit status when this process is done before orchestrating anything: a worker task
+    (``--worker``, run here) or stray positional arguments; None otherwise."""
+    if len(argv) > 1:
+        print(f"unexpected arguments: {' '.join(argv[1:])}", file=sys.stderr)
+        return 2
+    if flags_.worker:
+        run_worker(json.loads(flags_.worker))
+        return 0
+    return None
 
 
 def main(argv: Sequence[str]) -> int:
     """Entry point (after absl parsed the flags)."""
     from absl import flags
     FLAGS = flags.FLAGS
-    if len(argv) > 1:
-        print(f"unexpected arguments: {' '.join(argv[1:])}", file=sys.stderr)
-        return 2
-    if FLAGS.worker:
-        run_worker(json.loads(FLAGS.worker))
-        return 0
+    done = worker_or_bad_arguments(argv, FLAGS)
+    if done is not None:
+        return done
     try:
         opts = options_from_flags(FLAGS)
     except ValueError as e:
@@ -1121,9 +1758,14 @@ def main(argv: Sequence[str]) -> int:
         return 2
     from prophet_tf.bench.netem import NetemUnavailableError
     where = "loopback (no shaping)" if opts.loopback else "an emulated cluster (netns + tbf)"
-    print(f"Training benchmark on {where}: models {', '.join(opts.models)}; workers "
-          f"{', '.join(map(str, opts.workers))}; comm/comp ratios "
-          f"{'n/a' if opts.loopback else ', '.join(f'{r:g}' for r in opts.ratios)}; systems "
+    grid = "; ".join(
+        f"{model} N={','.join(str(n) for n, _ in runs)}"
+        + ("" if opts.loopback else
+           f" comm/comp {','.join(f'{r:g}' for r in sorted({r for _, rs in runs for r in rs}))}")
+        for model, runs in sweep_cells(opts))
+    compute = ("real compute (this machine's CPU)" if opts.compute == "real" else
+               f"emulated compute ({opts.accelerator_tflops:g} TFLOP/s accelerator)")
+    print(f"Training benchmark on {where}, {compute}: {grid}; systems "
           f"{', '.join(opts.systems)}; {opts.steps} steps after {opts.warmup} warm-up; "
           f"output in {opts.out}/", flush=True)
     t0 = time.monotonic()
@@ -1139,6 +1781,8 @@ def main(argv: Sequence[str]) -> int:
     print(format_markdown(settings))
     for note in sorted({n for st in settings for n in st.get("notes", [])}):
         print(f"- {note}")
+    for why in opts.meta.get("skipped", []):
+        print(f"- {why}")
     print(f"\ndone in {time.monotonic() - t0:.0f} s; results in {opts.out}/ (results.md, "
           f"results.csv, results.json, results.png)")
     failed = [(st["model"], s) for st in settings for s, r in st["results"].items()

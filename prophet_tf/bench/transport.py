@@ -11,9 +11,14 @@ Starts 2 workers on loopback. For each tensor size, each worker measures alterna
     at once, no scheduling, no summation. It uses the same socket options as the runtime
     (TCP_NODELAY, 4 MiB buffers) and sends straight from, and receives straight into, numpy
     buffers from two threads, so it is close to what the kernel can do.
-The table gives median time per operation, throughput (tensor bytes / time) and the ratio
-raw_tcp time / push_pull time (1.0 = as fast as raw TCP). The last line is the smallest ratio
-over sizes of at least 4 MiB.
+The table gives median time per operation, throughput (tensor bytes / time), the ratio
+raw_tcp time / push_pull time (1.0 = as fast as raw TCP), and the CPU both processes spent per
+operation (process CPU time of every thread, median over iterations on each rank, summed over
+the two ranks), per tensor byte, with the ratio push_pull / raw_tcp (1.0 = no more CPU than raw
+TCP). Medians, like the times: the first calls of a new size also pay for TensorFlow's allocator
+growing its pool for the output tensors, which is not what a step costs.
+The last two lines are the worst sizes of at least 4 MiB: the smallest throughput ratio and the
+largest CPU-per-byte ratio.
 """
 
 from __future__ import annotations
@@ -21,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import resource
 import socket
 import statistics
 import subprocess
@@ -62,7 +66,9 @@ def human(nbytes: float) -> str:
 
 def default_iters(nbytes: int, quick: bool) -> int:
     budget = (48 if quick else 256) << 20  # bytes moved per size and system
-    return max(3, min(200 if not quick else 50, budget // max(nbytes, 1)))
+    # At least 10 (30) iterations: a median of 3 CPU times moved the CPU ratio by 30% between
+    # runs on a busy machine.
+    return max(10 if quick else 30, min(200 if not quick else 50, budget // max(nbytes, 1)))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -101,9 +107,8 @@ def _raw_exchange(conn: socket.socket, send_buf, recv_buf) -> None:
 
 
 def _cpu_seconds() -> float:
-    """User + system CPU of this process, all threads (the engine's included)."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    """CPU time of this process, all threads (the engine's included), in seconds."""
+    return time.process_time()
 
 
 def run_worker(config: dict) -> None:
@@ -147,15 +152,16 @@ def run_worker(config: dict) -> None:
             if it:
                 times["raw_tcp"].append(elapsed)
         # Both ranks measured; report the slower rank's median (an operation ends for the job
-        # when it ends everywhere).
-        medians = tf.constant([statistics.median(times["push_pull"]), statistics.median(times["raw_tcp"])],
-                              tf.float64)
-        gathered = ops.allgather(tf.reshape(medians, [1, 2]), name=f"bench/medians/{size_index}").numpy()
+        # when it ends everywhere), and the CPU of both ranks together.
+        measured = tf.constant([statistics.median(times["push_pull"]), statistics.median(times["raw_tcp"]),
+                                statistics.median(cpu["push_pull"]), statistics.median(cpu["raw_tcp"])], tf.float64)
+        gathered = ops.allgather(tf.reshape(measured, [1, 4]), name=f"bench/medians/{size_index}").numpy()
         push_pull_s, raw_s = float(gathered[:, 0].max()), float(gathered[:, 1].max())
+        push_pull_cpu_s, raw_cpu_s = float(gathered[:, 2].sum()), float(gathered[:, 3].sum())
         row = {"bytes": nbytes, "iters": iters, "push_pull_s": push_pull_s, "raw_tcp_s": raw_s,
                "ratio": raw_s / push_pull_s,
-               "push_pull_cpu_s": statistics.median(cpu["push_pull"]),
-               "raw_tcp_cpu_s": statistics.median(cpu["raw_tcp"])}
+               "push_pull_cpu_s": push_pull_cpu_s, "raw_tcp_cpu_s": raw_cpu_s,
+               "cpu_ratio": push_pull_cpu_s / raw_cpu_s}
         results.append(row)
         if info.rank == 0:
             print("RESULT " + json.dumps(row), flush=True)
@@ -169,14 +175,17 @@ def run_worker(config: dict) -> None:
 
 def format_table(rows: Sequence[dict]) -> str:
     lines = ["| size | iters | push_pull median | push_pull GB/s | raw TCP median | raw TCP GB/s | push_pull/raw_tcp "
-             "| CPU per op (rank 0): push_pull / raw TCP |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| CPU per op (both ranks): push_pull / raw TCP | CPU ns per byte: push_pull / raw TCP "
+             "| CPU per byte push_pull/raw_tcp |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(
             f"| {human(r['bytes'])} | {r['iters']} | {r['push_pull_s'] * 1e3:.3f} ms | "
             f"{r['bytes'] / r['push_pull_s'] / 1e9:.2f} | {r['raw_tcp_s'] * 1e3:.3f} ms | "
             f"{r['bytes'] / r['raw_tcp_s'] / 1e9:.2f} | {r['ratio']:.2f} | "
-            f"{r['push_pull_cpu_s'] * 1e3:.2f} ms / {r['raw_tcp_cpu_s'] * 1e3:.2f} ms |")
+            f"{r['push_pull_cpu_s'] * 1e3:.2f} ms / {r['raw_tcp_cpu_s'] * 1e3:.2f} ms | "
+            f"{r['push_pull_cpu_s'] * 1e9 / r['bytes']:.3f} / {r['raw_tcp_cpu_s'] * 1e9 / r['bytes']:.3f} | "
+            f"{r['cpu_ratio']:.2f} |")
     return "\n".join(lines)
 
 
@@ -201,7 +210,8 @@ def main(argv: Sequence[str]) -> int:
             row = json.loads(match.group(1))
             rows.append(row)
             print(f"  {human(row['bytes']):>9}: push_pull {row['push_pull_s'] * 1e3:9.3f} ms, raw TCP "
-                  f"{row['raw_tcp_s'] * 1e3:9.3f} ms, ratio {row['ratio']:.2f}", flush=True)
+                  f"{row['raw_tcp_s'] * 1e3:9.3f} ms, ratio {row['ratio']:.2f}, CPU per byte ratio "
+                  f"{row['cpu_ratio']:.2f}", flush=True)
     if proc.wait() != 0 or len(rows) != len(sizes):
         sys.stderr.write("".join(tail))
         print(f"benchmark failed (exit code {proc.returncode})", file=sys.stderr)
@@ -211,11 +221,13 @@ def main(argv: Sequence[str]) -> int:
     if FLAGS.json:
         with open(FLAGS.json, "w") as f:
             json.dump(rows, f, indent=1)
-    large = [r["ratio"] for r in rows if r["bytes"] >= 4 << 20]
+    large = [r for r in rows if r["bytes"] >= 4 << 20]
     if large:
-        print(f"push_pull/raw_tcp (>= 4 MiB): {min(large):.2f}")
+        print(f"push_pull/raw_tcp (>= 4 MiB): {min(r['ratio'] for r in large):.2f}")
+        print(f"push_pull/raw_tcp CPU per byte (>= 4 MiB): {max(r['cpu_ratio'] for r in large):.2f}")
     else:
         print("push_pull/raw_tcp (>= 4 MiB): n/a (no size of at least 4 MiB was measured)")
+        print("push_pull/raw_tcp CPU per byte (>= 4 MiB): n/a")
     return 0
 
 
