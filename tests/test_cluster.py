@@ -52,12 +52,31 @@ def test_ipv6_and_string_index(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_cluster().rank == 1
 
 
-def test_empty_token_warns_for_multi_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_empty_token_is_passed_on_without_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The runtime refuses to start a multi-worker job without a token (tests/test_bootstrap.py).
     _set(monkeypatch, {"cluster": {"worker": W3[:2]}, "task": {"type": "worker", "index": 0}},
          token="")
-    with pytest.warns(RuntimeWarning, match="PROPHET_JOB_TOKEN"):
-        info = resolve_cluster()
-    assert info.token == ""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve_cluster().token == ""
+
+
+@pytest.mark.parametrize("workers", [
+    ["localhost:{p}", "127.0.0.1:{p}"],
+    ["127.0.0.1:{p}", "LOCALHOST:{p}", "10.0.0.9:{p}"],
+    ["[::1]:{p}", "[0:0:0:0:0:0:0:1]:{p}"],
+])
+def test_addresses_are_compared_after_resolution(monkeypatch: pytest.MonkeyPatch, workers) -> None:
+    workers = [w.format(p=2222) for w in workers]
+    _set(monkeypatch, {"cluster": {"worker": workers}, "task": GOOD_TASK})
+    with pytest.raises(ClusterConfigError, match=r"same endpoint .*port 2222.*\(ranks 0 and 1\)"):
+        resolve_cluster()
+
+
+def test_same_host_different_ports_and_unresolvable_names_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    workers = ["localhost:2222", "127.0.0.1:2223", "no-such-host.invalid:2222", "other.invalid:2222"]
+    _set(monkeypatch, {"cluster": {"worker": workers}, "task": GOOD_TASK})
+    assert resolve_cluster().addresses == workers
 
 
 def test_explicit_resolver(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,143 @@
+"""The fault benchmark's own logic (prophet_tf/bench/faults.py): reading events, naming, outcome
+classification, the trial plan and the summary line. No processes, no timing."""
+
+from __future__ import annotations
+
+import json
+
+from prophet_tf.bench.faults import (EVENT, Checkpoint, Survivor, TrialRecord, _client_hello, classify_checkpoint,
+                                     classify_hostile_job, classify_survivor, detection_s, essential_message,
+                                     goal_lines, named_ranks, parse_event, plan_trials, summary_line)
+
+
+def _line(kind: str, **fields) -> str:
+    return f"{EVENT} " + json.dumps(dict(event=kind, t=12.5, **fields))
+
+
+def test_events_are_read_with_and_without_the_launcher_prefix():
+    ev = parse_event("[rank 2] " + _line("step", step=7))
+    assert (ev.rank, ev.kind, ev.t, ev.fields) == (2, "step", 12.5, {"step": 7})
+    ev = parse_event(_line("error", type="UnavailableError", message="x") + "\n", rank=1)
+    assert (ev.rank, ev.kind, ev.fields["type"]) == (1, "error", "UnavailableError")
+    assert parse_event("[rank 0] Epoch 1/4") is None
+    assert parse_event(f"{EVENT} not json") is None
+    assert parse_event(f"{EVENT} " + json.dumps({"t": 1.0})) is None  # no kind
+
+
+def test_the_essential_message_drops_tensorflows_graph_traceback():
+    raw = ("Graph execution error:\n\nDetected at node ProphetPushPull defined at (most recent call last):\n"
+           "  File \"/x/trainer.py\", line 399, in fit\n\n  File \"/x/y.py\", line 2, in f\n\n"
+           "push_pull 'dense/kernel' (round 3) failed: lost the connection to rank 1 (h:1): reset\n"
+           "\t [[{{node ProphetPushPull}}]] [Op:__inference_one_step_on_data_1234]")
+    assert essential_message(raw) == "push_pull 'dense/kernel' (round 3) failed: lost the connection to rank 1 (h:1): reset"
+    assert essential_message("plain message") == "plain message"
+
+
+def test_named_ranks_reads_the_runtimes_phrasings():
+    assert named_ranks("lost the connection to rank 1 (127.0.0.1:4000): the peer closed") == {1}
+    assert named_ranks("did not complete within 60 s; still waiting for rank(s) 0, 2. Those") == {0, 2}
+    assert named_ranks("worker rank 3 (pid 77) was killed by SIGKILL") == {3}
+    assert named_ranks("ranks 0 and 2 disagree") == {0, 2}
+    assert named_ranks("push_pull 'dense/kernel' (round 12) failed") == set()
+    assert named_ranks("") == set()
+
+
+def test_a_survivor_that_names_the_victim_is_named():
+    s = Survivor(0, exit_after_s=2.0, message="lost the connection to rank 1 (h:1)", reported_after_s=0.1)
+    assert classify_survivor(s, victim=1) == "named"
+
+
+def test_naming_a_survivor_that_left_first_is_a_cascade_not_unnamed():
+    s = Survivor(0, exit_after_s=2.0, message="lost the connection to rank 2 (h:3)", reported_after_s=0.2)
+    assert classify_survivor(s, victim=1, left_first=[2]) == "cascade"
+    # ... but naming a rank that had not left is no explanation.
+    assert classify_survivor(s, victim=1, left_first=[]) == "unnamed"
+
+
+def test_errors_without_a_rank_and_silent_exits_are_unnamed():
+    s = Survivor(0, exit_after_s=1.0, message="Graph execution error: something failed", reported_after_s=0.5)
+    assert classify_survivor(s, victim=1) == "unnamed"
+    assert classify_survivor(Survivor(0, exit_after_s=1.0, exit_code=1), victim=1) == "unnamed"
+
+
+def test_still_running_at_the_deadline_is_a_hang_whatever_it_said():
+    s = Survivor(0, exit_after_s=None, message="lost the connection to rank 1", reported_after_s=0.1)
+    assert classify_survivor(s, victim=1) == "hang"
+
+
+def test_survivors_stopped_by_the_launcher_count_as_named_when_the_launcher_names_the_fault():
+    s = Survivor(1, exit_after_s=0.6, stopped_by_launcher=True)
+    assert classify_survivor(s, victim=2, launcher_names=[2]) == "launcher"
+    # The launcher blamed a survivor that failed first (e.g. after a SIGSTOP): still traced.
+    assert classify_survivor(s, victim=2, left_first=[0], launcher_names=[0]) == "launcher"
+    assert classify_survivor(s, victim=2, launcher_names=[]) == "unnamed"
+
+
+def test_a_survivor_that_trained_to_the_end_completed():
+    assert classify_survivor(Survivor(0, exit_after_s=3.0, exit_code=0, finished=True), victim=1) == "completed"
+
+
+def test_detection_is_the_report_else_the_exit():
+    assert detection_s(Survivor(0, exit_after_s=5.0, reported_after_s=0.3)) == 0.3
+    assert detection_s(Survivor(0, exit_after_s=5.0)) == 5.0
+    assert detection_s(Survivor(0)) is None
+
+
+def test_checkpoint_states():
+    assert classify_checkpoint(exists=False, ever_saved=False, load_error=None).state == "none"
+    assert classify_checkpoint(exists=False, ever_saved=True, load_error=None).state == "missing"
+    assert classify_checkpoint(exists=True, ever_saved=True, load_error=None).state == "loads"
+    bad = classify_checkpoint(exists=True, ever_saved=True, load_error="BadZipFile: File is not a zip file")
+    assert (bad.state, bad.detail) == ("corrupt", "BadZipFile: File is not a zip file")
+
+
+def test_summary_counts_hangs_corrupt_checkpoints_unnamed_errors_and_the_slowest_detection():
+    named = Survivor(0, exit_after_s=2.0, reported_after_s=0.4, message="rank 1")
+    slow = Survivor(2, exit_after_s=40.0, reported_after_s=31.0, message="rank(s) 1")
+    hung = Survivor(0, exit_after_s=None)
+    unnamed = Survivor(1, exit_after_s=1.0, message="failed")
+    records = [
+        TrialRecord("a", survivors=[(named, "named"), (slow, "named")], checkpoint=Checkpoint("loads")),
+        TrialRecord("b", survivors=[(hung, "hang"), (unnamed, "unnamed")], checkpoint=Checkpoint("corrupt", "x")),
+        TrialRecord("c", survivors=[], checkpoint=Checkpoint("missing")),
+        TrialRecord("d", survivors=[], checkpoint=Checkpoint("none")),
+    ]
+    assert summary_line(records) == \
+        "faults: 4 trials, 1 hangs, 2 corrupt checkpoints, 1 unnamed errors, max detection 31.0 s"
+    assert summary_line([]) == "faults: 0 trials, 0 hangs, 0 corrupt checkpoints, 0 unnamed errors, max detection 0.0 s"
+
+
+def test_the_plan_covers_every_combination_and_is_seeded():
+    plans = plan_trials(24, seed=3, epochs=4, steps=20)
+    combos = {(p.n, p.launcher, p.fault, p.moment) for p in plans}
+    assert len(combos) == 24
+    assert all(0 <= p.victim < p.n and 2 <= p.step < 20 and 0 <= p.epoch < 3 for p in plans)
+    assert plans == plan_trials(24, seed=3, epochs=4, steps=20)
+    assert plans != plan_trials(24, seed=4, epochs=4, steps=20)
+    assert len(plan_trials(4, seed=3, epochs=4, steps=20)) == 4
+
+
+def test_goal_lines_count_survivors_out_late_and_hostile_outcomes():
+    fast = Survivor(0, exit_after_s=12.0, reported_after_s=0.4, message="rank 1")
+    late = Survivor(2, exit_after_s=71.0, reported_after_s=60.1, message="rank(s) 1")
+    still = Survivor(1, exit_after_s=None)
+    hostile = TrialRecord("h", survivors=[(Survivor(0, exit_after_s=99.0, finished=True), "completed")],
+                          hostile={"outcome": "unaffected"})
+    records = [TrialRecord("a", survivors=[(fast, "named"), (late, "named"), (still, "hang")]), hostile,
+               TrialRecord("i", hostile={"outcome": "failed closed"})]
+    assert goal_lines(records) == ["survivors out within 60 s of the fault: 1 of 2 (slowest 71.0 s)",
+                                   "hostile jobs: 1 failed closed, 1 unaffected"]
+    assert goal_lines([]) == ["survivors out within 60 s of the fault: 0 of 0"]
+
+
+def test_hostile_job_outcomes():
+    ok = "a" * 64
+    assert classify_hostile_job([0, 0], {ok}, ok, []) == "unaffected"
+    assert classify_hostile_job([0, 0], {"b" * 64}, ok, []) == "AFFECTED"  # other weights
+    assert classify_hostile_job([3, 3], set(), ok, ["rank 0: token", "rank 1: token"]) == "failed closed"
+    assert classify_hostile_job([3, 1], set(), ok, ["rank 0: token"]) == "AFFECTED"  # one said nothing
+    assert classify_hostile_job([3, None], set(), ok, ["rank 0: x", "rank 1: y"]) == "AFFECTED"  # a hang
+
+
+def test_the_impostors_hello_has_the_protocols_layout():
+    assert len(_client_hello(1, 2, 0, 10000, bytes(32))) == 56  # ops/core/handshake.h ClientHello
