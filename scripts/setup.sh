@@ -3,6 +3,8 @@
 #
 #   bash scripts/setup.sh            # idempotent; a second run takes a few seconds
 #
+# Installs (apt) bazel-bootstrap, libssl-dev and iproute2 when missing, (pip) requirements.txt.
+#
 # Environment:
 #   PYTHON_BIN_PATH   interpreter to use (default: python3 on PATH)
 set -euo pipefail
@@ -18,7 +20,13 @@ trap 'rc=$?; [ $rc -eq 0 ] || printf "\033[1;31m[setup] FAILED\033[0m during: %s
 as_root() {
   if [ "$(id -u)" -eq 0 ]; then "$@";
   elif command -v sudo >/dev/null 2>&1; then sudo "$@";
-  else die "need root to run: $* (install bazel-bootstrap yourself, or run as root)"; fi
+  else die "need root to run: $* (install bazel-bootstrap and libssl-dev yourself, or run as root)"; fi
+}
+
+apt_install() {
+  export DEBIAN_FRONTEND=noninteractive
+  as_root apt-get update
+  as_root apt-get install -y "$@"
 }
 
 # --- 1. Bazel ---------------------------------------------------------------------------------
@@ -27,10 +35,30 @@ if command -v bazel >/dev/null 2>&1; then
   log "bazel: $(command -v bazel)"
 else
   log "bazel not found: apt-get update && apt-get install -y bazel-bootstrap"
-  export DEBIAN_FRONTEND=noninteractive
-  as_root apt-get update
-  as_root apt-get install -y bazel-bootstrap
+  apt_install bazel-bootstrap
   command -v bazel >/dev/null 2>&1 || die "bazel-bootstrap installed but 'bazel' is still not on PATH"
+fi
+
+# --- 1b. OpenSSL's libcrypto, static (HMAC-SHA256 of the start-up handshake) ----------------------
+STEP="installing libssl-dev"
+have_libcrypto() {
+  [ -f /usr/include/openssl/hmac.h ] && [ "$(gcc -print-file-name=libcrypto.a)" != "libcrypto.a" ]
+}
+if have_libcrypto; then
+  log "libssl-dev: OK"
+else
+  log "OpenSSL headers or libcrypto.a not found: apt-get update && apt-get install -y libssl-dev"
+  apt_install libssl-dev
+  have_libcrypto || die "libssl-dev installed but /usr/include/openssl/hmac.h or libcrypto.a is still missing"
+fi
+
+# --- 1c. iproute2: ip and tc (emulated clusters of the tests and benchmarks), ss (test conditions) --
+STEP="installing iproute2"
+if command -v ip >/dev/null 2>&1 && command -v tc >/dev/null 2>&1 && command -v ss >/dev/null 2>&1; then
+  log "iproute2: OK"
+else
+  log "ip, tc or ss not found: apt-get update && apt-get install -y iproute2"
+  apt_install iproute2
 fi
 
 # --- 2. Python and its dependencies ---------------------------------------------------------------
@@ -44,7 +72,7 @@ log "python: $PY ($("$PY" -c 'import platform; print(platform.python_version())'
 REQ_HASH="$(sha256sum requirements.txt | cut -c1-16)"
 STAMP="# setup.sh: python=$PY requirements=$REQ_HASH"
 OLD_STAMP="$(head -n1 .bazelrc.user 2>/dev/null || true)"
-MODULES="tensorflow matplotlib absl pytest numpy"
+MODULES="tensorflow tensorboard matplotlib absl pytest numpy"
 
 STEP="installing python requirements"
 need_pip=""
@@ -86,25 +114,28 @@ else
   log ".bazelrc.user: up to date"
 fi
 
-# --- 4. Build the op library ------------------------------------------------------------------
+# --- 4. Build the libraries --------------------------------------------------------------------
 STEP="bazel build //ops/..."
 log "bazel build //ops/..."
 start=$(date +%s)
 bazel build //ops/... || die "bazel build //ops/... failed (see the compiler output above)"
 log "bazel build finished in $(( $(date +%s) - start ))s"
 
-STEP="copying _prophet_ops.so"
-SO_SRC="bazel-bin/ops/tf/_prophet_ops.so"
-SO_DST="prophet_tf/_prophet_ops.so"
-[ -f "$SO_SRC" ] || die "$SO_SRC was not produced"
-mkdir -p prophet_tf
-if cmp -s "$SO_SRC" "$SO_DST"; then
-  log "$SO_DST: up to date"
-else
-  # Copy then rename: processes that have the old library mapped keep a valid file.
-  install -m 0755 "$SO_SRC" "$SO_DST.tmp.$$"
-  mv -f "$SO_DST.tmp.$$" "$SO_DST"
-  log "copied $SO_SRC -> $SO_DST"
-fi
+# The op library (TensorFlow ops + runtime) and the predictor (no TensorFlow), next to the package.
+for LIB in tf/_prophet_ops.so predict/_prophet_predict.so; do
+  STEP="copying $(basename "$LIB")"
+  SO_SRC="bazel-bin/ops/$LIB"
+  SO_DST="prophet_tf/$(basename "$LIB")"
+  [ -f "$SO_SRC" ] || die "$SO_SRC was not produced"
+  mkdir -p prophet_tf
+  if cmp -s "$SO_SRC" "$SO_DST"; then
+    log "$SO_DST: up to date"
+  else
+    # Copy then rename: processes that have the old library mapped keep a valid file.
+    install -m 0755 "$SO_SRC" "$SO_DST.tmp.$$"
+    mv -f "$SO_DST.tmp.$$" "$SO_DST"
+    log "copied $SO_SRC -> $SO_DST"
+  fi
+done
 STEP="done"
 log "done"

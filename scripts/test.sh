@@ -22,6 +22,10 @@ elif [ "$rc" -ne 0 ]; then
   die "bazel test //ops/... failed (exit $rc)"
 fi
 
+# --- Fuzz targets with AddressSanitizer + UBSan (short fixed-seed runs; see ops/core/fuzz/BUILD) ---
+log "bazel test --config=asan //ops/core/fuzz/..."
+bazel test --config=asan //ops/core/fuzz/... || die "fuzz targets failed under the sanitizers"
+
 # --- Python tests ------------------------------------------------------------------------------
 if [ ! -d tests ]; then
   log "no tests/ directory; skipping pytest"

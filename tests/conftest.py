@@ -104,7 +104,8 @@ def run_workers():
 @dataclass
 class Spawned:
     procs: list
-    started: float
+    started: float       # time.monotonic() at start
+    started_wall: float  # time.time() at the same moment (workers report wall-clock times)
 
     def wait(self, timeout: float) -> list[tuple[Optional[int], float, str]]:
         """Waits for every worker; returns ``(exit status or None if still running, seconds
@@ -145,10 +146,55 @@ def spawn_workers():
                                  stderr=subprocess.STDOUT, text=True)
             procs.append(p)
             spawned.append(p)
-        return Spawned(procs, t0)
+        return Spawned(procs, t0, time.time() - (time.monotonic() - t0))
 
     yield spawn
     for p in spawned:  # only the processes this fixture started, by their handles
         if p.poll() is None:
             p.kill()
             p.wait(timeout=30)
+
+
+class ProgramRuns:
+    """Programs run on N workers and in one reference process (see
+    :func:`run_programs_against_one_process`): their RESULT lines, saved weights and wall times."""
+
+    def __init__(self, workdir: str, distributed: WorkerRun, reference: list,
+                 reference_seconds: float):
+        self.workdir = workdir
+        self.distributed = distributed
+        self.reference = reference
+        # Wall time of the N-worker launch and of the one process (the suite's CI cost).
+        self.seconds = (distributed.seconds, reference_seconds)
+
+    def weights(self, program: str, who: str) -> list:
+        """The arrays ``WORKDIR/<program>.<who>.npz`` holds, in the order they were saved."""
+        import numpy as np
+
+        with np.load(os.path.join(self.workdir, f"{program}.{who}.npz")) as saved:
+            keys = sorted(saved.files, key=lambda k: int(re.sub(r"\D", "", k) or 0))
+            return [saved[k] for k in keys]
+
+    def result(self, program: str, rank: Optional[int] = None) -> dict:
+        """The RESULT of ``program`` on ``rank``, or of the reference process (rank None)."""
+        if rank is None:
+            (found,) = [r for r in self.reference if r["program"] == program]
+            return found
+        return self.distributed.one(rank, program=program)
+
+
+def run_programs_against_one_process(script: str, workdir: str, programs: list, n: int = 2,
+                                     timeout: float = 600) -> ProgramRuns:
+    """Runs ``tests/workers/<script> distributed WORKDIR --programs ...`` on ``n`` workers, then
+    ``<script> reference WORKDIR --programs ...`` in one process (which reads the initial weights
+    the distributed run recorded)."""
+    joined = ",".join(programs)
+    distributed = launch_workers(script, n, "distributed", workdir, "--programs", joined,
+                                 timeout=timeout).check_ok()
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(WORKERS / script), "reference", workdir,
+                           "--programs", joined], cwd=ROOT, env=_worker_env(),
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    return ProgramRuns(workdir, distributed, parse_results(proc.stdout, default_rank=0)[0],
+                       time.monotonic() - start)

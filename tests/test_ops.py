@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -50,46 +51,65 @@ def test_shape_mismatch_fails_on_every_worker_with_both_shapes() -> None:
         assert f"[rank {rank}] CHECK usable after mismatch ok" in proc.stdout, out[-4000:]
 
 
-def _start_without_launcher(n: int, scenario: str, timeout_s: float) -> list[subprocess.Popen]:
+def _start_without_launcher(n: int, *args: str) -> list[subprocess.Popen]:
     # Not through the launcher: it would stop the survivors itself, and we want to see them fail.
     ports = launch.free_ports(n)
     addresses = [f"127.0.0.1:{p}" for p in ports]
     envs = launch.worker_envs(n, addresses, "failure-test-token")
     procs = []
     for env in envs:
-        full = dict(os.environ, **env, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2",
-                    TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="2")
-        procs.append(subprocess.Popen([sys.executable, str(WORKERS / "failure_worker.py"), scenario, str(timeout_s)],
+        full = {**os.environ, **env, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "2",
+                "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "2"}
+        procs.append(subprocess.Popen([sys.executable, str(WORKERS / "failure_worker.py"), *args],
                                       env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return procs
 
 
-@pytest.mark.parametrize("scenario,timeout_s,bound_s", [("die", 60.0, 10.0), ("stall", 3.0, 10.0)])
-def test_dead_or_stalled_peer_fails_the_others_in_bounded_time(scenario: str, timeout_s: float, bound_s: float) -> None:
-    procs = _start_without_launcher(3, scenario, timeout_s)
+# The runtime's own words in a TensorFlow error message (eager and graph errors decorate it
+# differently): "push_pull 'train/grad' (round N) ..." ("push_pull 'train/grad' failed: ..." when it
+# was submitted after the runtime had already failed), up to TensorFlow's node annotations.
+_CORE_MESSAGE = re.compile(r"(push_pull 'train/grad' (?:\(round \d+\) )?.*?)(?:\s*\[\[|\s*\[Op:|$)", re.S)
+
+
+@pytest.mark.parametrize("scenario,timeout_s,heartbeat_s", [("die", 60.0, 0.0), ("stall", 3.0, 0.0),
+                                                            ("stop", 60.0, 1.0)])
+def test_dead_stalled_or_stopped_peer_is_named_by_every_survivor(scenario: str, timeout_s: float,
+                                                                 heartbeat_s: float) -> None:
+    """What the runtime promises when rank 1 of 3 fails after a warm-up, to both survivors (rank 0
+    eager, rank 2 inside a tf.function), well before anything else could fail the job:
+    die   -> UnavailableError naming rank 1 (its connection was lost);
+    stall -> DeadlineExceededError once timeout_s has passed, naming rank 1 and nobody else, the
+             same words on both (rank 1's runtime answers that it never reached the operation);
+    stop  -> with heartbeat_s, UnavailableError naming rank 1 as unresponsive, long before
+             timeout_s (a frozen process answers nothing)."""
+    procs = _start_without_launcher(3, scenario, str(timeout_s), str(heartbeat_s))
     try:
         results = {}
         for rank in (0, 2):
-            out, _ = procs[rank].communicate(timeout=120)
+            # Only a guard against a hang: TensorFlow's import alone takes over a minute on a loaded
+            # machine. What is promised is asserted on the messages below, not on wall time.
+            out, _ = procs[rank].communicate(timeout=400)
             assert procs[rank].returncode == 3, out[-3000:]
-            match = re.search(r"ERROR_AFTER ([0-9.]+) (\w+): (.*)", out)
+            match = re.search(r"ERROR_AFTER ([0-9.]+) (\w+): (.*)", out, re.S)
             assert match, out[-3000:]
-            results[rank] = (float(match.group(1)), match.group(2), match.group(3))
-            assert results[rank][0] < bound_s, results[rank]
-        kinds = {kind for _, kind, _ in results.values()}
-        if scenario == "die":
-            # A dead peer is reported by name, long before the 60 s operation timeout.
-            # (A survivor may first see the other survivor leave: any order is a named failure.)
-            assert kinds == {"UnavailableError"}, results
-            assert any("rank 1" in message for _, _, message in results.values()), results
-        else:
-            # The first survivor to time out names the stalled rank; the other may instead see
-            # that survivor leave, which is also a bounded, named failure.
-            assert "DeadlineExceededError" in kinds and kinds <= {"DeadlineExceededError", "UnavailableError"}, results
-            assert any(kind == "DeadlineExceededError" and "rank(s) 1" in message
-                       for _, kind, message in results.values()), results
+            core = _CORE_MESSAGE.search(match.group(3))
+            assert core, match.group(3)
+            results[rank] = (float(match.group(1)), match.group(2), core.group(1).strip())
+        for seconds, kind, message in results.values():
+            if scenario == "stall":
+                assert kind == "DeadlineExceededError", results
+                assert "rank(s) 1 did not reach it" in message and message.count("rank(s)") == 1, results
+            else:
+                assert kind == "UnavailableError", results
+                assert "rank 1 (" in message, results
+                if scenario == "stop":
+                    assert "unresponsive" in message and "heartbeat_s" in message, results
+        if scenario == "stall":
+            assert results[0][2] == results[2][2], results  # the same verdict on every survivor
     finally:
         for p in procs:
             if p.poll() is None:
+                if scenario == "stop":
+                    p.send_signal(signal.SIGCONT)
                 p.kill()
             p.wait(timeout=30)

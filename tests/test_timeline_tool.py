@@ -163,3 +163,29 @@ def test_missing_file_and_nothing_to_draw(tmp_path, capsys):
     assert timeline.main([str(only_metadata), "-o", str(tmp_path / "x.png")]) == 2
     assert "nothing to draw" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_step_window_and_clipping(traces, tmp_path):
+    events = timeline.load_trace(traces[0])
+    start, end = timeline.step_window(events, 1)
+    assert (start, end) == (7_060_000.0, 7_120_000.0)     # step 1 to the start of step 2
+    assert timeline.step_window(events, 2) == (7_120_000.0, 7_180_000.0)   # last: its own end
+    with pytest.raises(timeline.TraceError, match="no step 3 in the trace: it has 3"):
+        timeline.step_window(events, 3)
+    clipped = timeline._clip(events, start, end)
+    spans = [e for e in clipped if e.get("ph") == "X"]
+    assert spans and all(start <= e["ts"] and e["ts"] + e["dur"] <= end for e in spans)
+    assert len([e for e in spans if e["cat"] == "push"]) == 6      # step 1's pushes only
+    assert sum(1 for e in clipped if e.get("ph") == "M") == sum(
+        1 for e in events if e.get("ph") == "M")
+    out = timeline.plot_timeline([events], tmp_path / "one.png", window_us=(start, end))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_command_line_step_option(traces, tmp_path):
+    out = tmp_path / "step.png"
+    proc = run_tool(*map(str, traces), "-o", str(out), "--step", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    proc = run_tool(*map(str, traces), "-o", str(out), "--step", "7")
+    assert proc.returncode == 2 and "no step 7" in proc.stderr

@@ -71,8 +71,8 @@ def main() -> None:
     for case in args.cases.split(","):
         build, make_opt = CASES[case]
         model_x, initial, loss_x = train(crossing, build, make_opt, x, y)
-        deferred = crossing.extended.deferred_updates_traced
-        crossing.extended.deferred_updates_traced = 0
+        deferred = crossing.extended.gradient_counts["deferred"]
+        crossing.extended.gradient_counts.clear()
         weights_x = [np.array(w) for w in model_x.get_weights()]
         model_s, _, loss_s = train(synchronous, build, make_opt, x, y, initial)
         weights_s = model_s.get_weights()
