@@ -16,7 +16,8 @@ const char* CollectiveOfFrame(FrameType type) {
     case FrameType::kProbe:
     case FrameType::kProbeReply:
     case FrameType::kHeartbeat:
-    case FrameType::kPeerLost: break;  // control frames belong to no collective
+    case FrameType::kPeerLost:
+    case FrameType::kLeaving: break;  // control frames belong to no collective
   }
   return "?";
 }

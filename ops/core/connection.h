@@ -39,6 +39,8 @@ struct OutFrame {
 
 // Error notices jump every queue.
 constexpr int64_t kUrgentPriority = INT64_MAX;
+// Behind everything queued (the departure notice).
+constexpr int64_t kLastPriority = INT64_MIN;
 
 // Encodes `meta` (whose payload_bytes must equal `payload_len`) in front of a payload that
 // stays where it is until the frame is sent.

@@ -60,6 +60,7 @@ struct Engine::Impl : public Connection::Handler, public CollectiveHost {
   int wake_fd = -1;
   std::thread thread;
   std::atomic<bool> stop{false};
+  std::atomic<bool> vanish{false};  // StopWithoutNotice
 
   // Shared with submitting threads.
   mutable std::mutex mu;
@@ -106,6 +107,8 @@ struct Engine::Impl : public Connection::Handler, public CollectiveHost {
   // The first loss of a peer this worker knew of, in the words every worker uses for it; once set,
   // every later closed connection is a consequence of it.
   std::string first_loss;
+  // By peer: it said kLeaving (its program finished). Its EOF is then a departure, not a loss.
+  std::vector<bool> departed;
   std::string unresponsive_reason;  // set while the heartbeat closes a connection
   Timeline timeline;
   BufferPool buffers;  // payloads held in memory (early frames)
@@ -137,6 +140,10 @@ struct Engine::Impl : public Connection::Handler, public CollectiveHost {
   // earlier loss already did; every peer hears of the first loss before this worker can leave.
   void LosePeer(int observer, const std::string& message);
   void FailAll(const std::string& message);
+  // `peer` finished its program: operations still waiting for its data fail, the others go on.
+  void OnPeerLeaving(int peer);
+  // Fails `op` if it waits for data from a worker that has left; returns whether it did.
+  bool FailIfWaitingForDeparted(Collective* op);
   // Fails `op` here and on every worker with `status` (its message says the whole story).
   void FailEverywhere(Collective* op, const Status& status);
   void RememberFailure(const std::string& key, const Status& status);
@@ -228,6 +235,7 @@ Status Engine::Start(const EngineOptions& options, std::unique_ptr<Engine>* out)
   m.early_receiving.assign(options.world_size, 0);
   m.peer_reports.resize(options.world_size);
   m.loss_reports.resize(options.world_size);
+  m.departed.assign(options.world_size, false);
   for (int r = 0; r < options.world_size; ++r) {
     if (fds[r] < 0) continue;
     m.conns[r] = std::make_unique<Connection>(r, fds[r], m.epoll_fd, &m, &m.buffers);
@@ -241,6 +249,17 @@ Status Engine::Start(const EngineOptions& options, std::unique_ptr<Engine>* out)
   m.thread = std::thread([&m] { m.Run(); });
   *out = std::move(engine);
   return Status::OK();
+}
+
+void Engine::StopWithoutNotice() {
+  Impl& m = *impl_;
+  m.vanish.store(true);
+  if (m.thread.joinable()) {
+    m.stop.store(true);
+    m.Wake();
+    m.thread.join();
+  }
+  m.conns.clear();  // closes the sockets
 }
 
 Engine::~Engine() {
@@ -380,7 +399,18 @@ void Engine::Impl::Shutdown() {
   for (auto& kv : ops) left.push_back(kv.second.get());
   for (Collective* op : left)
     Finish(op, Status(Code::kAborted, "the prophet_tf runtime was shut down before " + op->Describe() + " finished"));
-  // Give queued frames a moment to leave, then half-close and wait briefly for the peer's EOF.
+  if (vanish) return;  // as a killed process: the sockets close with nothing more sent
+  // Every operation that completed here has handed its last frame to a connection (an owner
+  // completes once its results are sent), so what is queued is all the peers still need. The
+  // departure notice goes last: a peer that reads it knows the EOF after it is not a crash. Not
+  // after a lost peer: the survivors must go on naming that loss (kPeerLost), not this exit.
+  FrameMeta leaving;
+  leaving.type = FrameType::kLeaving;
+  if (first_loss.empty())
+    for (auto& c : conns)
+      if (c && c->open()) c->Queue(MakeOwnedFrame(leaving, "", kLastPriority));
+  // Give queued frames a moment to leave, then half-close and wait briefly for the peer's EOF
+  // (a peer closes its end when it reads the notice, so this is quick when the peer is alive).
   for (auto& c : conns)
     if (c) c->FinishSending(NowNs() + int64_t{2000000000});
   const int64_t deadline = NowNs() + int64_t{1000000000};
@@ -428,6 +458,8 @@ void Engine::Impl::StartOperation(OpRequest req, uint64_t round) {
   // broadcast whose root sent everything, then left); anything else fails at once, everywhere.
   if (Alive(id) && !first_loss.empty())
     FailEverywhere(op, Status(Code::kUnavailable, op->Describe() + " failed: " + first_loss));
+  else if (Alive(id))
+    FailIfWaitingForDeparted(op);
 }
 
 std::vector<EarlyFrame> Engine::Impl::TakeEarly(const std::string& key) {
@@ -514,6 +546,37 @@ void Engine::Impl::LosePeer(int observer, const std::string& message) {
   FailAll(first_loss);
 }
 
+void Engine::Impl::OnPeerLeaving(int peer) {
+  if (departed[peer]) return;
+  departed[peer] = true;
+  PROPHET_INFO("rank %d finished its program and left", peer);
+  std::vector<Collective*> waiting;
+  for (auto& kv : ops) waiting.push_back(kv.second.get());
+  for (Collective* op : waiting) FailIfWaitingForDeparted(op);
+}
+
+// Told to every worker too: one that waits only for this worker's data (say a partition this
+// worker owns) could not know otherwise.
+bool Engine::Impl::FailIfWaitingForDeparted(Collective* op) {
+  const std::vector<bool> missing = op->WaitingFor();
+  std::vector<int> gone;
+  for (int r = 0; r < world_size(); ++r)
+    if (missing[r] && departed[r]) gone.push_back(r);
+  if (gone.empty()) return false;
+  std::string who, reports;
+  for (int r : gone) {
+    who += (who.empty() ? "" : ", ") + std::string("rank ") + std::to_string(r) + " (" + options_.addresses[r] + ")";
+    if (!peer_reports[r].empty()) reports += ". Before that rank " + std::to_string(r) + " reported: " + peer_reports[r];
+  }
+  const Status status(Code::kUnavailable,
+                      op->Describe() + " failed: " + who + " shut down its prophet_tf runtime before taking part in it " +
+                          "(its program ended, or raised an error: see its log). If it ended normally, the workers ran " +
+                          "different collectives: a different number of steps or batches, or a branch on the rank " +
+                          "such as `if rank == 0: model.save(...)`; every worker must run the same ones" + reports);
+  FailEverywhere(op, status);
+  return true;
+}
+
 // A peer is lost: every pending operation fails, here and (through error notices that arrive
 // before this worker's own exit could) on every other worker, so that all of them give the cause
 // rather than "lost the connection" to a survivor that failed first.
@@ -535,7 +598,7 @@ void Engine::Impl::CheckTimeouts(int64_t now) {
   for (Collective* op : expired) {
     std::vector<int> asked;
     for (int peer = 0; peer < world_size(); ++peer) {
-      if (!conns[peer] || !conns[peer]->open()) continue;
+      if (!conns[peer] || !conns[peer]->open() || departed[peer]) continue;
       FrameMeta probe;
       probe.type = FrameType::kProbe;
       probe.name = op->request().name;
@@ -600,7 +663,7 @@ void Engine::Impl::Heartbeat(int64_t now) {
   FrameMeta beat;
   beat.type = FrameType::kHeartbeat;
   for (auto& c : conns) {
-    if (!c || !c->open()) continue;
+    if (!c || !c->open() || departed[c->peer()]) continue;
     if (now - c->last_receive_ns() > period_ns) {
       char silent[32];
       std::snprintf(silent, sizeof(silent), "%.1f s", (now - c->last_receive_ns()) / 1e9);
@@ -725,6 +788,7 @@ void Engine::Impl::OnFrameDone(Connection& c, const FrameMeta& meta, PayloadSink
     return HandleWholeFrame(c.peer(), meta, std::move(*buffered));
   }
   if (meta.type == FrameType::kProbe) return AnswerProbe(c.peer(), meta);
+  if (meta.type == FrameType::kLeaving) return OnPeerLeaving(c.peer());
   if (meta.type == FrameType::kProbeReply)
     return stragglers.OnReply(OperationKey(meta.name, meta.round), c.peer(), meta.partition == 1);
   if (sink == PayloadSink::Kind::kDiscard) return;
@@ -768,6 +832,10 @@ void Engine::Impl::HandleWholeFrame(int peer, const FrameMeta& meta, ByteBuffer 
 void Engine::Impl::OnClosed(Connection& c, const std::string& why) {
   early_bytes -= early_receiving[c.peer()];
   early_receiving[c.peer()] = 0;
+  if (departed[c.peer()] && !c.refused()) {  // its EOF (or a reset after it) follows its notice
+    PROPHET_INFO("rank %d closed its connection after leaving: %s", c.peer(), why.c_str());
+    return;
+  }
   const std::string who = "rank " + std::to_string(c.peer()) + " (" + options_.addresses[c.peer()] + ")";
   std::string message =
       c.refused() ? "dropped the connection to " + who + ", which broke the protocol: " + why

@@ -57,7 +57,12 @@ class Engine {
  public:
   // Binds, connects to every peer, starts the I/O thread.
   static Status Start(const EngineOptions& options, std::unique_ptr<Engine>* engine);
-  ~Engine();  // fails what is pending, closes the connections gracefully, joins the thread
+  // Fails what is pending, sends what completed operations still owe the peers, tells them this
+  // worker is leaving (kLeaving), closes the connections gracefully and joins the thread.
+  ~Engine();
+  // Stops as a killed process does: pending operations fail and the connections close without
+  // the departure notice, so peers see a lost worker. For tests of fault handling.
+  void StopWithoutNotice();
 
   void Submit(OpRequest request);
   // Schedules with policy `schedule` from the next moment no partition is queued (between steps),

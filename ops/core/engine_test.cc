@@ -346,13 +346,13 @@ TEST(DeadPeerFailsPendingOpsWithUnavailable) {
   EXPECT_TRUE(!Contains(engines[1]->StatsJson(), "\"bytes_received\": 0,"));
   EXPECT_TRUE(p_big->future.wait_for(std::chrono::seconds(0)) == std::future_status::timeout);
   const auto killed = Clock::now();
-  engines[1].reset();  // rank 1 goes away
+  engines[1]->StopWithoutNotice();  // rank 1 dies
   // Noticed from the closed connection, not from the operation timeout (20 s): any bound below it
   // proves that; a tighter one would only measure how loaded the machine is.
   for (auto* p : {p_big.get(), p_small.get()}) {
     const Status s = AWAIT(*p, 10.0);
     EXPECT_TRUE(s.code() == Code::kUnavailable);
-    EXPECT_TRUE(Contains(s.message(), "rank 1"));
+    EXPECT_TRUE(Contains(s.message(), "lost the connection to rank 1"));
   }
   const double waited = SecondsSince(killed);
   std::printf("dead peer noticed after %.3f s\n", waited);
@@ -460,7 +460,8 @@ TEST(ABroadcastRootHearsThePeersConflictWhenThatPeerGoesAway) {
   engines[1].reset();
   const Status s0 = AWAIT(*next, 5.0);
   std::printf("root: %s\n", s0.message().c_str());
-  EXPECT_TRUE(s0.code() == Code::kUnavailable && Contains(s0.message(), "rank 1"));
+  EXPECT_TRUE(s0.code() == Code::kUnavailable && Contains(s0.message(), "rank 1 (") &&
+              Contains(s0.message(), "shut down its prophet_tf runtime"));
   EXPECT_TRUE(Contains(s0.message(), "[2]") && Contains(s0.message(), "[3]") && Contains(s0.message(), "init/kernel"));
   // Every message names its operation once: one that was pending, and one submitted afterwards.
   EXPECT_EQ(Count(s0.message(), "'next'"), 1u);
@@ -503,7 +504,7 @@ TEST(ASurvivorThatSeesAnotherSurvivorLeaveFirstNamesTheLostRank) {
   EXPECT_TRUE(AWAIT(*b0).ok() && AWAIT(*b1).ok());
   float x = 1, ox = 0;
   auto pending0 = PushPull(engines[0].get(), "x", DataType::kFloat32, {1}, &x, &ox, 4);
-  engines[1].reset();
+  engines[1]->StopWithoutNotice();  // rank 1 dies
   const Status s0 = AWAIT(*pending0, 10.0);
   EXPECT_TRUE(s0.code() == Code::kUnavailable && Contains(s0.message(), "rank 1 ("));
   engines[0].reset();  // rank 0 leaves after its failure, as its program would
@@ -533,7 +534,8 @@ TEST(ALateReceiverGetsABroadcastWhoseRootSentEverythingAndLeft) {
   float x = 1, ox = 0;
   auto probe = PushPull(engines[1].get(), "probe", DataType::kFloat32, {1}, &x, &ox, 4);
   const Status lost = AWAIT(*probe, 10.0);
-  EXPECT_TRUE(lost.code() == Code::kUnavailable && Contains(lost.message(), "lost the connection to rank 0"));
+  EXPECT_TRUE(lost.code() == Code::kUnavailable && Contains(lost.message(), "rank 0 (") &&
+              Contains(lost.message(), "shut down its prophet_tf runtime before taking part"));
   auto late = Broadcast(engines[1].get(), "init/weights", shape, weights.data(), late_out.data(), 0);
   const Status got = AWAIT(*late, 10.0);
   if (!got.ok()) FAIL("the late receiver failed: " + got.message());
@@ -543,7 +545,78 @@ TEST(ALateReceiverGetsABroadcastWhoseRootSentEverythingAndLeft) {
   auto missing = Broadcast(engines[1].get(), "init/bias", {4}, never.data(), never.data(), 0);
   const Status s = AWAIT(*missing, 10.0);
   EXPECT_TRUE(s.code() == Code::kUnavailable && Contains(s.message(), "'init/bias'") &&
-              Contains(s.message(), "lost the connection to rank 0"));
+              Contains(s.message(), "rank 0 (") && Contains(s.message(), "shut down its prophet_tf runtime"));
+}
+
+TEST(AWorkerThatFinishesFirstDoesNotFailTheOthers) {
+  // A worker completes its last push_pull and its program ends while the others still receive
+  // results from the partitions' owners: their operations must complete, not fail on its EOF.
+  // (Partitions spread over every worker, so each waits for several owners.)
+  constexpr int kWorkers = 4;
+  const uint64_t elements = 6 * kMB / 4;
+  int left_early = 0;
+  for (int trial = 0; trial < 8; ++trial) {
+    // Before the engines: they must outlive nothing the operations use.
+    std::vector<std::vector<float>> in(kWorkers, std::vector<float>(elements, 1.0f));
+    std::vector<std::vector<float>> out(kWorkers, std::vector<float>(elements, 0.0f));
+    auto engines = StartCluster(ClusterOptions(kWorkers));
+    for (auto& e : engines)
+      if (!e) return;
+    std::vector<std::unique_ptr<Pending>> pending;
+    for (int r = 0; r < kWorkers; ++r)
+      pending.push_back(PushPull(engines[r].get(), "exit/last", DataType::kFloat32, {static_cast<int64_t>(elements)},
+                                 in[r].data(), out[r].data(), 4 * elements));
+    // Whichever worker completes first leaves at once, as a program whose last op returned.
+    int first = -1;
+    const auto began = Clock::now();
+    while (first < 0 && SecondsSince(began) < 20.0)
+      for (int r = 0; r < kWorkers && first < 0; ++r)
+        if (pending[r]->future.wait_for(std::chrono::seconds(0)) == std::future_status::ready) first = r;
+    if (first < 0) {
+      FAIL("no worker completed 'exit/last'");
+      return;
+    }
+    for (int r = 0; r < kWorkers; ++r)
+      if (r != first && pending[r]->future.wait_for(std::chrono::seconds(0)) != std::future_status::ready) ++left_early;
+    engines[first].reset();
+    for (int r = 0; r < kWorkers; ++r) {
+      const Status s = r == first ? pending[r]->future.get() : AWAIT(*pending[r], 10.0);
+      if (!s.ok()) FAIL("trial " + std::to_string(trial) + ": rank " + std::to_string(r) + " failed after rank " +
+                        std::to_string(first) + " left: " + s.message());
+      EXPECT_TRUE(s.ok() && out[r].front() == 4.0f && out[r].back() == 4.0f);
+    }
+  }
+  // The race this test is about happened (a worker left while others were still receiving).
+  std::printf("%d times a worker left while another was still receiving\n", left_early);
+  EXPECT_TRUE(left_early > 0);
+}
+
+TEST(AWorkerThatLeavesBeforeAnOperationFailsItAtOnceNamingIt) {
+  // Programs that run different collectives: rank 2 ends while the others wait in one it never
+  // submits. They fail from its departure notice, not after timeout_s (60 s here), and say so.
+  auto engines = StartCluster(ClusterOptions(3, 60.0));
+  if (!engines[0] || !engines[1] || !engines[2]) return;
+  float x[2] = {1, 1}, o[2] = {0, 0};
+  auto p0 = PushPull(engines[0].get(), "extra_step", DataType::kFloat32, {1}, &x[0], &o[0], 4);
+  auto p1 = PushPull(engines[1].get(), "extra_step", DataType::kFloat32, {1}, &x[1], &o[1], 4);
+  const auto left = Clock::now();
+  engines[2].reset();
+  for (auto* p : {p0.get(), p1.get()}) {
+    const Status s = AWAIT(*p, 20.0);
+    std::printf("%s\n", s.message().c_str());
+    EXPECT_TRUE(s.code() == Code::kUnavailable && Contains(s.message(), "'extra_step'") &&
+                Contains(s.message(), "rank 2 (") && Contains(s.message(), "different collectives"));
+    EXPECT_TRUE(!Contains(s.message(), "lost the connection"));
+  }
+  EXPECT_TRUE(SecondsSince(left) < 20.0);
+  // And so do operations submitted afterwards (each worker may wait only for the partition's
+  // owner: the owner's failure reaches the others).
+  auto later0 = PushPull(engines[0].get(), "later", DataType::kFloat32, {1}, &x[0], &o[0], 4);
+  auto later1 = PushPull(engines[1].get(), "later", DataType::kFloat32, {1}, &x[1], &o[1], 4);
+  for (auto* p : {later0.get(), later1.get()}) {
+    const Status s = AWAIT(*p, 10.0);
+    EXPECT_TRUE(s.code() == Code::kUnavailable && Contains(s.message(), "'later'") && Contains(s.message(), "rank 2 ("));
+  }
 }
 
 TEST(SingleWorkerReturnsInput) {

@@ -38,7 +38,7 @@ Status ValidateHeader(const FrameHeader& h) {
   if (h.type < static_cast<uint8_t>(FrameType::kPush) || h.type > kLastFrameType)
     return bad("unknown frame type " + std::to_string(h.type));
   const auto type = static_cast<FrameType>(h.type);
-  const uint32_t min_name = type == FrameType::kHeartbeat || type == FrameType::kPeerLost ? 0 : 1;
+  const uint32_t min_name = IsNamelessFrame(type) ? 0 : 1;
   if (h.name_len < min_name || h.name_len > kMaxNameBytes)
     return bad("name length " + std::to_string(h.name_len) + " outside [" + std::to_string(min_name) + ", " +
                std::to_string(kMaxNameBytes) + "]");

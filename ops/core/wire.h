@@ -17,7 +17,7 @@ namespace prophet {
 
 constexpr uint32_t kFrameMagic = 0x31465450;  // "PTF1" little-endian
 // 2: authenticated handshake (handshake.h). Version 1 sent a hash of the job token.
-constexpr uint16_t kProtocolVersion = 2;
+constexpr uint16_t kProtocolVersion = 3;
 constexpr uint32_t kMaxNameBytes = 4096;
 constexpr uint32_t kMaxDims = 32;
 constexpr uint64_t kMaxPayloadBytes = uint64_t{1} << 38;  // 256 GiB: any tensor a host can hold
@@ -37,9 +37,17 @@ enum class FrameType : uint8_t {
   // name needed. Sent once, before the sender's own failure can close its connections, so that a
   // worker that sees the sender leave names the first failure, not the sender.
   kPeerLost = 9,
+  // "my program finished: nothing more comes from me" (no name). The sender's last frame before
+  // it half-closes, so that its EOF reads as a departure, not a crash: a worker still waiting for
+  // data from it fails naming the departure, and one that is not goes on.
+  kLeaving = 10,
 };
-constexpr uint8_t kLastFrameType = static_cast<uint8_t>(FrameType::kPeerLost);
+constexpr uint8_t kLastFrameType = static_cast<uint8_t>(FrameType::kLeaving);
 inline bool IsControlFrame(FrameType type) { return type >= FrameType::kError; }
+// Frames about a worker, not an operation: they carry no name.
+inline bool IsNamelessFrame(FrameType type) {
+  return type == FrameType::kHeartbeat || type == FrameType::kPeerLost || type == FrameType::kLeaving;
+}
 constexpr uint64_t kMaxErrorMessageBytes = uint64_t{64} << 10;  // the receiver buffers it whole
 
 #pragma pack(push, 1)

@@ -53,10 +53,10 @@ def run_programs_main(programs, run, timeout_s=None, leave_without_barrier=()) -
         script.py distributed|reference WORKDIR [--programs a,b] [--timeout-s S] [--schedule NAME]
 
     Calls ``run(name, strategy, workdir, rank, role)`` per program, in order; ``strategy`` is the
-    ProphetStrategy, or None in the reference process. The workers wait for each other before
-    leaving: a broadcast completes on its root without waiting for the receivers, so a root that
-    exits early fails a receiver still behind it. A program in ``leave_without_barrier`` needs a
-    worker to leave without waiting (it is run last): the workers wait for each other before it.
+    ProphetStrategy, or None in the reference process. A worker leaves as soon as its programs
+    are done (the runtime delivers what the others still need from it). A program in
+    ``leave_without_barrier`` makes a worker leave while another still waits for it (it is run
+    last): the workers wait for each other before it, so that only that program sees it leave.
     """
     import argparse
 
@@ -84,6 +84,4 @@ def run_programs_main(programs, run, timeout_s=None, leave_without_barrier=()) -
         from prophet_tf import _crossing
 
         _crossing.wait_all()
-        if not waited:
-            strategy.barrier()
     print("WORKER DONE", flush=True)

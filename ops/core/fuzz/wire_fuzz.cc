@@ -71,7 +71,7 @@ void Check(const std::string& frame, FrameMutator& mutator, Stats* stats) {
   }
   ++stats->accepted;
   const uint64_t head = sizeof(FrameHeader) + meta.name.size() + 8 * meta.shape.size();
-  const bool nameless = meta.type == FrameType::kHeartbeat || meta.type == FrameType::kPeerLost;
+  const bool nameless = IsNamelessFrame(meta.type);
   if ((meta.name.empty() && !nameless) || meta.name.size() > kMaxNameBytes ||
       meta.shape.size() > kMaxDims)
     Violation(stats, "accepted a name of " + std::to_string(meta.name.size()) + " bytes and " +
