@@ -443,51 +443,44 @@ def _backup_restore(callback: Any) -> None:
 def _patch_callbacks() -> None:
     from keras.src.callbacks import backup_and_restore, csv_logger
 
-    cls = backup_and_restore.BackupAndRestore
-    if not getattr(cls._save_model, "_prophet_patched", False):
-        original_load = cls._load_model
-        original_end = cls.on_train_end
+    from prophet_tf._keras_patches import _patch
 
-        @agreed
-        def _save_model(self):
-            with _attributes_redirected(self, _BACKUP_WRITE_PATHS):
-                _backup_save(self)
+    @agreed
+    def save_model(_original, self):
+        with _attributes_redirected(self, _BACKUP_WRITE_PATHS):
+            _backup_save(self)
 
-        def _load_model(self):
-            # Every worker reads rank 0's files, through the metadata matching the weights.
-            metadata = self._training_metadata_path
-            self._training_metadata_path = _backup_metadata_path(self)
-            try:
-                return original_load(self)
-            finally:
-                self._training_metadata_path = metadata
+    def load_model(original, self):
+        # Every worker reads rank 0's files, through the metadata matching the weights.
+        metadata = self._training_metadata_path
+        self._training_metadata_path = _backup_metadata_path(self)
+        try:
+            return original(self)
+        finally:
+            self._training_metadata_path = metadata
 
-        @agreed
-        def on_train_end(self, logs=None):
-            # Agreed: a next fit's on_train_begin must not read a directory being deleted.
-            with _attributes_redirected(self, _BACKUP_WRITE_PATHS):
-                return original_end(self, logs)
+    @agreed
+    def on_train_end(original, self, logs=None):
+        # Agreed: a next fit's on_train_begin must not read a directory being deleted.
+        with _attributes_redirected(self, _BACKUP_WRITE_PATHS):
+            return original(self, logs)
 
-        def on_train_begin(self, logs=None):
-            if _agree is None:
-                return original_begin(self, logs)
-            _backup_restore(self)
+    def on_train_begin(original, self, logs=None):
+        if _agree is None:
+            return original(self, logs)
+        _backup_restore(self)
 
-        _save_model._prophet_patched = True
-        cls._save_model, cls._load_model, cls.on_train_end = _save_model, _load_model, on_train_end
-        original_begin, cls.on_train_begin = cls.on_train_begin, on_train_begin
+    backup = backup_and_restore.BackupAndRestore
+    _patch(backup, "_save_model", save_model)
+    _patch(backup, "_load_model", load_model)
+    _patch(backup, "on_train_end", on_train_end)
+    _patch(backup, "on_train_begin", on_train_begin)
 
-    logger = csv_logger.CSVLogger
-    if not getattr(logger.on_train_begin, "_prophet_patched", False):
-        original_begin = logger.on_train_begin
+    def csv_on_train_begin(original, self, logs=None):
+        with _attributes_redirected(self, ("filename",)):
+            return original(self, logs)
 
-        @functools.wraps(original_begin)
-        def on_train_begin(self, logs=None):
-            with _attributes_redirected(self, ("filename",)):
-                return original_begin(self, logs)
-
-        on_train_begin._prophet_patched = True
-        logger.on_train_begin = on_train_begin
+    _patch(csv_logger.CSVLogger, "on_train_begin", csv_on_train_begin)
 
 
 # ---- TensorFlow checkpoints, SavedModel, summaries ------------------------------------------

@@ -182,6 +182,16 @@ class ProgramRuns:
             return found
         return self.distributed.one(rank, program=program)
 
+    def trained(self, program: str, n: int) -> tuple:
+        """``program`` trained without error on ``n`` workers and in one process: (RESULTs by
+        rank, the reference RESULT, weights by rank, the reference weights)."""
+        results = [self.result(program, rank) for rank in range(n)]
+        reference = self.result(program)
+        for r in results + [reference]:
+            assert r["error"] is None, f"{program} ({r['role']}) failed: {r['error']}"
+        weights = [self.weights(program, f"rank{rank}") for rank in range(n)]
+        return results, reference, weights, self.weights(program, "reference")
+
 
 def run_programs_against_one_process(script: str, workdir: str, programs: list, n: int = 2,
                                      timeout: float = 600) -> ProgramRuns:

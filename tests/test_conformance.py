@@ -100,12 +100,7 @@ def figures(runs, pytestconfig):
 @pytest.mark.parametrize("program", [p for p, kind in PROGRAMS.items() if kind != "fails_closed"])
 def test_program_matches_one_process(runs, figures, program):
     kind = PROGRAMS[program]
-    results = [runs.result(program, rank) for rank in range(WORKERS_N)]
-    reference = runs.result(program)
-    for r in results + [reference]:
-        assert r["error"] is None, f"{program} ({r['role']}) failed: {r['error']}"
-    ranks = [runs.weights(program, f"rank{rank}") for rank in range(WORKERS_N)]
-    one = runs.weights(program, "reference")
+    results, reference, ranks, one = runs.trained(program, WORKERS_N)
     mask = results[0]["trainable_mask"] if kind == "local_statistics" else None
     cross = max(_max_diff(ranks[0], w, mask) for w in ranks[1:])
     diff = max(_max_diff(w, one) for w in ranks)

@@ -73,12 +73,7 @@ def test_program_fails_closed(runs, program):
 
 @pytest.mark.parametrize("program", MATCHING)
 def test_program_matches_one_process(runs, program):
-    results = [runs.result(program, rank) for rank in range(WORKERS_N)]
-    reference = runs.result(program)
-    for r in results + [reference]:
-        assert r["error"] is None, f"{program} ({r['role']}) failed: {r['error']}"
-    ranks = [runs.weights(program, f"rank{rank}") for rank in range(WORKERS_N)]
-    one = runs.weights(program, "reference")
+    results, reference, ranks, one = runs.trained(program, WORKERS_N)
     cross = max(_max_diff(ranks[0], w) for w in ranks[1:])
     diff = max(_max_diff(w, one) for w in ranks)
     print(f"{program}: max |w_worker - w_one_process| = {diff:.3g}, across workers {cross:.3g}")
