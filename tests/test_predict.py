@@ -151,6 +151,34 @@ def test_predict_one_tensor_on_two_workers_exactly():
         predict(one_tensor_profile(), workers=2, bandwidth_bps=0)
 
 
+def twelve_varied_layers(ms: float) -> Profile:
+    """Twelve layers of varied sizes and backward times (``ms`` x 1, 2 or 4), the case of
+    simulator_test's ProphetDoesNotDeadlockWhenWorkersPlanApart."""
+    kib = 1024
+    sizes = [2048, 2048, 64, 1024, 4096, 2048, 2048, 1024, 2048, 1024, 4096, 256]
+    units = [4, 1, 2, 1, 1, 4, 2, 4, 4, 4, 1, 2]
+    ready, t = {}, 0.0
+    for i in reversed(range(12)):
+        t += units[i] * ms * 1e-3
+        ready[i] = t
+    layers = [ProfiledLayer(f"L{i}", units[i] * ms * 1e-3 / 2, units[i] * ms * 1e-3) for i in range(12)]
+    tensors = [ProfiledTensor(f"grad/L{i}/k", sizes[i] * kib, 12 - i, ready[i], f"L{i}")
+               for i in range(12)]
+    return Profile(layers=layers, tensors=tensors, backward_s=t, tail_s=0.001, gap_s=0.001)
+
+
+def test_prophet_never_stalls_when_workers_plan_apart():
+    # With a 1 MiB credit these stalled for good at 4 and 8 workers: every worker plans with the
+    # bytes it pushes itself, so plans differ, and credit held by pushes whose sums needed pushes
+    # other workers' plans held back.
+    options = PredictOptions(credit_bytes=1 << 20, partition_bytes=256 << 10, steps=6,
+                             warmup_steps=4)
+    for ms, workers in ((2.0, 4), (10.0, 8), (2.0, 8)):
+        p = predict(twelve_varied_layers(ms), workers=workers, bandwidth_bps=1e9,
+                    schedule="prophet", options=options)
+        assert p.step_s >= p.single_step_s * 0.99
+
+
 def test_synthetic_timeline_is_a_runtime_trace(tmp_path):
     pattern = str(tmp_path / "predicted.json")
     predict(profile_from_trace(synthetic_trace()), workers=2, bandwidth_bps=1e9, schedule="prophet",

@@ -28,6 +28,17 @@
 //    than the re-plan threshold), the credit phase starts anyway at its expected ready offset
 //    x (1 + replan_threshold) (NextWakeupNs reports that time).
 //  - Tasks of an earlier step still queued when a step opens are sent first, in priority order.
+//  - The byte credit never holds back a push that is more urgent than one in flight. A push's
+//    credit returns only when its sum does, and the sum needs every worker's push; workers plan
+//    apart (each pushes different bytes per tensor, measures its own bandwidth and ready times),
+//    so one worker's credit can be full of pushes that the others hold back for later blocks
+//    while they wait, credit full, for pushes this worker holds back: a deadlock (seen at 4
+//    workers with ResNet50). So when the credit refuses what the plan releases next, the most
+//    urgent queued task still goes if the pushes in flight ahead of it (higher priority, or the
+//    same priority of an earlier round: an order every worker shares) leave it room in the
+//    credit. The least urgent unfinished push of all workers then always moves on every worker.
+//    What may go this way: the open block and tasks of earlier steps; in the credit phase,
+//    everything (blocks still end by themselves: before the credit phase, waiting is local).
 // Every SendTask carries its tensor's name, which places it in its block.
 #ifndef PROPHET_OPS_CORE_PROPHET_POLICY_H_
 #define PROPHET_OPS_CORE_PROPHET_POLICY_H_
@@ -36,6 +47,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "ops/core/planner.h"
@@ -59,6 +71,7 @@ class ProphetPolicy : public SchedulerPolicy {
   void OnTensorReady(const TensorReady& ready) override;
   void Enqueue(const SendTask& task) override;
   void Dequeue(uint64_t credit_bytes, int64_t now_ns, std::vector<SendTask>* out) override;
+  void OnTransferDone(const TransferDone& done) override;
   size_t queued() const override;
   int64_t NextWakeupNs() const override;
   std::string Describe() const override;
@@ -75,6 +88,8 @@ class ProphetPolicy : public SchedulerPolicy {
   const std::string& last_replan_reason() const { return last_replan_reason_; }
   const ReadyTimeProfiler& profiler() const { return profiler_; }
   const ReadyTimeProfiler* ready_time_profiler() const override { return &profiler_; }
+  // Pushes this policy released whose transfer has not been reported done.
+  size_t pushes_in_flight() const { return in_flight_.size(); }
 
   // For the timeline's "block" track: when each block released its first task until it ended,
   // and the credit phase from its start until its queue ran empty (times are Dequeue's now_ns).
@@ -84,6 +99,13 @@ class ProphetPolicy : public SchedulerPolicy {
   std::vector<PolicySpan> TakeSpans() override;
 
  private:
+  // Dequeue's planned release; true when it stopped because the credit refused a task.
+  bool ReleasePlanned(uint64_t credit_bytes, int64_t now_ns, std::vector<SendTask>* out);
+  // After a refusal: the most urgent queued tasks that the pushes in flight ahead of them leave
+  // room for (see the class comment).
+  void ReleaseAheadOfInFlight(int64_t now_ns, std::vector<SendTask>* out);
+  uint64_t BytesInFlightAhead(const SendTask& task) const;
+  void TrackInFlight(const SendTask& task);
   void StartStep(int64_t origin_ns);
   void MaybeReplan();
   bool LaterBlockQueued() const;
@@ -120,6 +142,20 @@ class ProphetPolicy : public SchedulerPolicy {
   // uses the last complete step's values.
   std::map<std::string, uint64_t> wire_bytes_this_step_;
   std::map<std::string, uint64_t> wire_bytes_last_step_;
+
+  // Pushes released and not reported done, by (name, round, partition).
+  struct InFlight {
+    int64_t priority = 0;
+    uint64_t round = 0;
+    uint64_t bytes = 0;
+    uint64_t step = 0;  // steps_started() when released
+  };
+  std::map<std::tuple<std::string, uint64_t, int>, InFlight> in_flight_;
+  // The engine's whole credit, learned from Dequeue: credit left + bytes in flight (the engine
+  // counts what this policy released; only a policy switch can hide pushes from it, and then
+  // this underestimates).
+  uint64_t credit_estimate_ = 0;
+  uint64_t untracked_in_flight_ = 0;  // in this Dequeue call
 
   bool span_open_ = false;
   PhaseSpan open_span_;

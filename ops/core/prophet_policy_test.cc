@@ -128,6 +128,33 @@ class Harness {
     return names;
   }
 
+  // As the engine does: `credit` bytes at most in flight (the policy is offered what is left), and
+  // released tasks stay in flight until Complete reports them done.
+  std::string DequeueUnderCredit(uint64_t credit, uint64_t round, int64_t offset_ns) {
+    const int64_t now = origin(round) + offset_ns;
+    std::vector<SendTask> out;
+    policy_->Dequeue(in_flight_bytes_ < credit ? credit - in_flight_bytes_ : 0, now, &out);
+    std::string names;
+    for (const SendTask& task : out) {
+      names += (names.empty() ? "" : ",") + request_names_[task.request_id];
+      in_flight_bytes_ += task.bytes;
+      in_flight_.push_back({task, now});
+    }
+    return names;
+  }
+  // Reports every task in flight done at `offset_ns` (sent back to back from their release).
+  void CompleteAll(uint64_t round, int64_t offset_ns) {
+    for (const auto& entry : in_flight_) {
+      TransferDone done;
+      done.task = entry.first;
+      done.sent_ns = entry.second;
+      done.done_ns = origin(round) + offset_ns;
+      policy_->OnTransferDone(done);
+    }
+    in_flight_.clear();
+    in_flight_bytes_ = 0;
+  }
+
   // One step at the profiled times, releasing everything as soon as possible.
   std::string RunProfiledStep(uint64_t round) {
     std::string order;
@@ -147,6 +174,8 @@ class Harness {
   uint64_t next_request_ = 1;
   uint64_t next_seq_ = 0;
   int64_t link_free_ns_ = 0;
+  std::vector<std::pair<SendTask, int64_t>> in_flight_;  // DequeueUnderCredit: task, release time
+  uint64_t in_flight_bytes_ = 0;
 };
 
 std::string Members(const PlanBlock& block) {
@@ -222,6 +251,36 @@ TEST(PriorityFallbackThenBlocksWithoutPreemption) {
   EXPECT_EQ(h.Dequeue(kLargeCredit, 2, 10 * kMs + 3 * kMs / 10), std::string("g1,g5,g5"));
   EXPECT_EQ(h.policy().replans(), 0u);
   EXPECT_TRUE(h.policy().Describe().find("2 blocks") != std::string::npos);
+}
+
+TEST(CreditNeverHoldsBackAPushMoreUrgentThanOneInFlight) {
+  // The engine's credit is one partition (0.5 MB); a push stays in flight until its sum returns,
+  // which needs the other workers' pushes of the same partition.
+  Harness h(120e6);
+  for (const char* name : {"g5", "g4", "g3", "g2", "g1", "g0"}) h.ReadyAtProfiledTime(name, 0);
+  // Step 0 (priority order, no plan yet): one push at a time over the 120 MB/s link (4.2 ms each).
+  int64_t now = 21 * kMs;
+  for (const char* names : {"g0", "g1", "g2", "g3", "g4", "g5,g5"}) {
+    EXPECT_EQ(h.DequeueUnderCredit(kHalfMB, 0, now), std::string(names));
+    now += 5 * kMs;
+    h.CompleteAll(0, now);
+  }
+  // Step 1 follows the plan: block 0 = {g4} takes the credit, and its sum waits for another
+  // worker whose plan sends g2 and g3 first. Those are more urgent than g4: the credit must not
+  // hold them back, or both workers wait for each other for good.
+  h.ReadyAtProfiledTime("g5", 1);
+  h.ReadyAtProfiledTime("g4", 1);
+  EXPECT_TRUE(h.policy().blocks_active());
+  EXPECT_EQ(h.DequeueUnderCredit(kHalfMB, 1, kMs / 10), std::string("g4"));
+  h.ReadyAtProfiledTime("g3", 1);
+  h.ReadyAtProfiledTime("g2", 1);
+  EXPECT_EQ(h.DequeueUnderCredit(kHalfMB, 1, 10 * kMs + kMs / 10), std::string("g2"));
+  // g3 is behind g2 (in flight, more urgent), which fills the credit; g5 is no block's member.
+  EXPECT_EQ(h.DequeueUnderCredit(kHalfMB, 1, 10 * kMs + kMs / 10), std::string());
+  EXPECT_EQ(h.policy().pushes_in_flight(), 2u);
+  h.CompleteAll(1, 11 * kMs);
+  EXPECT_EQ(h.policy().pushes_in_flight(), 0u);
+  EXPECT_EQ(h.DequeueUnderCredit(kHalfMB, 1, 11 * kMs), std::string("g3"));
 }
 
 TEST(ControlTrafficIsNeitherProfiledNorHeldBack) {

@@ -145,8 +145,9 @@ class SchedulerPolicy {
   // the whole credit still moves). Returning nothing while tasks are queued means "wait": the
   // engine calls again after the next event or at NextWakeupNs().
   virtual void Dequeue(uint64_t credit_bytes, int64_t now_ns, std::vector<SendTask>* out) = 0;
-  // Feedback: a transfer finished (credit is returned by the engine, not by the policy).
-  void OnTransferDone(const TransferDone& d) { bandwidth_.OnTransfer(d.task.bytes, d.sent_ns, d.done_ns); }
+  // Feedback: a transfer finished (credit is returned by the engine, not by the policy). A policy
+  // that tracks its pushes in flight overrides this and calls it.
+  virtual void OnTransferDone(const TransferDone& d) { bandwidth_.OnTransfer(d.task.bytes, d.sent_ns, d.done_ns); }
   // This worker's link goodput, measured from the completed transfers: the one estimate that both
   // the planner and the timeline's bandwidth counter read.
   BandwidthMonitor* bandwidth() { return &bandwidth_; }

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <utility>
 
 #include "ops/core/partition.h"
 #include "ops/core/testing.h"
@@ -289,6 +290,56 @@ TEST(SyntheticTimelineHasTheRuntimesTracks) {
     }
     EXPECT_TRUE(trace.rfind("]}") != std::string::npos);
     std::remove(("/tmp/prophet_simulator_test_" + std::to_string(rank) + ".json").c_str());
+  }
+}
+
+// Twelve layers of varied sizes and backward times (found by a random search over such models);
+// `ms` scales every compute time. With a credit of 1 MiB, four or more workers running prophet
+// stopped for good: each worker's credit held pushes whose sums needed pushes the other workers'
+// plans held back (every worker pushes different bytes per tensor, so plans differ), while those
+// workers' credit held pushes this worker held back.
+StepProfile TwelveVariedLayers(double ms) {
+  const uint64_t kKiB = 1024;
+  const uint64_t bytes[12] = {2048 * kKiB, 2048 * kKiB, 64 * kKiB,   1024 * kKiB, 4096 * kKiB, 2048 * kKiB,
+                              2048 * kKiB, 1024 * kKiB, 2048 * kKiB, 1024 * kKiB, 4096 * kKiB, 256 * kKiB};
+  const int backward_units[12] = {4, 1, 2, 1, 1, 4, 2, 4, 4, 4, 1, 2};  // x ms
+  StepProfile profile;
+  int64_t ready[12];
+  int64_t t = 0;
+  for (int i = 11; i >= 0; --i) {  // the backward pass runs from the last layer to the first
+    t += static_cast<int64_t>(backward_units[i] * ms * kMs);
+    ready[i] = t;
+  }
+  for (int i = 0; i < 12; ++i) {
+    const int64_t backward = static_cast<int64_t>(backward_units[i] * ms * kMs);
+    profile.layers.push_back({"L" + std::to_string(i), backward / 2, backward});
+    profile.tensors.push_back(Tensor("grad/L" + std::to_string(i) + "/k", bytes[i], 12 - i, i, ready[i]));
+  }
+  profile.backward_ns = t;
+  profile.tail_ns = kMs;
+  profile.gap_ns = kMs;
+  return profile;
+}
+
+TEST(ProphetDoesNotDeadlockWhenWorkersPlanApart) {
+  NetworkModel network;
+  network.link_Bps = 1e9 / 8;
+  RuntimeModel runtime;
+  runtime.schedule = "prophet";
+  runtime.partition_bytes = 256 << 10;
+  runtime.credit_bytes = 1 << 20;
+  SimulationOptions options;
+  options.warmup_steps = 4;
+  options.steps = 6;
+  // (compute scale, workers): each of these stalled for good before.
+  const std::pair<double, int> settings[] = {{2.0, 4}, {10.0, 8}, {2.0, 8}};
+  for (const auto& setting : settings) {
+    network.workers = setting.second;
+    StepPrediction p;
+    const Status s = Simulate(TwelveVariedLayers(setting.first), network, runtime, options, &p);
+    if (!s.ok()) std::fprintf(stderr, "%d workers, x%.0f: %s\n", setting.second, setting.first, s.message().c_str());
+    EXPECT_TRUE(s.ok());
+    EXPECT_TRUE(p.step_s > 0);
   }
 }
 
