@@ -96,8 +96,6 @@ class Collective {
   // Called once when the operation ends, before it is freed: release what it holds, then call
   // the request's done callback.
   virtual void Complete(const Status& status);
-  // The error notice that fails this operation with `status` on the worker that receives it.
-  OutFrame ErrorFrame(const Status& status) const { return ErrorNotice(req_.name, round_, status); }
 
  protected:
   Collective(CollectiveHost* host, uint64_t id, OpRequest request, uint64_t round);

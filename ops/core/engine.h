@@ -6,8 +6,10 @@
 // thread. Requests may be submitted in any order on different workers.
 //
 // Inside (docs/design.md, "Core file map"): engine.cc owns the thread, the submission queue, the
-// pump and the lifecycle, and routes frames to operations; connection.* carries frames; the
-// collectives (push_pull.*, broadcast.*, allgather.* on collective.*) do the rest.
+// pump and the lifecycle, and routes frames to operations; early_frames.* holds frames of
+// operations not submitted here yet; failures.* spreads failures and reads peers' ends (lost,
+// unresponsive, departed); timeouts.* probes and names stragglers; connection.* carries frames;
+// the collectives (push_pull.*, broadcast.*, allgather.* on collective.*) do the rest.
 #ifndef PROPHET_OPS_CORE_ENGINE_H_
 #define PROPHET_OPS_CORE_ENGINE_H_
 
