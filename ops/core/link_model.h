@@ -12,7 +12,7 @@
 // traffic) and a slight underestimate otherwise (a connection held back at the receiver does not
 // hand its unused egress share to its siblings).
 //
-// Queue order is the runtime's (ops/core/engine.cc, QueueFrame): a frame is inserted behind every
+// Queue order is the runtime's (connection.cc, Connection::Queue): a frame is inserted behind every
 // queued frame at least as urgent, and never in front of a frame whose first byte is already in
 // the socket. The socket holds the next `socket_window_bytes` of a connection's stream beyond what
 // has left the NIC; frames inside that window keep their order, and a frame whose last byte entered

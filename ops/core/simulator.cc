@@ -16,7 +16,7 @@ namespace prophet {
 
 namespace {
 
-// The engine sums a push in chunks of this size as it arrives (engine.cc, kSumChunkBytes): when
+// The engine sums a push in chunks of this size as it arrives (connection.cc, kStageBytes): when
 // the last contribution's last byte is in, one chunk is left to add.
 constexpr uint64_t kSumChunkBytes = 256 * 1024;
 constexpr uint64_t kMaxEvents = uint64_t{2} << 30;
