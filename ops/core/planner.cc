@@ -175,6 +175,13 @@ StepForecast ForecastStep(const Plan& plan, const Profile& profile, double bandw
       sendable.swap(first->second);
       later_blocks.erase(first);
     }
+    if (sendable.empty() && !held.empty()) {
+      // Nothing planned is ready: the link takes the most urgent held tensor rather than idle.
+      auto most_urgent = std::min_element(held.begin(), held.end(),
+                                          [&](int a, int b) { return urgency(a) < urgency(b); });
+      sendable.insert(urgency(*most_urgent));
+      held.erase(most_urgent);
+    }
     if (sendable.empty()) {
       double next_event = next < n ? static_cast<double>(tensors[order[next]].ready_offset_ns) : -1;
       if (!credit && (next_event < 0 || credit_start < next_event)) next_event = credit_start;

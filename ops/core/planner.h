@@ -11,7 +11,9 @@
 //    of a higher-priority one. A block always has at least one tensor (a tensor bigger than the
 //    budget forms a block of its own), so every stage makes progress. A stage with nothing left
 //    gets no block.
-//  - Tensors of earlier stages that fit in no block are left for the credit phase.
+//  - Tensors of earlier stages that fit in no block are left for the credit phase; the policy
+//    sends them earlier only when nothing planned is ready (the link never idles while
+//    gradients wait).
 // Bytes are whatever the caller puts in ProfiledTensor::bytes; the policy uses the bytes this worker
 // actually pushes, in the same unit as the measured bandwidth.
 #ifndef PROPHET_OPS_CORE_PLANNER_H_
@@ -60,7 +62,8 @@ Plan MakePlan(const Profile& profile, double bandwidth_Bps);
 // ready at `profile`'s offsets and the link carries `bandwidth_Bps`: one link sending one tensor
 // after another under the policy's rules (blocks in order, each taking its members as they become
 // ready, a later block's ready data going out rather than the link idling, tensors in no block
-// held until the first layer is ready, then everything in priority order). Offsets from the
+// held until the first layer is ready unless nothing planned is ready (then the most urgent of
+// them goes rather than the link idling), then everything in priority order). Offsets from the
 // step's origin.
 struct StepForecast {
   int64_t first_layer_sent_ns = 0;  // the first layer's gradient is out: the next step can start

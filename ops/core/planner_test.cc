@@ -187,11 +187,12 @@ TEST(ForecastOfAStepByHand) {
   const Profile profile = ProfileOf(ThreeStageTrace());
   const Plan plan = MakePlan(profile, 100e6);
   EXPECT_EQ(plan.blocks.size(), 2u);
-  // L5 0.2-10.2 ms; L3 10.2-40.2 (ready at 10.1, the link is busy); the held tensors wait for the
-  // first layer (20.2) and the link: L0 40.2-50.2, L1, L2, L4 (1 MB each), L6 (2 MB), L7 (4 MB).
+  // L7 (held: in no block) is ready at 0 and nothing planned is: it takes the link, 0-40 ms
+  // (rather than the link idling until L5 at 0.2 ms). By 40 ms the first layer is ready (20.2):
+  // everything in priority order, L0 40-50, then L1, L2, L3, L4, L5, L6 until 140.
   const StepForecast forecast = ForecastStep(plan, profile, 100e6);
-  EXPECT_EQ(forecast.first_layer_sent_ns, 50 * kMs + 2 * kMs / 10);
-  EXPECT_EQ(forecast.all_sent_ns, 140 * kMs + 2 * kMs / 10);
+  EXPECT_EQ(forecast.first_layer_sent_ns, 50 * kMs);
+  EXPECT_EQ(forecast.all_sent_ns, 140 * kMs);
   // Without blocks everything goes in priority order as soon as it is ready.
   Plan no_blocks = plan;
   no_blocks.blocks.clear();
@@ -221,18 +222,22 @@ TEST(JitterThatMovesStageBoundariesKeepsThePlan) {
   EXPECT_TRUE(ReplanReason(plan, jittered, 50e6, 0.2).find("bandwidth") == 0);
 }
 
-// The backward pass becomes 5x longer (e.g. a bigger batch): the 1 MB blocks leave the link idle
-// for most of each 50 ms interval and the held tensors pile up after the first layer. A new plan
-// ({L5, L6} and {L3, L4}) sends everything 30 ms (15%) sooner: re-plan, and say why.
+// The backward pass becomes 3x longer (e.g. a bigger batch). The plan ({L5}, {L3}) sends L7 to
+// fill the idle link (0-40 ms), L5 (40-50), then block {L3} (50-80), which is not preempted when
+// the first layer becomes ready at 60.6 ms: L0 goes 80-90. A new plan ({L5, L6}, {L3}) sends L5
+// and L6 until 70, when the credit phase has begun: L0 goes 70-80, 10 ms (7%) sooner: re-plan, and
+// say why.
 TEST(RealChangeOfReadyTimesReplans) {
   const Plan plan = MakePlan(ProfileOf(ThreeStageTrace()), 100e6);
   std::vector<TraceTensor> trace = ThreeStageTrace();
-  for (TraceTensor& t : trace) t.offset_ns *= 5;
+  for (TraceTensor& t : trace) t.offset_ns *= 3;
   const Profile slower = ProfileOf(trace);
-  EXPECT_EQ(ForecastStep(plan, slower, 100e6).all_sent_ns, 201 * kMs);
+  EXPECT_EQ(ForecastStep(plan, slower, 100e6).first_layer_sent_ns, 90 * kMs);
+  EXPECT_EQ(ForecastStep(plan, slower, 100e6).all_sent_ns, 140 * kMs);
   const Plan fresh = MakePlan(slower, 100e6);
   EXPECT_EQ(fresh.blocks.size(), 2u);
-  EXPECT_EQ(ForecastStep(fresh, slower, 100e6).all_sent_ns, 171 * kMs);
+  EXPECT_EQ(ForecastStep(fresh, slower, 100e6).first_layer_sent_ns, 80 * kMs);
+  EXPECT_EQ(ForecastStep(fresh, slower, 100e6).all_sent_ns, 140 * kMs);
   const std::string reason = ReplanReason(plan, slower, 100e6, 0.2);
   EXPECT_TRUE(reason.find("interval") != std::string::npos);
   EXPECT_TRUE(reason.find("new plan") != std::string::npos);
@@ -275,15 +280,20 @@ StepForecast ReferenceForecast(const Plan& plan, const Profile& profile, double 
   for (size_t left = n; left > 0;) {
     const bool credit = plan.blocks.empty() || now >= credit_start;
     int best = -1, best_rank = 0;
+    int best_held = -1;  // the most urgent ready tensor in no block (before the credit phase)
     double next_event = -1;
     for (size_t i = 0; i < n; ++i) {
       if (sent[i]) continue;
       const double ready = static_cast<double>(tensors[i].ready_offset_ns);
       const int block = plan.BlockOf(tensors[i].name);
       const bool held = !credit && block < 0;
+      if (held && ready <= now &&
+          (best_held < 0 || tensors[i].priority > tensors[best_held].priority)) {
+        best_held = static_cast<int>(i);
+      }
       if (ready > now || held) {
-        const double at = held ? std::max(ready, credit_start) : ready;
-        if (next_event < 0 || at < next_event) next_event = at;
+        // A held tensor is due once ready too: it fills the link when nothing planned is ready.
+        if (ready > now && (next_event < 0 || ready < next_event)) next_event = ready;
         continue;
       }
       const int rank = credit ? 0 : std::max(block, open_block);
@@ -293,11 +303,14 @@ StepForecast ReferenceForecast(const Plan& plan, const Profile& profile, double 
         best_rank = rank;
       }
     }
-    if (best < 0) {
+    if (best < 0 && best_held >= 0) {
+      best = best_held;  // nothing planned is ready: the link takes a held tensor, no block opens
+    } else if (best < 0) {
       now = next_event;
       continue;
+    } else if (!credit) {
+      open_block = best_rank;
     }
-    if (!credit) open_block = best_rank;
     now += static_cast<double>(tensors[best].bytes) * 1e9 / bandwidth_Bps;
     sent[best] = true;
     --left;

@@ -139,10 +139,12 @@ bool ProphetPolicy::LaterBlockQueued() const {
 void ProphetPolicy::NoteReleased(const std::vector<SendTask>& out, size_t from, int64_t now_ns,
                                  int block) {
   if (out.size() == from) return;
+  if (span_open_ && open_span_block_ != block) EndPhaseSpan(now_ns);  // another phase begins
   if (!span_open_) {
+    open_span_block_ = block;
     span_open_ = true;
     open_span_ = PhaseSpan();
-    open_span_.label = block >= 0 ? BlockLabel(block) : "credit phase";
+    open_span_.label = block >= 0 ? BlockLabel(block) : block == -1 ? "credit phase" : "idle-link fill";
     open_span_.start_ns = now_ns;
   }
   for (size_t i = from; i < out.size(); ++i) {
@@ -209,16 +211,29 @@ bool ProphetPolicy::ReleasePlanned(uint64_t credit_bytes, int64_t now_ns, std::v
       break;
     }
     const bool complete = block_missing_[open_block_] <= 0;
-    if (!complete && !LaterBlockQueued()) return false;  // wait for its members; nothing else is due
+    // Its members are not ready yet and no later block has data: rather than idle the link until
+    // they are, send what the plan holds for the credit phase (see FillIdleLink).
+    if (!complete && !LaterBlockQueued()) return FillIdleLink(&window, now_ns, out);
     EndPhaseSpan(now_ns);
     ++open_block_;
   }
-  if (!credit_phase_) return !window.Release(&late_queue_, out);  // the rest waits for the first layer
+  if (!credit_phase_) {
+    if (!window.Release(&late_queue_, out)) return true;
+    return FillIdleLink(&window, now_ns, out);  // every block ended before the first layer is ready
+  }
   EndBlocks();
   const size_t released_before = out->size();
   const bool drained = window.Release(&credit_queue_, out);
   NoteReleased(*out, released_before, now_ns, /*block=*/-1);
   if (drained) EndPhaseSpan(now_ns);
+  return !drained;
+}
+
+bool ProphetPolicy::FillIdleLink(CreditWindow* window, int64_t now_ns, std::vector<SendTask>* out) {
+  const size_t released_before = out->size();
+  const bool drained = window->Release(&credit_queue_, out);
+  // Counted in the open block's span, or in a span of its own.
+  NoteReleased(*out, released_before, now_ns, /*block=*/-2);
   return !drained;
 }
 

@@ -216,8 +216,9 @@ TEST(PriorityFallbackThenBlocksWithoutPreemption) {
   EXPECT_EQ(Members(plan.blocks[1]), std::string("g2,g3"));
   EXPECT_EQ(plan.top_tensor, std::string("g0"));
   EXPECT_EQ(plan.blocks[0].bytes, kHalfMB);
-  // g5 fits in no block: unlike the priority policy, it does not take the link now.
-  EXPECT_EQ(h.Dequeue(kLargeCredit, 1, 0), std::string());
+  // g5 fits in no block, but block 0 (g4) has nothing ready: g5 takes the link rather than the
+  // link idling.
+  EXPECT_EQ(h.Dequeue(kLargeCredit, 1, 0), std::string("g5,g5"));
   EXPECT_EQ(h.policy().open_block(), 0);
   h.ReadyAtProfiledTime("g4", 1);
   EXPECT_EQ(h.Dequeue(kLargeCredit, 1, kMs / 10), std::string("g4"));
@@ -227,14 +228,13 @@ TEST(PriorityFallbackThenBlocksWithoutPreemption) {
   EXPECT_EQ(h.policy().open_block(), 1);
   h.ReadyAtProfiledTime("g2", 1);
   EXPECT_EQ(h.Dequeue(kLargeCredit, 1, 10 * kMs + kMs / 10), std::string("g2"));
-  // g1 is not a block member: it waits for the first layer.
+  // g1 is not a block member, and every block ended: it goes rather than the link idling.
   h.ReadyAtProfiledTime("g1", 1);
-  EXPECT_EQ(h.Dequeue(kLargeCredit, 1, 20 * kMs), std::string());
-  EXPECT_EQ(h.policy().NextWakeupNs(),
-            h.origin(1) + static_cast<int64_t>((20 * kMs + kMs / 10) * 1.2));
+  EXPECT_EQ(h.Dequeue(kLargeCredit, 1, 20 * kMs), std::string("g1"));
+  EXPECT_TRUE(!h.policy().credit_phase());
   h.ReadyAtProfiledTime("g0", 1);
   EXPECT_TRUE(h.policy().credit_phase());
-  EXPECT_EQ(h.Dequeue(kLargeCredit, 1, 20 * kMs + kMs / 10), std::string("g0,g1,g5,g5"));
+  EXPECT_EQ(h.Dequeue(kLargeCredit, 1, 20 * kMs + kMs / 10), std::string("g0"));
   EXPECT_EQ(h.policy().queued(), 0u);
   EXPECT_EQ(h.policy().NextWakeupNs(), -1);
 
@@ -292,7 +292,7 @@ TEST(ControlTrafficIsNeitherProfiledNorHeldBack) {
   // The first layer is still g0: a step-end collective would otherwise hold every gradient
   // outside a block until the step is over.
   EXPECT_EQ(h.policy().plan().top_tensor, std::string("g0"));
-  EXPECT_EQ(h.Dequeue(kLargeCredit, 1, 0), std::string());
+  EXPECT_EQ(h.Dequeue(kLargeCredit, 1, 0), std::string("g5,g5"));  // nothing planned is ready
   // In the middle of the block phase, control traffic goes at once.
   h.Control(1, kMs);
   EXPECT_EQ(h.Dequeue(kLargeCredit, 1, kMs), std::string("metrics"));
@@ -304,15 +304,16 @@ TEST(BlockLargerThanCreditIsReleasedOverSeveralCalls) {
   RunStepZero(&h);
   for (const char* name : {"g5", "g4", "g3", "g2"}) h.ReadyAtProfiledTime(name, 1);
   EXPECT_EQ(h.Dequeue(kOneTask, 1, 10 * kMs + kMs / 10), std::string("g4"));
-  // Credit for one partition at a time: block 1 goes in two calls, then nothing (g5 waits).
+  // Credit for one partition at a time: block 1 goes in two calls, then g5 (in no block) as
+  // every block ended.
   EXPECT_EQ(h.Dequeue(kHalfMB, 1, 10 * kMs + kMs / 10), std::string("g2"));
   EXPECT_EQ(h.Dequeue(kHalfMB, 1, 10 * kMs + kMs / 10), std::string("g3"));
-  EXPECT_EQ(h.Dequeue(kHalfMB, 1, 10 * kMs + kMs / 10), std::string());
+  EXPECT_EQ(h.Dequeue(kHalfMB, 1, 10 * kMs + kMs / 10), std::string("g5"));
   // No credit left: nothing, whatever is queued.
   h.ReadyAtProfiledTime("g1", 1);
   h.ReadyAtProfiledTime("g0", 1);
   EXPECT_EQ(h.Dequeue(0, 1, 21 * kMs), std::string());
-  EXPECT_EQ(h.Dequeue(kLargeCredit, 1, 21 * kMs), std::string("g0,g1,g5,g5"));
+  EXPECT_EQ(h.Dequeue(kLargeCredit, 1, 21 * kMs), std::string("g0,g1,g5"));
 }
 
 TEST(LateMemberJoinsTheOpenBlockAndLinkDoesNotIdle) {
@@ -320,7 +321,7 @@ TEST(LateMemberJoinsTheOpenBlockAndLinkDoesNotIdle) {
   RunStepZero(&h);
   // Step 1: g4 (block 0) is late. g3 (block 1) is ready: block 0 is closed rather than idling.
   h.ReadyAtProfiledTime("g5", 1);
-  EXPECT_EQ(h.Dequeue(kLargeCredit, 1, 0), std::string());
+  EXPECT_EQ(h.Dequeue(kLargeCredit, 1, 0), std::string("g5,g5"));  // nothing planned is ready
   h.ReadyAtProfiledTime("g3", 1);
   EXPECT_EQ(h.Dequeue(kLargeCredit, 1, 10 * kMs), std::string("g3"));
   EXPECT_EQ(h.policy().open_block(), 1);
@@ -331,18 +332,22 @@ TEST(LateMemberJoinsTheOpenBlockAndLinkDoesNotIdle) {
   EXPECT_EQ(h.Dequeue(kLargeCredit, 1, 10 * kMs + kMs / 10), std::string("g2"));
   h.ReadyAtProfiledTime("g1", 1);
   h.ReadyAtProfiledTime("g0", 1);
-  EXPECT_EQ(h.Dequeue(kLargeCredit, 1, 21 * kMs), std::string("g0,g1,g5,g5"));
+  EXPECT_EQ(h.Dequeue(kLargeCredit, 1, 21 * kMs), std::string("g0,g1"));
 }
 
 TEST(MissingFirstLayerStartsCreditPhaseAtDeadline) {
   Harness h(120e6);
   RunStepZero(&h);
   for (const char* name : {"g5", "g4", "g3", "g2", "g1"}) h.ReadyAtProfiledTime(name, 1);
-  EXPECT_EQ(h.Dequeue(kLargeCredit, 1, 20 * kMs), std::string("g4,g2,g3"));
-  // g0 never comes this step. Until the deadline (expected 20.1 ms x 1.2) g1 and g5 wait.
+  EXPECT_EQ(h.Dequeue(kOneTask, 1, 20 * kMs), std::string("g4"));
+  // g0 never comes this step. Until the deadline (expected 20.1 ms x 1.2) blocks go first.
   const int64_t deadline = h.policy().NextWakeupNs();
   EXPECT_EQ(deadline, h.origin(1) + static_cast<int64_t>((20 * kMs + kMs / 10) * 1.2));
-  EXPECT_EQ(h.Dequeue(kLargeCredit, 1, deadline - h.origin(1) - 1), std::string());
+  EXPECT_EQ(h.Dequeue(kOneTask, 1, deadline - h.origin(1) - 1), std::string("g2"));
+  EXPECT_TRUE(!h.policy().credit_phase());
+  EXPECT_EQ(h.Dequeue(kOneTask, 1, deadline - h.origin(1)), std::string("g3"));
+  EXPECT_TRUE(h.policy().credit_phase());
+  EXPECT_EQ(h.policy().NextWakeupNs(), -1);
   EXPECT_EQ(h.Dequeue(kLargeCredit, 1, deadline - h.origin(1)), std::string("g1,g5,g5"));
 }
 
@@ -350,17 +355,18 @@ TEST(LeftoversOfAStepGoFirstInTheNext) {
   Harness h(120e6);
   RunStepZero(&h);
   for (const char* name : {"g5", "g4", "g3", "g2", "g1"}) h.ReadyAtProfiledTime(name, 1);
-  EXPECT_EQ(h.Dequeue(kLargeCredit, 1, 20 * kMs), std::string("g4,g2,g3"));
-  // The next step opens before anything released g1 and g5 (no Dequeue at the deadline).
+  EXPECT_EQ(h.Dequeue(kOneTask, 1, 20 * kMs), std::string("g4"));
+  // The next step opens before the credit released the rest of step 1.
   h.ReadyAtProfiledTime("g5", 2);
-  EXPECT_EQ(h.policy().queued(), 5u);  // g1, g5 x2 of step 1, g5 x2 of step 2
-  EXPECT_EQ(h.Dequeue(kLargeCredit, 2, 0), std::string("g1,g5,g5"));
+  EXPECT_EQ(h.policy().queued(), 7u);  // g3, g2, g1, g5 x2 of step 1, g5 x2 of step 2
+  // Step 1's first, in priority order; then step 2's g5 (block 0, g4, has nothing ready).
+  EXPECT_EQ(h.Dequeue(kLargeCredit, 2, 0), std::string("g1,g2,g3,g5,g5,g5,g5"));
 }
 
 TEST(ReplansWhenBandwidthDrops) {
   Harness h(120e6);
   RunStepZero(&h);
-  EXPECT_EQ(h.RunProfiledStep(1), std::string("g4,g3,g2,g0,g1,g5,g5"));
+  EXPECT_EQ(h.RunProfiledStep(1), std::string("g5,g5,g4,g3,g2,g1,g0"));
   EXPECT_EQ(h.policy().replans(), 0u);
   // The link slows to 50 MB/s during steps 2 and 3.
   h.set_link_Bps(50e6);
@@ -474,17 +480,22 @@ TEST(PhaseSpansForTheTimeline) {
   h.RunProfiledStep(1);
   h.ReadyAtProfiledTime("g5", 2);  // closes step 1
   const std::vector<ProphetPolicy::PhaseSpan> spans = h.policy().TakeSpans();
-  EXPECT_EQ(spans.size(), 3u);
-  if (spans.size() != 3) return;
-  EXPECT_EQ(spans[0].label, std::string("block 1/2 (1 tensors, 0.50MB planned)"));
-  EXPECT_EQ(spans[0].start_ns, h.origin(1) + kMs / 10);
-  EXPECT_EQ(spans[0].tasks, 1u);
+  // g5 fills the link at 0, block 1 (g4), block 2 (g3, g2), g1 fills the link, g0: credit phase.
+  EXPECT_EQ(spans.size(), 5u);
+  if (spans.size() != 5) return;
+  EXPECT_EQ(spans[0].label, std::string("idle-link fill"));
+  EXPECT_EQ(spans[0].tasks, 2u);
+  EXPECT_EQ(spans[1].label, std::string("block 1/2 (1 tensors, 0.50MB planned)"));
+  EXPECT_EQ(spans[1].start_ns, h.origin(1) + kMs / 10);
+  EXPECT_EQ(spans[1].tasks, 1u);
   // Block 2 released g3 at 10 ms and g2 at 10.1 ms, and ended when g2 went.
-  EXPECT_EQ(spans[1].start_ns, h.origin(1) + 10 * kMs);
-  EXPECT_EQ(spans[1].end_ns, h.origin(1) + 10 * kMs + kMs / 10);
-  EXPECT_EQ(spans[1].bytes, 2 * kHalfMB);
-  EXPECT_EQ(spans[2].label, std::string("credit phase"));
-  EXPECT_EQ(spans[2].tasks, 4u);
+  EXPECT_EQ(spans[2].start_ns, h.origin(1) + 10 * kMs);
+  EXPECT_EQ(spans[2].end_ns, h.origin(1) + 10 * kMs + kMs / 10);
+  EXPECT_EQ(spans[2].bytes, 2 * kHalfMB);
+  EXPECT_EQ(spans[3].label, std::string("idle-link fill"));
+  EXPECT_EQ(spans[3].start_ns, h.origin(1) + 20 * kMs);
+  EXPECT_EQ(spans[4].label, std::string("credit phase"));
+  EXPECT_EQ(spans[4].tasks, 1u);
   EXPECT_EQ(h.policy().TakeSpans().size(), 0u);  // drained
 }
 
