@@ -586,8 +586,9 @@ void Bootstrap::Expire(int64_t now) {
       continue;
     }
     if (s.stage == Session::kConnecting) {
+      // The attempt's own limit, or less when the job's connect deadline cut it short.
       RetryLater(s, "no answer to the connection request within " +
-                        SecondsString(static_cast<double>(kAttemptTimeoutNs) / kNsPerSecond) +
+                        SecondsString(static_cast<double>(s.deadline_ns - s.opened_ns) / kNsPerSecond) +
                         " (packets dropped: a firewall, a wrong address, or the host is down)");
     } else if (s.stage == Session::kAwaitFinal && !s.acceptor_proved_token) {
       Close(s);
@@ -610,7 +611,7 @@ std::string Bootstrap::Waiting(bool final) const {
   for (int r = 0; r < o_.rank; ++r) {
     if (peers_[r].fd >= 0) continue;
     const Dialled& d = dialled_[r];
-    add("could not connect to " + Rank(r) + within + " (" + std::to_string(d.attempts) + " attempts" +
+    add("could not connect to " + Rank(r) + within + " (" + std::to_string(d.attempts) + (d.attempts == 1 ? " attempt" : " attempts") +
         (d.last_problem.empty() ? "" : "; last problem: " + d.last_problem) +
         "): is that worker started, with the same TF_CONFIG, and reachable?");
   }
