@@ -337,24 +337,24 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
 
     def _experimental_distribute_dataset(self, dataset, options):
         if not self._multi:
-            return super()._experimental_distribute_dataset(dataset, options)
+            return _without_multi_device_iterator(super()._experimental_distribute_dataset(dataset, options))
         _check_replication_mode(options)
-        return input_util.get_distributed_dataset(
+        return _without_multi_device_iterator(input_util.get_distributed_dataset(
             _data_sharded(dataset),
             self._input_workers_with_options(options),
             self._container_strategy(),
             num_replicas_in_sync=self._world_size,
             input_context=self._input_context(),
-            options=options)
+            options=options))
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
         _check_replication_mode(options)
-        return input_util.get_distributed_datasets_from_function(
+        return _without_multi_device_iterator(input_util.get_distributed_datasets_from_function(
             dataset_fn,
             self._input_workers_with_options(options),
             [self._input_context()],
             self._container_strategy(),
-            options=options)
+            options=options))
 
     def _experimental_distribute_values_from_function(self, value_fn):
         return value_fn(distribute_lib.ValueContext(replica_id_in_sync_group=self._rank,
@@ -657,6 +657,25 @@ def _check_replication_mode(options) -> None:
         raise NotImplementedError(
             "InputReplicationMode.PER_REPLICA is not supported by ProphetStrategy (one "
             "replica per worker): use the default PER_WORKER mode.")
+
+
+def _without_multi_device_iterator(distributed):
+    """Makes the iterators of a distributed dataset plain tf.data iterators on the worker's one
+    device, instead of TensorFlow's MultiDeviceIterator.
+
+    A worker has one replica, so there is nothing for a MultiDeviceIterator to spread over
+    devices, and it has a use-after-free (TensorFlow 2.21, MirroredStrategy too): its destructor
+    drops the dataset before stopping the background thread that reads from it, so deleting an
+    iterator while that thread is inside GetNext (an epoch that ends before the data does, as in
+    every Keras ``fit`` with ``validation_split``) can crash the process with SIGSEGV.
+    ``PER_REPLICA`` without ``fetch_to_device`` is the mode in which TensorFlow's worker iterator
+    is ``iter(dataset)``; it is set after construction because ``DistributedDataset`` accepts it
+    only from a dataset function. Every element is the same; only the iterator type changes."""
+    options = distributed._options or distribute_lib.InputOptions()
+    distributed._options = options._replace(
+        experimental_fetch_to_device=False,
+        experimental_replication_mode=distribute_lib.InputReplicationMode.PER_REPLICA)
+    return distributed
 
 
 def _data_sharded(dataset):
