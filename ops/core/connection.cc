@@ -17,9 +17,6 @@ constexpr size_t kInboxBytes = 64 * 1024;
 // along are copied out of it, while the rest of a payload goes straight to its sink.
 constexpr size_t kHeaderReadBytes = 4 * 1024;
 constexpr size_t kStageBytes = 256 * 1024;
-// Bytes one OnReadable() call may take before it yields, so that one busy peer cannot starve the
-// others or the sends.
-constexpr uint64_t kReadBudgetBytes = 64ull << 20;
 }  // namespace
 
 OutFrame MakeFrame(const FrameMeta& meta, const char* payload, int64_t priority, uint64_t tag,
@@ -231,8 +228,7 @@ uint64_t Connection::Receive(char* dst, uint64_t room, uint64_t* budget) {
   }
 }
 
-void Connection::OnReadable() {
-  uint64_t budget = kReadBudgetBytes;
+void Connection::OnReadable(uint64_t budget) {
   while (open_ && budget > 0) {
     // Bytes already in the inbox are consumed first.
     if (inbox_begin_ < inbox_end_ && stage_ != Stage::kPayload) {

@@ -110,8 +110,10 @@ class Connection {
   void Queue(OutFrame frame);
   // Writes until the kernel buffer is full or the queue is empty; runs on_sent callbacks.
   void Flush();
-  // Reads and processes frames until the socket is empty (or a budget is spent).
-  void OnReadable();
+  // Reads and processes frames until the socket is empty or about `budget` bytes were read (each
+  // receive still takes as much as the kernel has for the current payload), so that one busy
+  // peer cannot starve the others or the sends.
+  void OnReadable(uint64_t budget = 64ull << 20);
 
   // `tag`'s buffers are about to go away: a payload being received into them is read and
   // dropped instead; queued frames that point into them are dropped if not started, and copied

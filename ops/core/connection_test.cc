@@ -212,6 +212,31 @@ TEST(PeerEofClosesOnce) {
   if (!handler.closed.empty()) EXPECT_TRUE(Contains(handler.closed[0], "closed the connection"));
 }
 
+TEST(ReadsAboutItsBudgetPerCallAndResumes) {
+  // The engine reads a bounded amount per turn (then starts what was submitted meanwhile and
+  // sends what the bytes completed): a call stops once its budget is spent, the next one goes on
+  // where it stopped.
+  Pair pair;
+  const int buffer = 1 << 20;
+  ::setsockopt(pair.theirs, SOL_SOCKET, SO_SNDBUF, &buffer, sizeof(buffer));
+  RecordingHandler handler;
+  Connection c(1, pair.ours, -1, &handler);
+  std::string wire;
+  std::vector<std::vector<char>> payloads;
+  for (int i = 0; i < 4; ++i) {
+    payloads.push_back(Pattern(64 * 1024, i));
+    wire += Encoded(Meta("into/" + std::to_string(i), 0, 16 * 1024), payloads.back());
+  }
+  EXPECT_EQ(::send(pair.theirs, wire.data(), wire.size(), MSG_DONTWAIT), static_cast<ssize_t>(wire.size()));
+  c.OnReadable(100 * 1024);
+  EXPECT_TRUE(!handler.done.empty() && handler.done.size() < 4);
+  c.OnReadable(100 * 1024);
+  c.OnReadable(100 * 1024);
+  EXPECT_EQ(handler.done.size(), 4u);
+  for (size_t i = 0; i < handler.done.size() && i < 4; ++i) EXPECT_TRUE(handler.done[i].payload == payloads[i]);
+  EXPECT_EQ(c.bytes_received(), static_cast<uint64_t>(wire.size()));
+}
+
 // Flushes `c` until its queue is empty, reading everything at the other end (`fd`).
 std::string FlushAndCollect(Connection& c, int fd) {
   std::string all;

@@ -30,6 +30,12 @@ namespace {
 
 constexpr int64_t kTimeoutCheckNs = 100 * 1000 * 1000;
 constexpr uint64_t kWakeTag = ~0ull;  // epoll tag of the eventfd; connections use their peer rank
+// What one connection may read per turn of the I/O thread before the thread starts what was
+// submitted meanwhile and sends what the bytes read completed (sums, pushes released by returned
+// credit). Draining the socket first (it may hold a peer's whole tensor) kept an operation
+// submitted meanwhile waiting, its frames held as early frames, and its sums unsent until the
+// last byte was read. Each receive still takes as much of a payload as the kernel has.
+constexpr uint64_t kReadTurnBytes = 1 << 20;
 
 }  // namespace
 
@@ -93,7 +99,9 @@ struct Engine::Impl : public Connection::Handler,
     thread.join();
   }
   void Shutdown();
-  void StartOperation(OpRequest req, uint64_t round);
+  // Registers and starts an operation; returns its id, or 0 when it completed at once (failed).
+  // The caller then applies its early frames (ReplayEarly) and failures.OnStarted.
+  uint64_t StartOperation(OpRequest req, uint64_t round);
   // Frames that arrived before this worker submitted `op`.
   void ReplayEarly(Collective* op);
   void Pump();
@@ -322,6 +330,10 @@ void Engine::Impl::Run() {
     const int64_t wake = policy->NextWakeupNs();
     if (wake >= 0) timeout_ms = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(100, (wake - now) / 1000000)));
     const int n_events = ::epoll_wait(epoll_fd, events.data(), static_cast<int>(events.size()), timeout_ms);
+    // Operations submitted meanwhile start before the sockets are read, so that their frames
+    // land in their tensors rather than being held as early frames and copied again.
+    DrainSubmissions();
+    Pump();
     for (int i = 0; i < n_events; ++i) {
       const uint64_t tag = events[i].data.u64;
       if (tag == kWakeTag) {
@@ -332,7 +344,7 @@ void Engine::Impl::Run() {
       }
       Connection& c = *conns[tag];
       if (!c.open()) continue;
-      if (events[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR)) c.OnReadable();
+      if (events[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR)) c.OnReadable(kReadTurnBytes);
       if (c.open() && (events[i].events & EPOLLOUT)) c.Flush();
     }
     if (stop.load()) break;
@@ -388,32 +400,46 @@ void Engine::Impl::DrainSubmissions() {
     if (!requested_schedule.empty()) next_schedule = std::move(requested_schedule);
     requested_schedule.clear();
   }
-  for (auto& [request, round] : batch) StartOperation(std::move(request), round);
+  // Every operation of the batch starts (hands its pushes to the scheduler) before the frames that
+  // arrived early are applied, and the pump queues the pushes first: the owners need them before
+  // they can send their sums back, while the sums of the early frames, queued after them at the
+  // same priority, only complete the peers' operations. A worker that submits late then starts
+  // the round trip of its own contribution at once.
+  std::vector<uint64_t> started;
+  for (auto& [request, round] : batch)
+    if (const uint64_t id = StartOperation(std::move(request), round)) started.push_back(id);
+  if (!started.empty()) Pump();
+  for (const uint64_t id : started) {
+    auto it = ops_by_id.find(id);
+    if (it == ops_by_id.end()) continue;  // finished or failed meanwhile
+    Collective* op = it->second;
+    ReplayEarly(op);
+    if (Alive(id)) failures.OnStarted(op);
+  }
   if (!questions.empty()) {
     const std::string state = PolicyStateJson(*policy);
     for (auto& question : questions) question.set_value(state);
   }
 }
 
-void Engine::Impl::StartOperation(OpRequest req, uint64_t round) {
+uint64_t Engine::Impl::StartOperation(OpRequest req, uint64_t round) {
   std::unique_ptr<Collective> owned = Collective::Make(this, next_op_id++, std::move(req), round);
   Collective* op = owned.get();
   if (timeline.enabled()) timeline.Instant("ready", op->request().name, op->submit_ns());
   if (const Status* failed = failures.FailedWith(op->key())) {
     op->Complete(*failed);
     ops_failed.fetch_add(1);
-    return;
+    return 0;
   }
   if (ops.count(op->key())) {
     op->Complete(Status(Code::kInternal, "duplicate operation " + op->key()));
-    return;
+    return 0;
   }
   const uint64_t id = op->id();
   ops_by_id[id] = op;
   ops[op->key()] = std::move(owned);
   op->Start();
-  if (Alive(id)) ReplayEarly(op);
-  if (Alive(id)) failures.OnStarted(op);
+  return id;
 }
 
 void Engine::Impl::ReplayEarly(Collective* op) {
