@@ -1,10 +1,15 @@
 """Packaging for prophet_tf.
 
-`pip install .` ships prophet_tf (and subpackages) with its native libraries as package data:
-the TensorFlow op library prophet_tf/_prophet_ops.so and the predictor
-prophet_tf/_prophet_predict.so.  If one is missing (fresh checkout, scripts/setup.sh not run),
-the build step runs `bazel build` for both and copies them in.  Set PROPHET_TF_REBUILD_OPS=1 to
-always rebuild.
+`pip install .` (and `pip wheel .`) ships prophet_tf (and subpackages) with its native libraries
+as package data: the TensorFlow op library prophet_tf/_prophet_ops.so and the predictor
+prophet_tf/_prophet_predict.so, plus the launcher command `prophetrun`.
+
+The build step runs `bazel build` for both libraries against the TensorFlow that the target
+environment's interpreter imports (the op library's ABI must match that TensorFlow), and copies
+them in; Bazel rebuilds only what changed. Install TensorFlow into the environment first
+(`pip install tensorflow-cpu==2.21.0`, or `tensorflow` for GPUs). Set
+PROPHET_TF_USE_BUILT_OPS=1 to package the libraries already in prophet_tf/ (scripts/setup.sh puts
+them there) without running Bazel.
 """
 
 import os
@@ -39,6 +44,22 @@ def _bazel_env():
     return env
 
 
+def _target_tensorflow(python):
+    """The TensorFlow version `python` imports (outside pip's isolated build environment), or
+    exits with what to install."""
+    probe = [python, "-c", "import tensorflow as tf; print(tf.__version__)"]
+    result = subprocess.run(probe, env=_bazel_env(), capture_output=True, text=True)
+    if result.returncode != 0:
+        last = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise SystemExit(
+            "prophet_tf: the op library is built against the TensorFlow of the environment it is "
+            "installed into, but %s cannot import tensorflow (%s).\n"
+            "Install TensorFlow there first, e.g. `%s -m pip install tensorflow-cpu==2.21.0` "
+            "(or `tensorflow` on a machine with GPUs), then install prophet_tf again."
+            % (python, last, python))
+    return result.stdout.strip()
+
+
 def build_ops_library():
     bazel = shutil.which("bazel")
     if bazel is None:
@@ -46,14 +67,13 @@ def build_ops_library():
             "prophet_tf: %s is missing and `bazel` is not on PATH.\n"
             "Run `bash scripts/setup.sh` (installs bazel-bootstrap and builds the libraries) "
             "and retry." % ", ".join(_in_package(n) for n in LIBRARIES.values()))
-    cmd = [bazel, "build"]
-    python = os.environ.get("PYTHON_BIN_PATH")
-    if not python and not os.path.exists(os.path.join(ROOT, ".bazelrc.user")):
-        python = sys.executable  # otherwise .bazelrc.user (scripts/setup.sh) names it
-    if python:
-        cmd.append("--repo_env=PYTHON_BIN_PATH=" + python)
-    cmd.extend(LIBRARIES)
-    print("prophet_tf: running " + " ".join(cmd), flush=True)
+    # The interpreter pip installs into (its isolated build runs this file with it); on the
+    # command line, this wins over .bazelrc.user.
+    python = os.environ.get("PYTHON_BIN_PATH") or sys.executable
+    version = _target_tensorflow(python)
+    cmd = [bazel, "build", "--repo_env=PYTHON_BIN_PATH=" + python, *LIBRARIES]
+    print("prophet_tf: building the libraries against TensorFlow %s of %s: %s"
+          % (version, python, " ".join(cmd)), flush=True)
     try:
         subprocess.check_call(cmd, cwd=ROOT, env=_bazel_env())
     except subprocess.CalledProcessError as e:
@@ -74,7 +94,7 @@ class BuildPyWithOps(build_py):
 
     def run(self):
         missing = [n for n in LIBRARIES.values() if not os.path.isfile(_in_package(n))]
-        if os.environ.get("PROPHET_TF_REBUILD_OPS") == "1" or missing:
+        if os.environ.get("PROPHET_TF_USE_BUILT_OPS") != "1" or missing:
             build_ops_library()
         super().run()
 
@@ -102,6 +122,7 @@ setup(
         "plot": ["matplotlib"],
         "test": ["pytest"],
     },
+    entry_points={"console_scripts": ["prophetrun = prophet_tf.launch:main"]},
     cmdclass={"build_py": BuildPyWithOps},
     distclass=BinaryDistribution,
 )
