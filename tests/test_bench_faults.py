@@ -4,6 +4,7 @@ classification, the trial plan and the summary line. No processes, no timing."""
 from __future__ import annotations
 
 import json
+import struct
 
 from prophet_tf.bench.faults import (EVENT, Checkpoint, Survivor, TrialRecord, _client_hello, classify_checkpoint,
                                      classify_hostile_job, classify_survivor, detection_s, essential_message,
@@ -139,5 +140,9 @@ def test_hostile_job_outcomes():
     assert classify_hostile_job([3, None], set(), ok, ["rank 0: x", "rank 1: y"]) == "AFFECTED"  # a hang
 
 
-def test_the_impostors_hello_has_the_protocols_layout():
-    assert len(_client_hello(1, 2, 0, 10000, bytes(32))) == 56  # ops/core/handshake.h ClientHello
+def test_the_impostors_hello_has_the_protocols_layout_and_version():
+    hello = _client_hello(1, 2, 0, 10000, bytes(32))
+    assert len(hello) == 56  # ops/core/handshake.h ClientHello
+    # The version of the library built here: a wrong-token impostor must get as far as the token.
+    from prophet_tf._library import runtime_constants
+    assert struct.unpack_from("<H", hello, 4)[0] == runtime_constants()["protocol_version"] >= 3

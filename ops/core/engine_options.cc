@@ -3,6 +3,8 @@
 #include <charconv>
 #include <sstream>
 
+#include "ops/core/wire.h"
+
 namespace prophet {
 
 Status ParseEngineOptions(const std::string& text, EngineOptions* o) {
@@ -85,7 +87,8 @@ std::string RuntimeConstantsJson() {
     os << (first ? "" : ", ") << '"' << name << '"';
     first = false;
   }
-  os << "], \"control_priority\": " << kControlPriority << ", \"defaults\": {\"schedule\": \"" << d.schedule
+  os << "], \"control_priority\": " << kControlPriority << ", \"protocol_version\": " << kProtocolVersion
+     << ", \"defaults\": {\"schedule\": \"" << d.schedule
      << "\", \"partition_bytes\": " << d.partition_bytes << ", \"credit_bytes\": " << d.credit_bytes
      << ", \"replan_threshold\": " << Number(d.replan_threshold) << ", \"timeout_s\": " << Number(d.timeout_s)
      << ", \"connect_timeout_s\": " << Number(d.connect_timeout_s) << ", \"heartbeat_s\": " << Number(d.heartbeat_s)

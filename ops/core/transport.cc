@@ -32,6 +32,8 @@ constexpr int64_t kPollSliceMs = 100;  // the deadline is honoured to within thi
 // flood cannot exhaust file descriptors while real peers still get through.
 constexpr size_t kMaxPendingIncoming = 512;
 constexpr int kDroppedLogLines = 5;
+// Rejected connections named in the timeout message (the count says how many more there were).
+constexpr size_t kRejectedNamed = 4;
 
 std::string Errno(int err) { return std::string(std::strerror(err)); }
 
@@ -201,7 +203,8 @@ class Bootstrap {
   void AcceptAll(int64_t now);
   void OnIncomingData(Session& s);
   void Drop(Session& s, const std::string& why);
-  void RejectFatal(Session& s, Code code, const std::string& to_peer, const std::string& here);
+  void Reject(Session& s, const std::string& to_peer, const std::string& what);
+  std::string RejectedMeanwhile() const;
   // --- after the handshake ---
   void Establish(Session& s, int peer);
   void OnNotice(int peer);
@@ -242,6 +245,10 @@ class Bootstrap {
   Status fatal_;
   int dropped_ = 0;
   std::string first_drop_;
+  // Connections that spoke the handshake but could not join ("127.0.0.1:52904, world size 5,
+  // expected 2"): named if the real peer never arrives.
+  std::vector<std::string> rejected_;
+  int rejected_total_ = 0;
 };
 
 void Bootstrap::Dial(int peer, int64_t now) {
@@ -420,14 +427,29 @@ void Bootstrap::Drop(Session& s, const std::string& why) {
   Close(s);
 }
 
-// A peer that speaks the protocol but cannot join this job: it is told why, and this start-up
-// fails too (the job cannot form while one of its workers is misconfigured).
-void Bootstrap::RejectFatal(Session& s, Code code, const std::string& to_peer, const std::string& here) {
+// A connection that speaks the handshake but cannot join this job (another version, world size,
+// cluster, heartbeat or job token). Until it has proven the token it is a stranger: it may not
+// end this start-up, which goes on waiting for the real peer. It is told why (a misconfigured
+// worker then fails at once with the reason), and named in the timeout message if the real peer
+// never arrives.
+void Bootstrap::Reject(Session& s, const std::string& to_peer, const std::string& what) {
   const Verdict v = MakeVerdict(VerdictStatus::kRejected, to_peer);
   SendAll(s.fd, &v, sizeof(v));
   Close(s);
-  PROPHET_ERROR("start-up: rejected a connection from %s: %s", s.from.c_str(), here.c_str());
-  Fatal(code, here);
+  const std::string claimed = s.peer >= 0 ? " (claiming rank " + std::to_string(s.peer) + ")" : "";
+  PROPHET_WARN("start-up: rejected a connection from %s%s: %s; still waiting for the workers of this job",
+               s.from.c_str(), claimed.c_str(), what.c_str());
+  if (rejected_.size() < kRejectedNamed) rejected_.push_back(s.from + claimed + ", " + what);
+  rejected_total_++;
+}
+
+std::string Bootstrap::RejectedMeanwhile() const {
+  if (rejected_total_ == 0) return "";
+  std::string out = "; rejected meanwhile: ";
+  for (size_t i = 0; i < rejected_.size(); ++i) out += (i ? "; " : "") + rejected_[i];
+  const int more = rejected_total_ - static_cast<int>(rejected_.size());
+  if (more > 0) out += "; and " + std::to_string(more) + " more";
+  return out;
 }
 
 void Bootstrap::OnIncomingData(Session& s) {
@@ -448,13 +470,11 @@ void Bootstrap::OnIncomingData(Session& s) {
     std::memcpy(&p, s.in.data(), sizeof(p));
     if (p.magic != kFrameMagic) return Drop(s, "sent no prophet_tf handshake (bad magic)");
     if (p.version != kProtocolVersion) {
-      return RejectFatal(
-          s, Code::kFailedPrecondition,
-          "protocol version " + std::to_string(p.version) + " but " + me + " speaks " +
-              std::to_string(kProtocolVersion) + ": install the same prophet_tf on every worker",
-          "a worker speaking protocol version " + std::to_string(p.version) + " connected from " + s.from +
-              ", but this worker speaks version " + std::to_string(kProtocolVersion) +
-              ": install the same prophet_tf on every worker");
+      return Reject(s,
+                    "protocol version " + std::to_string(p.version) + " but " + me + " speaks " +
+                        std::to_string(kProtocolVersion) + ": install the same prophet_tf on every worker",
+                    "protocol version " + std::to_string(p.version) + ", expected " +
+                        std::to_string(kProtocolVersion) + " (install the same prophet_tf on every worker)");
     }
     s.hello.prefix = p;
     s.Expect(Session::kAwaitHello, sizeof(ClientHello) - sizeof(HelloPrefix));
@@ -464,34 +484,31 @@ void Bootstrap::OnIncomingData(Session& s) {
     std::memcpy(reinterpret_cast<char*>(&s.hello) + sizeof(HelloPrefix), s.in.data(), s.in.size());
     const ClientHello& h = s.hello;
     s.peer = h.rank;
-    const std::string who = "rank " + std::to_string(h.rank) + " (from " + s.from + ")";
     if (h.world_size != n_)
-      return RejectFatal(s, Code::kFailedPrecondition,
-                         "world size " + std::to_string(h.world_size) + " but " + me + " was started with " +
-                             std::to_string(n_) + ": every worker needs the same TF_CONFIG cluster",
-                         who + " was started with world size " + std::to_string(h.world_size) +
-                             " but this worker with " + std::to_string(n_) +
-                             ": every worker needs the same TF_CONFIG cluster");
+      return Reject(s,
+                    "world size " + std::to_string(h.world_size) + " but " + me + " was started with " +
+                        std::to_string(n_) + ": every worker needs the same TF_CONFIG cluster",
+                    "world size " + std::to_string(h.world_size) + ", expected " + std::to_string(n_) +
+                        " (every worker needs the same TF_CONFIG cluster)");
     if (h.acceptor_rank != o_.rank)
-      return RejectFatal(s, Code::kFailedPrecondition,
-                         "you connected to " + o_.addresses[o_.rank] + " expecting rank " +
-                             std::to_string(h.acceptor_rank) + ", but that is " + me +
-                             ": the cluster addresses differ between the workers",
-                         who + " connected here expecting rank " + std::to_string(h.acceptor_rank) +
-                             ", but this worker is " + me + ": the cluster addresses differ between the workers");
+      return Reject(s,
+                    "you connected to " + o_.addresses[o_.rank] + " expecting rank " +
+                        std::to_string(h.acceptor_rank) + ", but that is " + me +
+                        ": the cluster addresses differ between the workers",
+                    "it expected rank " + std::to_string(h.acceptor_rank) + " here, this is " + me +
+                        " (the cluster addresses differ between the workers)");
     if (h.heartbeat_ms != HeartbeatMs(o_.heartbeat_s))
-      return RejectFatal(s, Code::kFailedPrecondition,
-                         "heartbeat_s " + SecondsString(h.heartbeat_ms / 1e3) + " but " + me + " uses " +
-                             SecondsString(o_.heartbeat_s) + ": every worker needs the same heartbeat_s",
-                         who + " uses heartbeat_s " + SecondsString(h.heartbeat_ms / 1e3) + " but this worker " +
-                             SecondsString(o_.heartbeat_s) + ": every worker needs the same heartbeat_s");
+      return Reject(s,
+                    "heartbeat_s " + SecondsString(h.heartbeat_ms / 1e3) + " but " + me + " uses " +
+                        SecondsString(o_.heartbeat_s) + ": every worker needs the same heartbeat_s",
+                    "heartbeat_s " + SecondsString(h.heartbeat_ms / 1e3) + ", expected " +
+                        SecondsString(o_.heartbeat_s) + " (every worker needs the same heartbeat_s)");
     if (h.rank <= o_.rank || h.rank >= n_)
-      return RejectFatal(s, Code::kFailedPrecondition,
-                         "rank " + std::to_string(h.rank) + " cannot connect to " + me +
-                             " (only higher ranks connect to lower ones): do two workers have the same task index?",
-                         who + " connected to this worker (" + me + "), but only ranks " +
-                             std::to_string(o_.rank + 1) + ".." + std::to_string(n_ - 1) +
-                             " connect here: do two workers have the same task index?");
+      return Reject(s,
+                    "rank " + std::to_string(h.rank) + " cannot connect to " + me +
+                        " (only higher ranks connect to lower ones): do two workers have the same task index?",
+                    "only ranks " + std::to_string(o_.rank + 1) + ".." + std::to_string(n_ - 1) +
+                        " connect here (do two workers have the same task index?)");
     Status st = RandomNonce(s.nonce_a);
     if (!st.ok()) return Fatal(st.code(), st.message());
     const Verdict v = MakeVerdict(VerdictStatus::kChallenge);
@@ -513,12 +530,11 @@ void Bootstrap::OnIncomingData(Session& s) {
                expected);
   const std::string who = "rank " + std::to_string(s.peer) + " (from " + s.from + ")";
   if (!MacEqual(expected, proof.mac))
-    return RejectFatal(s, Code::kFailedPrecondition,
-                       "job token mismatch: " + me + " could not verify your proof of the job token; "
-                       "PROPHET_JOB_TOKEN must be identical on every worker",
-                       "job token mismatch: " + who + " could not prove that it holds this job's token: its "
-                       "PROPHET_JOB_TOKEN differs from this worker's (or the connection replayed a recorded "
-                       "handshake); PROPHET_JOB_TOKEN must be identical on every worker");
+    return Reject(s,
+                  "job token mismatch: " + me + " could not verify your proof of the job token; "
+                  "PROPHET_JOB_TOKEN must be identical on every worker",
+                  "job token mismatch (its PROPHET_JOB_TOKEN differs from this worker's, or it replayed a "
+                  "recorded handshake)");
   if (peers_[s.peer].fd >= 0) {
     // Authenticated, but the rank is taken: keep the first, refuse the second, say so.
     const Verdict v = MakeVerdict(VerdictStatus::kRejected,
@@ -620,7 +636,7 @@ std::string Bootstrap::Waiting(bool final) const {
     if (peers_[r].fd < 0) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
   if (!missing.empty())
     add("rank(s) " + missing + " did not connect to this worker (" + o_.addresses[o_.rank] + ")" + within +
-        ": are they started with the same TF_CONFIG and PROPHET_JOB_TOKEN?");
+        ": are they started with the same TF_CONFIG and PROPHET_JOB_TOKEN?" + RejectedMeanwhile());
   if (out.empty()) {
     std::string unready;
     for (int r = 0; r < n_; ++r)

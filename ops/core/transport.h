@@ -7,13 +7,19 @@
 // a short deadline, so idle or garbage connections cannot starve the real peers), and the final
 // exchange that tells every worker that the whole job has formed.
 //
+// Nothing a connection sends before it has proven the job token ends or stalls start-up: an
+// incoming connection that cannot join this job (another protocol version, world size, cluster
+// description or heartbeat, a job token that does not verify, a replayed handshake) is rejected
+// and told why, and the worker goes on waiting for the real peer; if that one has not come by
+// `connect_timeout_s`, the error names what was rejected meanwhile. The connecting side trusts
+// the answer of the address it dialled (its own cluster description names it): a worker that is
+// rejected fails at once with the reason, so a misconfigured worker still stops at once.
 // What ends start-up early, on every worker it reaches:
-//  - a peer that speaks the protocol but cannot join this job (another protocol version, world
-//    size or cluster description, a job token that does not verify): both sides fail at once,
-//    with the reason. This fails closed: a replayed or forged handshake also aborts the start-up;
+//  - a rejection by the peer this worker dialled, or a peer it dialled that cannot prove the
+//    token;
 //  - a peer seen during this start-up that goes away (its connection closes, or its port that
 //    accepted a connection now refuses): it exited or crashed;
-//  - a kAbort notice from a connected peer whose own start-up failed.
+//  - a kAbort notice from a connected (authenticated) peer whose own start-up failed.
 // Peers never seen (connections refused, no answer) are retried until `connect_timeout_s`: they
 // may simply not be started yet; a progress line every 10 s names them and the last problem.
 // Connections that send garbage or nothing are dropped and logged; they do not end start-up.

@@ -547,14 +547,23 @@ def _launcher_report(job: Job, fault_at: Optional[float]) -> str:
 # Hostile connections
 
 
-# The start-up handshake as ops/core/handshake.h lays it out (protocol version 2).
-_MAGIC, _VERSION = 0x31465450, 2
+# The start-up handshake as ops/core/handshake.h lays it out, in the protocol version of the
+# library built here (an impostor of another version would be turned away before its token is
+# looked at).
+_MAGIC = 0x31465450
 _VERDICT_BYTES, _CHALLENGE_BYTES, _PROOF_BYTES = 264, 64, 32
+
+
+def _protocol_version() -> int:
+    from prophet_tf._library import runtime_constants
+
+    return int(runtime_constants()["protocol_version"])
 
 
 def _client_hello(rank: int, world: int, acceptor_rank: int, heartbeat_ms: int, nonce: bytes) -> bytes:
     """The connecting side's ``ClientHello``: how a stranger would try to join."""
-    return struct.pack("<IHHiiiI32s", _MAGIC, _VERSION, 0, rank, world, acceptor_rank, heartbeat_ms, nonce)
+    return struct.pack("<IHHiiiI32s", _MAGIC, _protocol_version(), 0, rank, world, acceptor_rank, heartbeat_ms,
+                       nonce)
 
 
 def _recv_exactly(s: socket.socket, n: int) -> bytes:
@@ -598,7 +607,7 @@ def _hostile_connection(address: str, kind: str, rng: random.Random, held: list,
             _recv_exactly(s, _CHALLENGE_BYTES)
             s.sendall(rng.randbytes(_PROOF_BYTES))
         elif kind == "huge_lengths":
-            s.sendall(struct.pack("<IHHiiiI", _MAGIC, _VERSION, 0xFFFF, 0x7FFFFFFF, 0x7FFFFFFF, 0x7FFFFFFF,
+            s.sendall(struct.pack("<IHHiiiI", _MAGIC, _protocol_version(), 0xFFFF, 0x7FFFFFFF, 0x7FFFFFFF, 0x7FFFFFFF,
                                   0xFFFFFFFF) + b"\xff" * 65536)
         try:
             return _verdict(_recv_exactly(s, _VERDICT_BYTES))
