@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from prophet_tf import launch as launch_mod
 from prophet_tf.launch import EXIT_TIMEOUT, free_ports, launch
+from prophet_tf.launch.cli import parser
+from prophet_tf.launch.workers import command
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -165,9 +166,9 @@ def test_free_ports_are_distinct() -> None:
 
 
 def test_command_forms() -> None:
-    assert launch_mod._command(["x.py", "1"]) == [sys.executable, "-u", "x.py", "1"]
-    assert launch_mod._command(["-m", "pkg.mod"]) == [sys.executable, "-u", "-m", "pkg.mod"]
-    assert launch_mod._command(["/bin/true"]) == ["/bin/true"]
+    assert command(["x.py", "1"]) == [sys.executable, "-u", "x.py", "1"]
+    assert command(["-m", "pkg.mod"]) == [sys.executable, "-u", "-m", "pkg.mod"]
+    assert command(["/bin/true"]) == ["/bin/true"]
     with pytest.raises(ValueError):
         launch([], 2)
     with pytest.raises(ValueError):
@@ -191,9 +192,9 @@ def test_script_elsewhere_imports_the_launchers_package(tmp_path: Path) -> None:
 
 
 def test_np_spelling_of_horovodrun() -> None:
-    args = launch_mod._parser().parse_args(["-np", "3", "x.py"])
+    args = parser().parse_args(["-np", "3", "x.py"])
     assert args.n == 3 and args.script == ["x.py"]
-    assert launch_mod._parser().parse_args(["-n", "2", "x.py"]).n == 2
+    assert parser().parse_args(["-n", "2", "x.py"]).n == 2
 
 
 # Rank 1 fails first but takes a while to exit (slow clean-up); the others notice (here through a

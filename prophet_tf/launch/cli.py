@@ -1,0 +1,274 @@
+"""The command line of ``prophetrun`` / ``python -m prophet_tf.launch``, and :func:`launch`."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import secrets
+import signal
+import sys
+import threading
+import time
+from typing import Callable, Iterator, Mapping, Optional, Sequence, TextIO
+
+from prophet_tf.cluster import TOKEN_ENV
+from prophet_tf.launch import hosts as hosts_mod
+from prophet_tf.launch.node import run_node
+from prophet_tf.launch.rendezvous import RendezvousError, parse_master
+from prophet_tf.launch.workers import (Controls, JobSpec, Placement, format_address, free_ports,
+                                       run_workers)
+
+__all__ = ["launch", "main", "parser"]
+
+_PROG = "prophetrun"
+
+
+@contextlib.contextmanager
+def _forwarding_signals(controls: Controls, enabled: bool = True) -> Iterator[None]:
+    """Records SIGINT/SIGTERM in ``controls.signals`` (the attempt forwards them to the workers)
+    instead of letting them end the launcher."""
+    old: dict[int, object] = {}
+    if enabled and threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGINT, signal.SIGTERM):
+            old[s] = signal.signal(s, lambda signum, _frame: controls.signals.append(signum))
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)  # type: ignore[arg-type]
+
+
+def _sayer(err: TextIO, label: str = "launch") -> Callable[[str], None]:
+    lock = threading.Lock()
+
+    def say(msg: str) -> None:
+        with lock:
+            with contextlib.suppress(OSError, ValueError):
+                err.write(f"[{label}] {msg}\n")
+                err.flush()
+    return say
+
+
+def launch(script_argv: Sequence[str], n: int, *, host: str = "127.0.0.1",
+           hosts: Optional[Sequence[str]] = None, base_port: Optional[int] = None,
+           timeout: Optional[float] = None, env: Optional[Mapping[str, str]] = None,
+           threads: Optional[int] = None, grace: float = 5.0,
+           wrap_argv: Optional[Callable[[int, list[str]], list[str]]] = None,
+           stdout: Optional[TextIO] = None, stderr: Optional[TextIO] = None,
+           token: Optional[str] = None, handle_signals: bool = True,
+           log_dir: Optional[str] = None) -> int:
+    """Runs ``script_argv`` as ``n`` workers on this machine; returns the launcher's exit status.
+
+    Args:
+      script_argv: ``["script.py", *args]``, ``["-m", "module", *args]`` or any command.
+      n: number of workers (>= 1).
+      host: address every worker listens on (all workers on this machine).
+      hosts: one address per rank instead of ``host`` (e.g. ``EmulatedCluster.host_address(i)``).
+      base_port: worker i listens on ``base_port + i``; default: free ports found by binding to
+        port 0 (released just before the workers start).
+      timeout: seconds after which every worker is killed and 124 is returned; None = no limit.
+      env: extra environment for every worker (wins over everything else).
+      threads: sets ``TF_NUM_INTRAOP_THREADS`` and ``TF_NUM_INTEROP_THREADS`` for every worker.
+      grace: seconds between SIGTERM (or the forwarded signal) and SIGKILL when stopping workers.
+      wrap_argv: ``f(rank, argv) -> argv`` applied to each worker's command line, e.g.
+        ``EmulatedCluster.exec_argv`` to start worker i inside network namespace i.
+      stdout, stderr: where prefixed output goes (default: ``sys.stdout``/``sys.stderr`` at call
+        time).
+      token: the job token (default: a fresh random one).
+      handle_signals: forward SIGINT/SIGTERM to the workers (main thread only).
+      log_dir: also write rank i's output to ``LOG_DIR/rank.i.log``.
+
+    Returns:
+      0 when all workers exit 0; the first failing worker's status (128+signal if killed by a
+      signal) otherwise; 124 on timeout; 128+signal if the launcher got SIGINT/SIGTERM.
+    """
+    if n < 1:
+        raise ValueError(f"need at least one worker, got n={n}")
+    out = stdout if stdout is not None else sys.stdout
+    err = stderr if stderr is not None else sys.stderr
+    if not list(script_argv):
+        raise ValueError("no script given: prophetrun -n N [--] script.py [args]")
+    addresses = _local_addresses(n, host, hosts, base_port)
+    spec = JobSpec(list(script_argv), dict(env or {}), threads, grace, log_dir, wrap_argv)
+    placement = Placement(addresses, list(range(n)),
+                          secrets.token_hex(16) if token is None else token)
+    say = _sayer(err)
+    controls = Controls(deadline=None if timeout is None else time.monotonic() + timeout)
+    with _forwarding_signals(controls, handle_signals):
+        outcome = run_workers(spec, placement, controls, stdout=out, stderr=err, say=say)
+    if outcome.failure is not None and outcome.failure.rank is not None:
+        say(outcome.failure.report("; stopped the other workers"))
+    return outcome.status
+
+
+def _local_addresses(n: int, host: str, hosts: Optional[Sequence[str]],
+                     base_port: Optional[int]) -> list[str]:
+    if hosts is not None:
+        if len(hosts) != n:
+            raise ValueError(f"hosts has {len(hosts)} entries for {n} workers")
+        host_list = list(hosts)
+    else:
+        host_list = [host] * n
+    if base_port is not None:
+        if not (0 < base_port and base_port + n - 1 < 65536):
+            raise ValueError(f"base port {base_port} + {n} workers is outside 1..65535")
+        ports = [base_port + i for i in range(n)]
+    elif hosts is not None and len(set(host_list)) == n:
+        # Distinct hosts (e.g. one network namespace each): probe once, same port everywhere.
+        ports = free_ports(1, "127.0.0.1") * n
+    else:
+        ports = free_ports(n, host_list[0])
+    return [format_address(h, p) for h, p in zip(host_list, ports)]
+
+
+def _parse_env(items: Sequence[str]) -> dict[str, str]:
+    env = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise argparse.ArgumentTypeError(f"--env expects KEY=VALUE, got {item!r}")
+        env[key] = value
+    return env
+
+
+def parser() -> argparse.ArgumentParser:
+    """The flags of ``prophetrun`` (``python -m prophet_tf.launch`` is the same program)."""
+    p = argparse.ArgumentParser(
+        prog=_PROG,
+        description="Start prophet_tf workers: N on this machine, or a job of several nodes "
+                    "(--nnodes/--node-rank/--master on every node, or -H over ssh). TF_CONFIG, a "
+                    "job token, [rank i] output prefixes, one GPU per worker, stop-all on failure.",
+        usage="%(prog)s -n N [options] [--] script.py [args]")
+    p.add_argument("-n", "-np", "--np", "--num-workers", "--nproc-per-node", dest="n", type=int,
+                   default=None, help="number of worker processes on this node (-np as in "
+                   "horovodrun; with -H: the total, filling the hosts' slots in order)")
+    p.add_argument("--host", default=None,
+                   help="address this node's workers listen on and are reached at (default: "
+                        "127.0.0.1 on one machine; this machine's address towards the master "
+                        "with --nnodes)")
+    p.add_argument("--base-port", type=int, default=None,
+                   help="worker i of this node listens on BASE_PORT+i (default: free ports)")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="kill all workers and exit 124 after this many seconds")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra environment variable for every worker (repeatable)")
+    p.add_argument("--threads", type=int, default=None, metavar="K",
+                   help="TF_NUM_INTRAOP_THREADS and TF_NUM_INTEROP_THREADS for every worker")
+    p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS",
+                   help="time between forwarding SIGTERM/SIGINT and SIGKILL when stopping workers "
+                        "(default 5)")
+    p.add_argument("--log-dir", default=None, metavar="DIR",
+                   help="also write each rank's output to DIR/rank.<rank>.log (appended)")
+    m = p.add_argument_group("several nodes")
+    m.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    m.add_argument("--node-rank", type=int, default=None,
+                   help="this node's rank, 0..nnodes-1 (node 0 runs the master)")
+    m.add_argument("--master", default=None, metavar="HOST:PORT",
+                   help="where node 0's launcher listens for the other nodes (node 0 listens on "
+                        "it; give every node the same)")
+    m.add_argument("--rdzv-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="how long to wait for the master and every node (default 300)")
+    m.add_argument("--node-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="a node (or the master) not heard from for this long is lost (default 10)")
+    m.add_argument("--token-stdin", action="store_true",
+                   help="read the job's shared secret from the first line of standard input "
+                        "instead of PROPHET_JOB_TOKEN (what -H does over ssh)")
+    m.add_argument("-H", "--hosts", default=None, metavar="HOST:K,...",
+                   help="start a node on each host (ssh, local hosts directly) with K workers, "
+                        "this launcher being the master (like horovodrun -H)")
+    m.add_argument("--ssh-command", default=hosts_mod.DEFAULT_SSH, metavar="CMD",
+                   help=f"ssh client and options for -H (default: {hosts_mod.DEFAULT_SSH!r})")
+    p.add_argument("script", nargs=argparse.REMAINDER,
+                   help="script.py [args], -m module [args], or a command")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Command-line entry point of ``prophetrun``; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = parser()
+    if "--" in argv:
+        cut = argv.index("--")
+        opts, script = argv[:cut], argv[cut + 1:]
+        args = p.parse_args(opts)
+        if args.script:
+            p.error(f"unexpected arguments before '--': {args.script}")
+    else:
+        args = p.parse_args(argv)
+        script = args.script
+    if not script:
+        p.error("no script given")
+    if args.threads is not None and args.threads < 1:
+        p.error("--threads must be at least 1")
+    try:
+        env = _parse_env(args.env)
+    except argparse.ArgumentTypeError as e:
+        p.error(str(e))
+    spec = JobSpec(list(script), env, args.threads, args.grace, args.log_dir)
+    controls = Controls(deadline=None if args.timeout is None else time.monotonic() + args.timeout)
+
+    if args.hosts is not None:
+        if args.nnodes != 1 or args.node_rank is not None:
+            p.error("-H starts every node itself: leave out --nnodes and --node-rank")
+        try:
+            nodes = hosts_mod.assign_slots(hosts_mod.parse_hosts(args.hosts), args.n)
+        except ValueError as e:
+            p.error(str(e))
+        forwarded = _forwarded_flags(args)
+        say = _sayer(sys.stderr)
+        with _forwarding_signals(controls):
+            return hosts_mod.run_hosts(script, nodes, controls, forwarded=forwarded,
+                                       ssh_command=args.ssh_command, master=args.master,
+                                       rdzv_timeout=args.rdzv_timeout,
+                                       node_timeout=args.node_timeout, grace=args.grace, say=say)
+    if args.n is None:
+        p.error("-n N is required (the number of workers on this node)")
+    if args.n < 1:
+        p.error("-n must be at least 1")
+    if args.nnodes > 1 or args.master is not None or args.node_rank is not None:
+        if args.nnodes < 1:
+            p.error("--nnodes must be at least 1")
+        if args.master is None or args.node_rank is None:
+            p.error("a job of several nodes needs --master HOST:PORT and --node-rank R on every "
+                    "node (the same --master and --nnodes everywhere)")
+        if not 0 <= args.node_rank < args.nnodes:
+            p.error(f"--node-rank {args.node_rank} is outside 0..{args.nnodes - 1}")
+        try:
+            parse_master(args.master)
+        except RendezvousError as e:
+            p.error(str(e))
+        token = sys.stdin.readline().strip() if args.token_stdin else os.environ.get(TOKEN_ENV, "")
+        if not token:
+            p.error("a job of several nodes needs the same secret on every node: run `export "
+                    "PROPHET_JOB_TOKEN=$(python3 -c 'import secrets; print(secrets.token_hex(16))')` "
+                    "once and set that value on every node (-H does this for you over ssh)")
+        say = _sayer(sys.stderr, f"launch node {args.node_rank}")
+        with _forwarding_signals(controls):
+            try:
+                return run_node(spec, controls, master=args.master, nnodes=args.nnodes,
+                                node_rank=args.node_rank, nproc=args.n, token=token,
+                                host=args.host, base_port=args.base_port,
+                                rdzv_timeout=args.rdzv_timeout, node_timeout=args.node_timeout,
+                                run_master=args.node_rank == 0, say=say)
+            except RendezvousError as e:
+                say(str(e))
+                return 2
+    return launch(script, args.n, host=args.host or "127.0.0.1", base_port=args.base_port,
+                  timeout=args.timeout, env=env, threads=args.threads, grace=args.grace,
+                  log_dir=args.log_dir)
+
+
+def _forwarded_flags(args: argparse.Namespace) -> list[str]:
+    """The flags of this command line that every node of a -H job gets as well."""
+    out: list[str] = []
+    for flag, value in (("--threads", args.threads), ("--timeout", args.timeout),
+                        ("--grace", args.grace), ("--log-dir", args.log_dir),
+                        ("--base-port", args.base_port),
+                        ("--rdzv-timeout", args.rdzv_timeout),
+                        ("--node-timeout", args.node_timeout)):
+        if value is not None:
+            out += [flag, str(value)]
+    for item in args.env:
+        out += ["--env", item]
+    return out
