@@ -174,6 +174,8 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--token-stdin", action="store_true",
                    help="read the job's shared secret from the first line of standard input "
                         "instead of PROPHET_JOB_TOKEN (what -H does over ssh)")
+    m.add_argument("--join-only", action="store_true",
+                   help="do not run the master on node 0: it runs elsewhere (what -H does)")
     m.add_argument("-H", "--hosts", default=None, metavar="HOST:K,...",
                    help="start a node on each host (ssh, local hosts directly) with K workers, "
                         "this launcher being the master (like horovodrun -H)")
@@ -250,7 +252,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                 node_rank=args.node_rank, nproc=args.n, token=token,
                                 host=args.host, base_port=args.base_port,
                                 rdzv_timeout=args.rdzv_timeout, node_timeout=args.node_timeout,
-                                run_master=args.node_rank == 0, say=say)
+                                run_master=args.node_rank == 0 and not args.join_only, say=say)
             except RendezvousError as e:
                 say(str(e))
                 return 2

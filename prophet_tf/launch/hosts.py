@@ -85,6 +85,7 @@ def node_argv(node_rank: int, nnodes: int, nproc: int, master: str, script: Sequ
     """The launcher command a node runs (the token comes on its standard input)."""
     return [sys.executable, "-u", "-m", "prophet_tf.launch", "--nnodes", str(nnodes),
             "--node-rank", str(node_rank), "--master", master, "-n", str(nproc), "--token-stdin",
+            "--join-only",
             *forwarded, "--", *script]
 
 

@@ -680,7 +680,9 @@ class NodeLink:
             self.say(f"joined the master at {self.master}; waiting for node(s) "
                      f"{', '.join(map(str, waiting))}")
         while True:
-            message = self._receive(deadline, "the other nodes", allow_ping=True)
+            # A little past our own deadline: a master that started before us gives up first, and
+            # its message (naming the missing nodes and what it rejected) says more than ours.
+            message = self._receive(deadline + HANDSHAKE_TIMEOUT_S, "the other nodes", allow_ping=True)
             if message.get("t") == "plan":
                 return Plan(round=int(message["round"]), world_size=int(message["world_size"]),
                             addresses=[str(a) for a in message["addresses"]],
