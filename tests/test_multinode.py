@@ -352,7 +352,7 @@ def _node_in(cl, tmp: Path, rank: int, n: int, script: Sequence[str], port: int,
 
 @needs_root
 def test_two_nodes_of_two_workers_train_on_emulated_hosts(cluster, tmp_path: Path, nodes: list) -> None:
-    script = [str(ROOT / "examples" / "keras_fit_demo.py"), "--epochs", "2", "--samples", "512"]
+    script = [str(ROOT / "examples" / "keras_fit_demo.py"), "--epochs", "1", "--samples", "256"]
     port = free_ports(1)[0]
     nodes += [_node_in(cluster, tmp_path, r, 2, script, port, ["--threads", "1"]) for r in (0, 1)]
     codes = [n.wait(600) for n in nodes]
