@@ -27,6 +27,7 @@ import tensorflow as tf
 from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import resource_variable_ops
 
+from prophet_tf._devices import HOST_DEVICE
 from prophet_tf._library import op_module
 
 _local = threading.local()
@@ -65,7 +66,8 @@ def _gated(method_name: str) -> Callable[..., Any]:
     def method(self, *args, **kwargs):
         if not _gating():
             return base(self, *args, **kwargs)
-        gate = op_module().prophet_gate(self.handle, var_name=self._shared_name_for_trace())
+        with tf.device(HOST_DEVICE):
+            gate = op_module().prophet_gate(self.handle, var_name=self._shared_name_for_trace())
         with tf_ops.control_dependencies([gate]):
             return base(self, *args, **kwargs)
 
@@ -141,4 +143,8 @@ def deferred_update(var: Any, fn: Callable[..., Any], grad: tf.Tensor, learning_
         tf.TensorSpec(iterations.shape, iterations.dtype),
     )
     args = [learning_rate, iterations] + list(concrete.captured_inputs)
-    return op_module().prophet_async_apply(grad, args, f=concrete, tensor_name=name, priority=int(priority))
+    # A CPU kernel (the gradient is copied from the GPU once, as its input); `f` runs where the
+    # variables live (its nodes keep the devices they were traced with).
+    with tf.device(HOST_DEVICE):
+        return op_module().prophet_async_apply(grad, args, f=concrete, tensor_name=name,
+                                               priority=int(priority))

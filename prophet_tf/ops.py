@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from prophet_tf._devices import HOST_DEVICE
 from prophet_tf._library import op_module
 
 
@@ -26,17 +27,20 @@ def push_pull(tensor: tf.Tensor, name: str, priority: int = 0, average: bool = F
       priority: larger is sent earlier when several tensors wait for the network.
       average: divide the sum by the number of workers.
     """
-    return op_module().prophet_push_pull(
-        tf.convert_to_tensor(tensor), tensor_name=_check_name(name), priority=int(priority),
-        reduce_op="mean" if average else "sum",
-    )
+    tensor = tf.convert_to_tensor(tensor)
+    with tf.device(HOST_DEVICE):  # CPU kernels: one copy from the GPU, as the op's input
+        return op_module().prophet_push_pull(
+            tensor, tensor_name=_check_name(name), priority=int(priority),
+            reduce_op="mean" if average else "sum",
+        )
 
 
 def broadcast(tensor: tf.Tensor, name: str, root_rank: int = 0) -> tf.Tensor:
     """Returns ``root_rank``'s value of ``tensor`` on every worker."""
-    return op_module().prophet_broadcast(
-        tf.convert_to_tensor(tensor), tensor_name=_check_name(name), root_rank=int(root_rank)
-    )
+    tensor = tf.convert_to_tensor(tensor)
+    with tf.device(HOST_DEVICE):
+        return op_module().prophet_broadcast(tensor, tensor_name=_check_name(name),
+                                             root_rank=int(root_rank))
 
 
 def allgather(tensor: tf.Tensor, name: str, priority: int = 0) -> tf.Tensor:
@@ -45,5 +49,7 @@ def allgather(tensor: tf.Tensor, name: str, priority: int = 0) -> tf.Tensor:
     The first dimension may differ across workers; the others must match. ``priority`` orders it
     against other traffic, as for :func:`push_pull` (sparse gradients use it).
     """
-    return op_module().prophet_allgather(tf.convert_to_tensor(tensor), tensor_name=_check_name(name),
-                                         priority=int(priority))
+    tensor = tf.convert_to_tensor(tensor)
+    with tf.device(HOST_DEVICE):
+        return op_module().prophet_allgather(tensor, tensor_name=_check_name(name),
+                                             priority=int(priority))

@@ -732,7 +732,10 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
         chosen on rank 0 for every worker and revisited when the bandwidth changes.
       cluster_resolver: a ``tf.distribute.cluster_resolver.ClusterResolver``; default: read
         ``TF_CONFIG`` (set by ``python -m prophet_tf.launch``); no ``TF_CONFIG`` = one worker.
-      device: the device of this worker (default ``"/cpu:0"``).
+      device: the device of this worker's replica. Default: its GPU when the process sees one
+        (the launcher gives each worker of a node its own, ``CUDA_VISIBLE_DEVICES`` = its local
+        rank; with several visible, the one at ``PROPHET_LOCAL_RANK``), else ``"/cpu:0"``. The
+        communication ops run on the worker's CPU either way (see ``prophet_tf._devices``).
       sparse_as_dense_bytes: by default (0) sparse gradients (``tf.IndexedSlices``, e.g. of an
         ``Embedding``) are reduced by gathering every worker's indices and values, repeated
         indices kept, so the optimizer sees exactly the gradient of one process on the global
@@ -793,7 +796,8 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
         recording = bool(profile_path) and info.world_size == 1
         runtime.init(info.rank, info.world_size, list(info.addresses), info.token, schedule=policy,
                      **runtime_options)
-        extended = ProphetExtended(self, device or "/cpu:0", info.rank, info.world_size,
+        from prophet_tf import _devices
+        extended = ProphetExtended(self, device or _devices.default_device(), info.rank, info.world_size,
                                    sparse_as_dense_bytes=sparse_as_dense_bytes,
                                    cross_barrier=cross_barrier and (info.world_size > 1 or recording),
                                    recording=recording)
