@@ -54,8 +54,12 @@ def test_ops_run_on_the_host_between_gpu_computations(op: str) -> None:
     assert consumer.device == GPU  # the result goes back once, where the model runs
 
 
-def test_a_deferred_update_is_applied_to_a_variable_on_another_device() -> None:
-    r = subprocess.run([sys.executable, str(WORKERS / "crossing_device.py")], cwd=ROOT, env=_worker_env(),
+@pytest.mark.parametrize("multi_device", ["0", "1"], ids=["as_placed", "multi_device_function"])
+def test_a_deferred_update_is_applied_to_a_variable_on_another_device(multi_device: str) -> None:
+    # multi_device_function: the update runs the way it does when its variables live on a GPU
+    # (instantiated as a multi-device function), here with every device a CPU.
+    env = _worker_env({"PROPHET_TEST_MULTI_DEVICE_UPDATE": multi_device})
+    r = subprocess.run([sys.executable, str(WORKERS / "crossing_device.py")], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     result = json.loads(r.stdout.split("RESULT ", 1)[1])

@@ -16,10 +16,12 @@
 // the update waits for its sum. A pending update therefore never refers to the kernel, its
 // OpKernelContext or the kernel's FunctionLibraryRuntime: it holds an UpdateFunction, a runtime of
 // its own with a private copy of `f`, shared by the kernel and every update it has in flight.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -106,9 +108,24 @@ class WaitAllOp : public AsyncOpKernel {
   }
 };
 
+// Test hook: PROPHET_TEST_MULTI_DEVICE_UPDATE=1 runs every update as a multi-device function even
+// when its variables live on the kernel's own device (the path a GPU's variables take).
+bool ForceMultiDeviceForTests() {
+  static const bool force = [] {
+    const char* value = std::getenv("PROPHET_TEST_MULTI_DEVICE_UPDATE");
+    return value != nullptr && std::string(value) == "1";
+  }();
+  return force;
+}
+
 // `f` of one ProphetAsyncApply node, instantiated in a function library runtime of its own: a
 // clone of the kernel's (same devices, thread pools and options) holding only `f` and the
 // functions it calls. Destroyed with the last of the kernel and its pending updates.
+//
+// Where `f` runs: the kernel is on the host CPU (its only kernel), and so is a single-device
+// function, every node of it. When a variable `f` updates lives on another device (a GPU), `f` is
+// instantiated again as a multi-device function: its nodes run on the devices they were traced on
+// (the variables'), and the summed gradient, in host memory, is copied there once.
 class UpdateFunction {
  public:
   static absl::Status Create(FunctionLibraryRuntime* kernel_flr, const NameAttrList& func,
@@ -124,7 +141,28 @@ class UpdateFunction {
     TF_RETURN_IF_ERROR(fn->lib_def_->AddLibrary(source->ReachableDefinitions(*fdef)));
     if (!fn->lib_def_->Contains(func.name())) TF_RETURN_IF_ERROR(fn->lib_def_->AddFunctionDef(*fdef));
     TF_RETURN_IF_ERROR(fn->flr_->Instantiate(func.name(), AttrSlice(&func.attr()), &fn->handle_));
+    fn->func_ = func;
     *out = std::move(fn);
+    return absl::OkStatus();
+  }
+
+  // Called with the devices of `f`'s arguments (the summed gradient's, then those of args:
+  // resource arguments on the devices of their variables) before an update is handed off.
+  absl::Status UseDevices(const std::vector<std::string>& input_devices, const std::string& host) {
+    const bool elsewhere =
+        std::any_of(input_devices.begin(), input_devices.end(), [&](const std::string& d) { return d != host; });
+    if (!elsewhere && !ForceMultiDeviceForTests()) return absl::OkStatus();
+    std::lock_guard<std::mutex> lock(mu_);
+    if (multi_device_ && input_devices == input_devices_) return absl::OkStatus();
+    FunctionLibraryRuntime::InstantiateOptions options;
+    options.target = host;
+    options.is_multi_device_function = true;
+    options.input_devices = input_devices;
+    FunctionLibraryRuntime::Handle handle = kInvalidHandle;
+    TF_RETURN_IF_ERROR(flr_->Instantiate(func_.name(), AttrSlice(&func_.attr()), options, &handle));
+    multi_device_handle_ = handle;
+    input_devices_ = input_devices;
+    multi_device_ = true;
     return absl::OkStatus();
   }
 
@@ -133,7 +171,15 @@ class UpdateFunction {
 
   void Run(const std::vector<Tensor>& args, std::vector<Tensor>* rets, FunctionLibraryRuntime::DoneCallback done) {
     FunctionLibraryRuntime::Options opts;  // default runner: the inter-op pool
-    flr_->Run(opts, handle_, args, rets, std::move(done));
+    FunctionLibraryRuntime::Handle handle = handle_;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (multi_device_) {
+        handle = multi_device_handle_;
+        opts.create_rendezvous = true;  // the copies between the devices of `f`'s partitions
+      }
+    }
+    flr_->Run(opts, handle, args, rets, std::move(done));
   }
 
  private:
@@ -144,6 +190,11 @@ class UpdateFunction {
   std::unique_ptr<ProcessFunctionLibraryRuntime> pflr_;
   FunctionLibraryRuntime* flr_ = nullptr;  // owned by pflr_
   FunctionLibraryRuntime::Handle handle_ = kInvalidHandle;
+  NameAttrList func_;
+  std::mutex mu_;
+  bool multi_device_ = false;  // guarded by mu_
+  FunctionLibraryRuntime::Handle multi_device_handle_ = kInvalidHandle;
+  std::vector<std::string> input_devices_;
 };
 
 class AsyncApplyOp : public AsyncOpKernel {
@@ -180,6 +231,13 @@ class AsyncApplyOp : public AsyncOpKernel {
       if (t.dtype() == DT_RESOURCE)
         for (int64_t j = 0; j < t.NumElements(); ++j) update->keys.push_back(GateKey(t.flat<ResourceHandle>()(j)));
     }
+    std::vector<std::string> devices{ctx->device()->name()};  // the summed gradient: host memory
+    for (int i = 1; i < ctx->num_inputs(); ++i) {
+      const Tensor& t = ctx->input(i);
+      devices.push_back(t.dtype() == DT_RESOURCE && t.NumElements() == 1 ? t.flat<ResourceHandle>()(0).device()
+                                                                          : ctx->device()->name());
+    }
+    OP_REQUIRES_OK_ASYNC(ctx, function_->UseDevices(devices, ctx->device()->name()), done);
     for (const std::string& key : update->keys) GlobalGates().Arm(key);
 
     ::prophet::OpRequest req;

@@ -90,7 +90,7 @@ def run_node(spec: JobSpec, controls: Controls, *, master: str, nnodes: int, nod
         status = int(verdict.get("status", EXIT_JOB_FAILED))
         if status != 0 and verdict.get("failure"):
             failure = Failure.from_json(verdict["failure"])
-            where = f" on node {failure.node}" if failure.node is not None else ""
+            where = f" on node {failure.node}" if failure.node is not None and failure.rank is not None else ""
             say(f"the job failed: {failure.description}{where}; stopped every node's workers"
                 + (f". Last lines of its stderr:\n" + "\n".join(f"    {x}" for x in failure.tail)
                    if failure.rank is not None else ""))

@@ -317,7 +317,7 @@ class Master:
             nodes = [c for c in self._conns if c.node is not None and c.stage == "joined"]
             if failures and stopping_until is None:
                 first = min(failures, key=lambda f: f.at)
-                where = f" on node {first.node}" if first.node is not None else ""
+                where = f" on node {first.node}" if first.rank is not None else ""
                 for c in nodes:
                     if not c.closed and c.outcome is None:
                         _send(c.sock, {"t": "stop", "reason": first.description + where})
@@ -341,9 +341,8 @@ class Master:
         with contextlib.suppress(OSError):
             c.sock.close()
         if c.outcome is None:
-            self.inject_failure(Failure(EXIT_JOB_FAILED, f"{c.describe()} was lost: {why}; its "
-                                        "workers are gone with its launcher", node=c.node,
-                                        at=time.time()))
+            self.inject_failure(Failure(EXIT_JOB_FAILED, f"{c.describe()} was lost: {why}",
+                                        node=c.node, at=time.time()))
 
     def _take_injected(self) -> list[Failure]:
         with self._lock:
