@@ -29,8 +29,10 @@ sends ends or stalls the rendezvous: it is rejected with the reason (a misconfig
 at once), and the master keeps waiting for the real node, naming what it rejected if that node
 never comes. The workers get ``HMAC(token, nonce)`` as their job token: a fresh one per attempt.
 
-Each attempt has a round number: the master can run the rendezvous again for a new attempt (the
-nodes' connections stay open; each node joins the new round with fresh ports).
+The join and the plan carry the attempt's round number (always 0 today: one attempt per job).
+A restarting launcher would run ``Master._rendezvous(deadline, round)`` again over the open
+connections, each node joining the new round with fresh ports, and derive a fresh worker token
+from the new plan's nonce.
 """
 
 from __future__ import annotations
