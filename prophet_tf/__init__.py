@@ -2,8 +2,11 @@
 
 from typing import Any
 
-from prophet_tf import errors
+from prophet_tf import _compat, errors
 from prophet_tf.errors import ClusterConfigError, ProphetError
+
+# Before anything uses TensorFlow or Keras: an unsupported pair fails here, naming both.
+_compat.check_installed_versions()
 
 __all__ = ["errors", "ProphetError", "ClusterConfigError", "ProphetStrategy"]
 __version__ = "0.1.0"

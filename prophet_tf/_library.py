@@ -48,7 +48,12 @@ def op_module() -> ModuleType:
     """The TensorFlow op module (generated wrappers such as ``prophet_push_pull``)."""
     import tensorflow as tf
 
-    module = tf.load_op_library(str(library_path()))
+    from prophet_tf import _compat
+
+    _compat.check_loaded_versions()
+    path = library_path()
+    _compat.check_library_matches_tensorflow(path)
+    module = tf.load_op_library(str(path))
     _run_independently(_OP_TYPES)
     return module
 
