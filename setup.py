@@ -13,6 +13,7 @@ them there) without running Bazel.
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -24,6 +25,20 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 # Bazel target -> file name in the package.
 LIBRARIES = {"//ops/tf:_prophet_ops.so": "_prophet_ops.so",
              "//ops/predict:_prophet_predict.so": "_prophet_predict.so"}
+
+
+def _supported_range():
+    """The supported TensorFlow and Keras bounds, from their one home (prophet_tf/_compat.py;
+    read as text: importing the package here would need its dependencies)."""
+    with open(os.path.join(ROOT, "prophet_tf", "_compat.py")) as f:
+        text = f.read()
+    bounds = dict(re.findall(r'^(TENSORFLOW_MIN|TENSORFLOW_BELOW|KERAS_MIN|KERAS_BELOW) = "([^"]+)"',
+                             text, re.M))
+    return (">={TENSORFLOW_MIN},<{TENSORFLOW_BELOW}".format(**bounds),
+            ">={KERAS_MIN},<{KERAS_BELOW}".format(**bounds))
+
+
+TENSORFLOW_RANGE, KERAS_RANGE = _supported_range()
 
 
 def _in_package(name):
@@ -115,10 +130,14 @@ setup(
     include_package_data=False,
     zip_safe=False,
     python_requires=">=3.9",
-    install_requires=["numpy", "absl-py"],
+    # TensorFlow itself is an extra: `tensorflow`, `tensorflow-cpu` (and nightlies) are different
+    # distributions of the same `tensorflow` package, and requiring one would install it over the
+    # other. `import prophet_tf` checks the range whichever is installed, and the op library
+    # checks that it was built against the TensorFlow imported (prophet_tf/_compat.py).
+    install_requires=["numpy", "absl-py", "keras" + KERAS_RANGE],
     extras_require={
-        # The op library is built against TensorFlow 2.21 (ABI must match).
-        "cpu": ["tensorflow-cpu==2.21.0"],
+        "cpu": ["tensorflow-cpu" + TENSORFLOW_RANGE],
+        "gpu": ["tensorflow[and-cuda]" + TENSORFLOW_RANGE],
         "plot": ["matplotlib"],
         "test": ["pytest"],
     },

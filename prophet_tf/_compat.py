@@ -40,12 +40,15 @@ from prophet_tf.errors import ProphetError
 
 __all__ = ["TENSORFLOW_MIN", "TENSORFLOW_BELOW", "KERAS_MIN", "KERAS_BELOW",
            "UnsupportedVersionError", "LibraryMismatchError", "supported_range_text",
-           "check_installed_versions", "check_loaded_versions", "tf_keras_version", "read_build_stamp",
-           "check_library_matches_tensorflow"]
+           "check_installed_versions", "check_loaded_versions", "tf_keras_version",
+           "read_build_stamp", "check_library_matches_tensorflow"]
 
 TENSORFLOW_MIN = "2.16"
 TENSORFLOW_BELOW = "2.22"
-KERAS_MIN = "3.0.0"
+# Keras before 3.8 does not scale losses for tf.distribute (keras-team/keras#20609, in 3.8.0:
+# summed over N replicas, regularization losses counted N times), and before 3.7 it lacks hooks
+# patched here (BackupAndRestore._load_model, loss.reduce_values(sample_weight=...)).
+KERAS_MIN = "3.8.0"
 KERAS_BELOW = "4"
 
 _ALLOW_VARIABLE = "PROPHET_TF_ALLOW_UNSUPPORTED"

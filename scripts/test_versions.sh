@@ -10,7 +10,10 @@
 #
 # For each TensorFlow version V (package tensorflow-cpu):
 #   1. the Keras versions: the newest that pip installs beside tensorflow-cpu==V, and the oldest
-#      Keras release that V's own metadata claims to support (its Requires-Dist: keras>=X);
+#      Keras release that V's own metadata claims to support (its Requires-Dist: keras>=X). When
+#      that is older than prophet_tf's KERAS_MIN (prophet_tf/_compat.py), the oldest tested is
+#      KERAS_MIN, and the claimed one is checked to be refused by `import prophet_tf` with an
+#      error naming the supported and the found versions;
 #   2. one virtual environment per (V, Keras) under $CACHE/venvs, reused when present;
 #   3. the op libraries built against V: Bazel's tf_configure pointed at that interpreter
 #      (--repo_env=PYTHON_BIN_PATH), one Bazel output base per V ($CACHE/bazel/tf-V, so builds
@@ -57,6 +60,10 @@ for v in $VERSIONS; do
 done
 command -v "$BASE_PY" >/dev/null 2>&1 || die "no '$BASE_PY' on PATH (set PYTHON)"
 command -v bazel >/dev/null 2>&1 || die "bazel is not on PATH: run 'bash scripts/setup.sh' once (it installs bazel-bootstrap)"
+
+# The oldest Keras prophet_tf supports (prophet_tf/_compat.py, its one home).
+KERAS_MIN="$(sed -n 's/^KERAS_MIN = "\(.*\)"$/\1/p' prophet_tf/_compat.py)"
+[ -n "$KERAS_MIN" ] || die "cannot read KERAS_MIN from prophet_tf/_compat.py"
 
 RUN="$CACHE/runs/$(date +%Y%m%d-%H%M%S)"
 mkdir -p "$CACHE/venvs" "$CACHE/bazel" "$CACHE/libs" "$RUN" || die "cannot create $CACHE"
@@ -151,6 +158,18 @@ EOF
   "$dir/bin/python" -m pip freeze > "$dir/.complete"
 }
 
+version_lt() {  # A B -> 0 when version A < version B
+  [ "$1" != "$2" ] && [ "$(printf '%s\n%s\n' "$1" "$2" | sort -V | head -n1)" = "$1" ]
+}
+
+check_refused() {  # V K -> 0 when `import prophet_tf` refuses Keras K, naming both sides
+  local v="$1" k="$2" py log="$RUN/refused-tf-$v-keras-$k.log"
+  py="$(venv_for "$v" "$k")/bin/python"
+  (cd "$ROOT" && "$py" -c "import prophet_tf") >"$log" 2>&1 && return 1
+  grep -q "UnsupportedVersionError" "$log" && grep -q "found Keras $k" "$log" &&
+    grep -q "Keras 3 >=$KERAS_MIN" "$log"
+}
+
 # --- the op libraries against one TensorFlow ---------------------------------------------------
 bazel_v() {  # V bazel-args... (its own output base; no bazel-* symlinks in the checkout)
   local v="$1"; shift
@@ -232,8 +251,21 @@ for v in $VERSIONS; do
     log "tf $v: cannot resolve its Keras versions (see $RUN/resolve-tf-$v.log)"
     printf '%s\t-\tresolve FAILED\t-\t-\t-\n' "$v" >> "$RESULTS"; failed=1; continue
   fi
-  kerases="$newest"; [ "$oldest" != "$newest" ] && kerases="$newest $oldest"
   log "tf $v: Keras $newest (newest it accepts) and $oldest (oldest it claims)"
+  refused=""
+  if version_lt "$oldest" "$KERAS_MIN"; then
+    refused="$oldest"; oldest="$KERAS_MIN"
+    log "tf $v: Keras $refused is older than prophet_tf's minimum: testing $oldest, and that $refused is refused"
+  fi
+  kerases="$newest"; [ "$oldest" != "$newest" ] && kerases="$newest $oldest"
+  if [ -n "$refused" ]; then
+    if ensure_venv "$v" "$refused"; then
+      if check_refused "$v" "$refused"; then cell="refused at import: ok"; else
+        cell="refused at import: FAILED"; failed=1
+      fi
+    else cell="venv FAILED"; failed=1; fi
+    [ "$PREPARE_ONLY" = "1" ] || printf '%s\t%s\t%s\t-\t-\t-\n' "$v" "$refused" "$cell" >> "$RESULTS"
+  fi
   ok_venvs=""
   for k in $kerases; do
     if ensure_venv "$v" "$k"; then ok_venvs+="$k "; else
