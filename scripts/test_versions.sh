@@ -163,8 +163,8 @@ version_lt() {  # A B -> 0 when version A < version B
 }
 
 check_refused() {  # V K -> 0 when `import prophet_tf` refuses Keras K, naming both sides
-  local v="$1" k="$2" py log="$RUN/refused-tf-$v-keras-$k.log"
-  py="$(venv_for "$v" "$k")/bin/python"
+  local v="$1" k="$2" py log
+  py="$(venv_for "$v" "$k")/bin/python" log="$RUN/refused-tf-$v-keras-$k.log"
   (cd "$ROOT" && "$py" -c "import prophet_tf") >"$log" 2>&1 && return 1
   grep -q "UnsupportedVersionError" "$log" && grep -q "found Keras $k" "$log" &&
     grep -q "Keras 3 >=$KERAS_MIN" "$log"
@@ -179,7 +179,8 @@ bazel_v() {  # V bazel-args... (its own output base; no bazel-* symlinks in the 
 }
 
 build_libs() {  # V -> builds and copies the libraries to $CACHE/libs/tf-V
-  local v="$1" out="$CACHE/libs/tf-$v" bin
+  local v="$1" out bin
+  out="$CACHE/libs/tf-$v"
   bazel_v "$v" build //ops/tf:_prophet_ops.so //ops/predict:_prophet_predict.so \
     >"$RUN/build-tf-$v.log" 2>&1 || return 1
   bin="$(bazel_v "$v" info bazel-bin 2>>"$RUN/build-tf-$v.log")" || return 1
@@ -194,8 +195,8 @@ with_lock() {
 }
 
 run_tests() {  # V K -> prints "PASSED FAILED" (from pytest's JUnit XML)
-  local v="$1" k="$2" py xml="$RUN/pytest-tf-$v-keras-$k.xml"
-  py="$(venv_for "$v" "$k")/bin/python"
+  local v="$1" k="$2" py xml
+  py="$(venv_for "$v" "$k")/bin/python" xml="$RUN/pytest-tf-$v-keras-$k.xml"
   # shellcheck disable=SC2086
   with_lock env PROPHET_OPS_LIBRARY="$CACHE/libs/tf-$v/_prophet_ops.so" \
       PROPHET_PREDICT_LIBRARY="$CACHE/libs/tf-$v/_prophet_predict.so" \
@@ -216,8 +217,8 @@ EOF
 }
 
 run_launches() {  # V K -> prints "prophet=0.845s priority=... fifo=..." (median step times)
-  local v="$1" k="$2" py out="$RUN/bench-tf-$v" net=() systems
-  py="$(venv_for "$v" "$k")/bin/python"
+  local v="$1" k="$2" py out net=() systems
+  py="$(venv_for "$v" "$k")/bin/python" out="$RUN/bench-tf-$v"
   systems="$(echo $SCHEDULES | tr ' ' ',')"
   if [ "$(id -u)" -ne 0 ]; then net=(--loopback); fi  # no namespaces without root
   # One process, one launch per schedule (the model's layer specs are made once).
