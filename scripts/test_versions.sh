@@ -112,6 +112,7 @@ EOF
 
 # --- one virtual environment per (TensorFlow, Keras) --------------------------------------------
 venv_for() { echo "$CACHE/venvs/tf-$1-keras-$2"; }
+NEWEST=""  # the newest Keras of the TensorFlow at hand
 
 ensure_venv() {  # V K -> 0 when $(venv_for V K) is complete
   local v="$1" k="$2" dir; dir="$(venv_for "$1" "$2")"
@@ -122,7 +123,9 @@ ensure_venv() {  # V K -> 0 when $(venv_for V K) is complete
   rm -rf "$dir"  # an environment left unfinished
   local minor sibling="" install
   minor="$(echo "$v" | cut -d. -f1,2)"
-  for candidate in "$CACHE/venvs/tf-$v-keras-"*/.complete; do
+  # The environment with the newest Keras first (the others would leave their Keras's extra
+  # dependencies behind).
+  for candidate in "$(venv_for "$v" "$NEWEST")/.complete" "$CACHE/venvs/tf-$v-keras-"*/.complete; do
     [ -f "$candidate" ] && sibling="$(dirname "$candidate")" && break
   done
   if [ -n "$sibling" ]; then
@@ -253,6 +256,7 @@ for v in $VERSIONS; do
     printf '%s\t-\tresolve FAILED\t-\t-\t-\n' "$v" >> "$RESULTS"; failed=1; continue
   fi
   log "tf $v: Keras $newest (newest it accepts) and $oldest (oldest it claims)"
+  NEWEST="$newest"
   refused=""
   if version_lt "$oldest" "$KERAS_MIN"; then
     refused="$oldest"; oldest="$KERAS_MIN"
@@ -260,7 +264,7 @@ for v in $VERSIONS; do
   fi
   kerases="$newest"; [ "$oldest" != "$newest" ] && kerases="$newest $oldest"
   if [ -n "$refused" ]; then
-    if ensure_venv "$v" "$refused"; then
+    if ensure_venv "$v" "$newest" && ensure_venv "$v" "$refused"; then
       if check_refused "$v" "$refused"; then cell="refused at import: ok"; else
         cell="refused at import: FAILED"; failed=1
       fi
