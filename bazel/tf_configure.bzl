@@ -95,7 +95,7 @@ def _tf_configure_impl(ctx):
             cflags.append(value)
         elif key == "lflag":
             lflags.append(value)
-    if not include_dir or not lib_dir:
+    if not include_dir or not lib_dir or not version:
         _fail("unexpected output from %s:\n%s" % (python, result.stdout))
 
     # Library name: from the "-l:libtensorflow_framework.so.2" link flag.
@@ -117,6 +117,13 @@ def _tf_configure_impl(ctx):
                 _fail(("TensorFlow %s asks for %s (tf.sysconfig.get_compile_flags()), this build " +
                        "uses c++%d: raise --cxxopt=-std= in .bazelrc") %
                       (version, flag, _BUILD_CXX_STANDARD))
+
+    if cxx11_abi != "1":
+        # The adapter would get TensorFlow's -D_GLIBCXX_USE_CXX11_ABI=0 (tf_headers' defines) but
+        # the core, which shares std::string with it, the compiler's default (1).
+        _fail(("TensorFlow %s was built with the pre-C++11 libstdc++ ABI " +
+               "(tf.sysconfig.CXX11_ABI_FLAG=%s); prophet_tf supports TensorFlow >= 2.16, " +
+               "built with the C++11 ABI (the pip packages)") % (version, cxx11_abi))
 
     defines = [f[2:] for f in cflags if f.startswith("-D")]
     copts = [f for f in cflags if not f.startswith("-D") and not f.startswith("-I") and
