@@ -31,6 +31,7 @@
 #   PYTHON                      base interpreter of the environments (default python3)
 #   PROPHET_VERSIONS_LOCK       a file to hold with flock while pytest runs (a shared machine's
 #                               suite lock), unset: no lock
+#   PROPHET_VERSIONS_BENCH_LOCK a file to hold with flock during the emulated launches
 #   PROPHET_VERSIONS_NETNS_PREFIX  name prefix of the emulated cluster's namespaces (default ptfv)
 #   PROPHET_VERSIONS_NICE       nice level of builds, tests and launches (default 15)
 #   PROPHET_VERSIONS_STEPS      measured steps per emulated launch (default 5, after 2 warm-up)
@@ -193,15 +194,16 @@ build_libs() {  # V -> builds and copies the libraries to $CACHE/libs/tf-V
 }
 
 # --- tests and launches in one environment ----------------------------------------------------
-with_lock() {
-  if [ -n "${PROPHET_VERSIONS_LOCK:-}" ]; then flock "$PROPHET_VERSIONS_LOCK" "$@"; else "$@"; fi
+with_lock() {  # LOCK_FILE_OR_EMPTY command...
+  local lock="$1"; shift
+  if [ -n "$lock" ]; then flock "$lock" "$@"; else "$@"; fi
 }
 
 run_tests() {  # V K -> prints "PASSED FAILED" (from pytest's JUnit XML)
   local v="$1" k="$2" py xml
   py="$(venv_for "$v" "$k")/bin/python" xml="$RUN/pytest-tf-$v-keras-$k.xml"
   # shellcheck disable=SC2086
-  with_lock env PROPHET_OPS_LIBRARY="$CACHE/libs/tf-$v/_prophet_ops.so" \
+  with_lock "${PROPHET_VERSIONS_LOCK:-}" env PROPHET_OPS_LIBRARY="$CACHE/libs/tf-$v/_prophet_ops.so" \
       PROPHET_PREDICT_LIBRARY="$CACHE/libs/tf-$v/_prophet_predict.so" \
       nice -n "$NICE" "$py" -m pytest -q -p no:cacheprovider --junitxml="$xml" $TESTS \
       >"$RUN/pytest-tf-$v-keras-$k.log" 2>&1
@@ -225,7 +227,8 @@ run_launches() {  # V K -> prints "prophet=0.845s priority=... fifo=..." (median
   systems="$(echo $SCHEDULES | tr ' ' ',')"
   if [ "$(id -u)" -ne 0 ]; then net=(--loopback); fi  # no namespaces without root
   # One process, one launch per schedule (the model's layer specs are made once).
-  env PROPHET_OPS_LIBRARY="$CACHE/libs/tf-$v/_prophet_ops.so" \
+  with_lock "${PROPHET_VERSIONS_BENCH_LOCK:-}" env \
+    PROPHET_OPS_LIBRARY="$CACHE/libs/tf-$v/_prophet_ops.so" \
     PROPHET_PREDICT_LIBRARY="$CACHE/libs/tf-$v/_prophet_predict.so" TF_CPP_MIN_LOG_LEVEL=2 \
     nice -n "$NICE" "$py" -m prophet_tf.bench.train --compute emulated --models resnet50 \
     --workers 2 --ratios 1 --systems "$systems" --steps "$STEPS" --warmup 2 --retries 0 \
