@@ -19,7 +19,9 @@
 #      (--repo_env=PYTHON_BIN_PATH), one Bazel output base per V ($CACHE/bazel/tf-V, so builds
 #      neither thrash each other nor the checkout's own bazel-bin), the libraries copied to
 #      $CACHE/libs/tf-V and used through $PROPHET_OPS_LIBRARY / $PROPHET_PREDICT_LIBRARY;
-#   4. with the first version only, the C++ tests (they do not use TensorFlow);
+#   4. with the first version only, the C++ tests (they do not use TensorFlow); with every version,
+#      that an op library built against another TensorFlow (from the cache) is refused before it
+#      is loaded, with the rebuild command;
 #   5. per Keras: tests/test_conformance.py, tests/test_unseen_programs.py, tests/test_saving.py;
 #      with the newest Keras, one emulated-compute training launch per schedule
 #      (prophet_tf.bench.train --compute emulated: ResNet50, 2 workers, comm/comp 1, a few steps);
@@ -193,6 +195,27 @@ build_libs() {  # V -> builds and copies the libraries to $CACHE/libs/tf-V
   install -m 0755 "$bin/ops/predict/_prophet_predict.so" "$out/_prophet_predict.so"
 }
 
+check_foreign_library() {  # V -> prints "refused X" / "FAILED X" / "-": another TF's library
+  local v="$1" py other lib log
+  py="$PY_FOR_BUILD" log="$RUN/foreign-library-tf-$v.log"
+  for lib in "$CACHE"/libs/tf-*/_prophet_ops.so; do
+    other="$(basename "$(dirname "$lib")")"; other="${other#tf-}"
+    [ "$other" != "$v" ] && break
+    other=""
+  done
+  if [ -z "$other" ]; then echo "-"; return; fi
+  if (cd "$ROOT" && PROPHET_OPS_LIBRARY="$lib" TF_CPP_MIN_LOG_LEVEL=3 nice -n "$NICE" "$py" -c \
+      "from prophet_tf import _library; _library.op_module()") >"$log" 2>&1; then
+    echo "FAILED:$other"; return  # it loaded: not detected
+  fi
+  if grep -q "LibraryMismatchError: .*built against TensorFlow $other .*imported TensorFlow $v" "$log" &&
+     grep -q "scripts/setup.sh" "$log"; then
+    echo "refused:$other"
+  else
+    echo "FAILED:$other"
+  fi
+}
+
 # --- tests and launches in one environment ----------------------------------------------------
 with_lock() {  # LOCK_FILE_OR_EMPTY command...
   local lock="$1"; shift
@@ -284,11 +307,19 @@ for v in $VERSIONS; do
   [ "$PREPARE_ONLY" = "1" ] && continue
   PY_FOR_BUILD="$(venv_for "$v" "${ok_venvs%% *}")/bin/python"
   tb=$(date +%s)
-  if build_libs "$v"; then build="ok $(( $(date +%s) - tb ))s"; else
+  if build_libs "$v"; then build="ok ($(( $(date +%s) - tb )) s)"; else
     build="FAILED"; failed=1
     log "tf $v: build FAILED (see $RUN/build-tf-$v.log)"
   fi
   log "tf $v: build $build"
+  if [ "$build" != "FAILED" ]; then
+    foreign="$(check_foreign_library "$v")"
+    case "$foreign" in
+      refused:*) build+="; ${foreign#refused:}'s library refused" ;;
+      FAILED:*) build+="; ${foreign#FAILED:}'s library NOT refused"; failed=1
+                log "tf $v: the library built against TensorFlow ${foreign#FAILED:} was not refused (see $RUN/foreign-library-tf-$v.log)" ;;
+    esac
+  fi
   if [ -z "$cpp_done" ] && [ "$build" != "FAILED" ]; then
     cpp_done="tf $v"
     if bazel_v "$v" test //ops/... >"$RUN/cpp-tests.log" 2>&1; then
