@@ -68,7 +68,7 @@ command -v bazel >/dev/null 2>&1 || die "bazel is not on PATH: run 'bash scripts
 KERAS_MIN="$(sed -n 's/^KERAS_MIN = "\(.*\)"$/\1/p' prophet_tf/_compat.py)"
 [ -n "$KERAS_MIN" ] || die "cannot read KERAS_MIN from prophet_tf/_compat.py"
 
-RUN="$CACHE/runs/$(date +%Y%m%d-%H%M%S)"
+RUN="$CACHE/runs/$(date +%Y%m%d-%H%M%S)-$$"  # two runs may start in one second
 mkdir -p "$CACHE/venvs" "$CACHE/bazel" "$CACHE/libs" "$RUN" || die "cannot create $CACHE"
 RESULTS="$RUN/results.tsv"   # one line per (tf, keras): the table's cells
 : > "$RESULTS"
