@@ -299,6 +299,13 @@ std::string Engine::SchedulerStateJson() {
   }
 }
 
+uint64_t Engine::BytesSent() const {
+  uint64_t sent = 0;
+  for (const auto& c : impl_->conns)
+    if (c) sent += c->bytes_sent();
+  return sent;
+}
+
 std::string Engine::StatsJson() const {
   const Impl& m = *impl_;
   uint64_t sent = 0, received = 0;

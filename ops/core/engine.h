@@ -77,6 +77,8 @@ class Engine {
   int world_size() const { return options_.world_size; }
   const EngineOptions& options() const { return options_; }
   std::string StatsJson() const;
+  // Bytes this worker has written to its peers so far (every connection; thread-safe, cheap).
+  uint64_t BytesSent() const;
   // This worker's trace (disabled unless a timeline path was given); thread-safe.
   Timeline& timeline();
 

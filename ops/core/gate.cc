@@ -2,9 +2,11 @@
 
 namespace prophet {
 
-void UpdateGates::Arm(const std::string& key) {
+void UpdateGates::Arm(const std::string& key, int64_t priority) {
   std::lock_guard<std::mutex> lock(mu_);
-  gates_[key].pending++;
+  Gate& g = gates_[key];
+  g.pending++;
+  g.priority = priority;
   total_pending_++;
 }
 
@@ -30,19 +32,24 @@ void UpdateGates::Release(const std::string& key, const Status& status) {
 }
 
 void UpdateGates::Wait(const std::string& key, Callback done) {
+  Wait(key, [done = std::move(done)](const Status& s, const Waited&) { done(s); });
+}
+
+void UpdateGates::Wait(const std::string& key, WaitCallback done) {
   Status now;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = gates_.find(key);
     if (it != gates_.end()) {
       if (it->second.pending > 0) {
-        it->second.waiters.push_back(std::move(done));
+        const Waited waited{true, it->second.priority};
+        it->second.waiters.push_back([done = std::move(done), waited](const Status& s) { done(s, waited); });
         return;
       }
       now = it->second.error;
     }
   }
-  done(now);
+  done(now, Waited{});
 }
 
 void UpdateGates::WaitAll(Callback done) {

@@ -21,14 +21,23 @@ namespace prophet {
 class UpdateGates {
  public:
   using Callback = std::function<void(const Status&)>;
+  // What a waiter learns besides the status, for the step report (step_meter.h): whether it had
+  // to wait at all, and the priority of the update it waited for (its gradient's: the largest is
+  // the first layer's).
+  struct Waited {
+    bool waited = false;
+    int64_t priority = 0;
+  };
+  using WaitCallback = std::function<void(const Status&, const Waited&)>;
 
-  // One more update of `key` in flight.
-  void Arm(const std::string& key);
+  // One more update of `key` in flight; `priority` is its gradient's.
+  void Arm(const std::string& key, int64_t priority = 0);
   // One update of `key` finished. A failure sticks to the key: later waits fail with it, so a
   // step never silently reads a variable whose update was lost.
   void Release(const std::string& key, const Status& status);
   // Calls `done` (inline when nothing is pending, otherwise when the last update is released).
   void Wait(const std::string& key, Callback done);
+  void Wait(const std::string& key, WaitCallback done);
   // Calls `done` once no key has an update in flight.
   void WaitAll(Callback done);
   size_t pending() const;
@@ -38,6 +47,7 @@ class UpdateGates {
  private:
   struct Gate {
     int pending = 0;
+    int64_t priority = 0;  // of the last update armed
     Status error;
     std::vector<Callback> waiters;
   };

@@ -61,6 +61,20 @@ TEST(AFailedUpdateFailsLaterWaitsToo) {
   EXPECT_TRUE(after_reset.ok());
 }
 
+TEST(AWaiterLearnsWhetherItWaitedAndForWhichUpdate) {
+  UpdateGates gates;
+  UpdateGates::Waited open{true, -1};
+  gates.Wait("v", [&](const Status&, const UpdateGates::Waited& w) { open = w; });
+  EXPECT_TRUE(!open.waited);
+  gates.Arm("v", 7);
+  UpdateGates::Waited held;
+  gates.Wait("v", [&](const Status&, const UpdateGates::Waited& w) { held = w; });
+  EXPECT_TRUE(!held.waited);  // not released yet
+  gates.Release("v", Status::OK());
+  EXPECT_TRUE(held.waited);
+  EXPECT_EQ(held.priority, 7);
+}
+
 TEST(WaitAllWaitsForEveryKey) {
   UpdateGates gates;
   gates.Arm("a");

@@ -84,6 +84,7 @@ class ProphetPolicy : public SchedulerPolicy {
   // Introspection for tests, logs and the timeline.
   bool blocks_active() const { return blocks_active_; }  // this step follows a plan
   bool has_plan() const { return has_plan_; }
+  int planned_blocks() const override { return has_plan_ ? static_cast<int>(plan_.blocks.size()) : 0; }
   const Plan& plan() const { return plan_; }
   // Index of the block being sent in this step, -1 when not following blocks (fallback, or after
   // the last block).

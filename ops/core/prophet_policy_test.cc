@@ -477,8 +477,11 @@ TEST(PhaseSpansForTheTimeline) {
   Harness h(120e6);
   RunStepZero(&h);
   EXPECT_EQ(h.policy().TakeSpans().size(), 0u);  // priority fallback has no blocks
+  EXPECT_EQ(h.policy().planned_blocks(), 0);
   h.RunProfiledStep(1);
   h.ReadyAtProfiledTime("g5", 2);  // closes step 1
+  EXPECT_EQ(h.policy().planned_blocks(), 2);  // what the step report shows
+  EXPECT_TRUE(PolicyStateJson(h.policy()).find("\"planned_blocks\": 2") != std::string::npos);
   const std::vector<ProphetPolicy::PhaseSpan> spans = h.policy().TakeSpans();
   // g5 fills the link at 0, block 1 (g4), block 2 (g3, g2), g1 fills the link, g0: credit phase.
   EXPECT_EQ(spans.size(), 5u);

@@ -161,6 +161,9 @@ class SchedulerPolicy {
   virtual std::vector<PolicySpan> TakeSpans() { return {}; }
   // When this worker's gradients become ready, if the policy profiles them (prophet), else null.
   virtual const ReadyTimeProfiler* ready_time_profiler() const { return nullptr; }
+  // Blocks of the plan the policy follows (prophet; 0 before its first plan or when the plan has
+  // none), or -1 for a policy without plans.
+  virtual int planned_blocks() const { return -1; }
 
  private:
   BandwidthMonitor bandwidth_;
@@ -200,7 +203,7 @@ struct SchedulerOptions {
 std::unique_ptr<SchedulerPolicy> MakePolicy(const SchedulerOptions& options, std::string* error);
 
 // The policy's state for the Python package (ProphetStrategy(schedule="auto") decides from it):
-// {"schedule": ..., "bandwidth_Bps": ..., "bandwidth_samples": ..., "profile": null or
+// {"schedule": ..., "bandwidth_Bps": ..., "bandwidth_samples": ..., "planned_blocks": ..., "profile": null or
 //  {"steps_observed": ..., "step_origin_ns": ..., "tensors": [{"name", "priority", "bytes",
 //  "ready_offset_ns"}, ...]}}. step_origin_ns is the open step's first gradient (-1: none).
 std::string PolicyStateJson(const SchedulerPolicy& policy);
