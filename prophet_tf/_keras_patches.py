@@ -29,6 +29,9 @@ idempotent.
 * ``Trainer._symbolic_build``: a model that defines ``train_step`` but no ``call()`` (a GAN, a
   VAE) is not traced symbolically (Keras would fail with "Unable to automatically build the
   model" under any strategy); like without a strategy, it builds in its first step.
+* ``TensorFlowTrainer.fit``, ``CallbackList.on_epoch_end`` and the train function: the step
+  report (``prophet_tf/_step_report.py``; any ProphetStrategy with ``step_report=True``, one
+  worker included) measures every step and adds its ``prophet/...`` keys to the epoch logs.
 """
 
 from __future__ import annotations
@@ -93,6 +96,7 @@ def install() -> None:
         _patch_step_markers()
         _patch_step_outputs()
         _patch_build_without_call()
+        _patch_step_report()
         _loss_normalization.install()
         _installed = True
 
@@ -100,8 +104,9 @@ def install() -> None:
 # ---- timeline step markers ----------------------------------------------------------------
 
 def _patch_step_markers():
-    """Each call of the train function becomes a "step" span on the timeline (when one is written)
-    and, with ``schedule="auto"``, an occasion to choose the schedule (prophet_tf/_auto_schedule).
+    """Each call of the train function becomes a "step" span on the timeline (when one is written),
+    a measured step of the step report (prophet_tf/_step_report) and, with ``schedule="auto"``, an
+    occasion to choose the schedule (prophet_tf/_auto_schedule).
 
     Forward and backward progress inside a step are already on the trace: a layer's forward pass
     starts when its "gate" span ends, and the backward pass emits a "ready" instant per gradient.
@@ -110,15 +115,16 @@ def _patch_step_markers():
 
     def make_train_function(original, self, force=False):
         result = original(self, force)
-        from prophet_tf import runtime
+        from prophet_tf import _step_report, runtime
 
         function = self.train_function
-        ext = _model_extended(self)
-        if ext is None or function is None or getattr(function, "_prophet_marked", False):
+        if function is None or getattr(function, "_prophet_marked", False):
             return result
-        auto = ext._auto_schedule
-        marking = runtime.timeline_enabled()
-        if not marking and auto is None:
+        ext = _model_extended(self)
+        reporter = _step_report.reporter_of(self)
+        auto = ext._auto_schedule if ext is not None else None
+        marking = ext is not None and runtime.timeline_enabled()
+        if not marking and auto is None and reporter is None:
             return result
         steps = itertools.count()
 
@@ -127,9 +133,13 @@ def _patch_step_markers():
             if auto is not None:
                 auto.before_step(step)
             start = time.monotonic_ns()
+            if reporter is not None:
+                reporter.begin_step()
             try:
                 out = function(*args, **kwargs)
             finally:
+                if reporter is not None:
+                    reporter.end_step()
                 if marking:
                     runtime.timeline_event("step", f"step {step}", start, time.monotonic_ns())
             if auto is not None:
@@ -141,6 +151,27 @@ def _patch_step_markers():
         return result
 
     _patch(tf_trainer.TensorFlowTrainer, "make_train_function", make_train_function)
+
+
+# ---- the step report ------------------------------------------------------------------------
+
+def _patch_step_report():
+    """fit gets the step report's callback first (its keys reach every other callback); its
+    line is printed once every callback ran, after Keras's progress bar."""
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+    from keras.src.callbacks import callback_list
+
+    def fit(original, self, *args, **kwargs):
+        from prophet_tf import _step_report
+        return _step_report.fit_with_report(original, self, args, kwargs)
+
+    def on_epoch_end(original, self, epoch, logs=None):
+        original(self, epoch, logs)
+        from prophet_tf import _step_report
+        _step_report.after_epoch_end(self)
+
+    _patch(tf_trainer.TensorFlowTrainer, "fit", fit)
+    _patch(callback_list.CallbackList, "on_epoch_end", on_epoch_end)
 
 
 # ---- metrics ------------------------------------------------------------------------------

@@ -98,6 +98,14 @@ def c_api() -> ctypes.CDLL:
     lib.prophet_pending_updates.restype = ctypes.c_longlong
     lib.prophet_timeline_flush.argtypes = []
     lib.prophet_timeline_flush.restype = None
+    lib.prophet_step_meter_reset.argtypes = []
+    lib.prophet_step_meter_reset.restype = None
+    lib.prophet_step_begin.argtypes = []
+    lib.prophet_step_begin.restype = None
+    lib.prophet_step_end.argtypes = [ctypes.POINTER(ctypes.c_longlong), ctypes.c_int]
+    lib.prophet_step_end.restype = ctypes.c_int
+    lib.prophet_bytes_sent.argtypes = []
+    lib.prophet_bytes_sent.restype = ctypes.c_longlong
     return lib
 
 

@@ -186,6 +186,7 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
         # once, so that the trace shows them (see prophet_tf.predict.profile).
         self._recording = bool(recording)
         self._auto_schedule = None  # an _auto_schedule.AutoSchedule with schedule="auto"
+        self._step_reporter = None  # a _step_report.StepReporter with step_report=True
         # Gradients verified so far, by how they were reduced ("summed", "gathered", "deferred"):
         # counted when an optimizer step is traced (or runs eagerly), see _gradients.GradientSite.
         self.gradient_counts: collections.Counter = collections.Counter()
@@ -762,6 +763,12 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
         worker, so that unseeded shuffles (``fit(shuffle=True)`` on arrays, ``Dataset.shuffle``)
         produce the same order everywhere and the shards of every global batch stay disjoint.
         Keras layers (dropout, initializers) draw their seeds elsewhere and stay independent.
+      step_report: measure where the time of every ``fit`` step goes (its wall time, the time it
+        waited for gradients, the link rate, the schedule) and add it to the epoch logs under
+        ``prophet/...`` keys, the same on every worker (see :meth:`step_report` and
+        ``prophet_tf/_step_report.py``).
+      report_every_epoch: with ``step_report``, rank 0 prints one line per epoch of ``fit``
+        (not with ``verbose=0``); default ``$PROPHET_REPORT_EVERY_EPOCH``, on unless 0.
       **runtime_options: passed to ``prophet_tf.runtime.init`` (``partition_bytes``,
         ``credit_bytes``, ``timeout_s``, ``timeline_path``...).
 
@@ -777,6 +784,8 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
                  sync_random_seed: bool = True,
                  cross_barrier: bool = True,
                  profile_path: Optional[str] = None,
+                 step_report: bool = True,
+                 report_every_epoch: Optional[bool] = None,
                  **runtime_options):
         from prophet_tf import _auto_schedule
         runtime = _runtime()
@@ -802,6 +811,11 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
                                    cross_barrier=cross_barrier and (info.world_size > 1 or recording),
                                    recording=recording)
         extended._cluster_resolver = cluster_resolver or _resolver_for(info)
+        if step_report:
+            from prophet_tf import _step_report
+            extended._step_reporter = _step_report.StepReporter(
+                extended, _step_report.report_every_epoch_default() if report_every_epoch is None
+                else report_every_epoch)
         if auto and info.world_size > 1:
             extended._auto_schedule = _auto_schedule.AutoSchedule(
                 extended, replan_threshold=runtime.config()["replan_threshold"])
@@ -843,6 +857,21 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
         of each candidate, link rate, reason); otherwise empty."""
         auto = self.extended._auto_schedule
         return list(auto.decisions) if auto is not None else []
+
+    def step_report(self):
+        """Where the time of this worker's ``fit`` steps went since the start of the current (or
+        last) epoch: a ``prophet_tf._step_report.StepReport`` (mean step time, time waiting for
+        gradients and its parts, compute time, link rate, schedule and Prophet's blocks, the last
+        step's figures). The epoch logs hold the same figures averaged over the workers.
+
+        Raises:
+          ValueError: the strategy was created with ``step_report=False``.
+        """
+        reporter = self.extended._step_reporter
+        if reporter is None:
+            raise ValueError("this ProphetStrategy was created with step_report=False: create it "
+                             "with step_report=True (the default) to measure the steps of fit")
+        return reporter.report()
 
     def barrier(self):
         """Blocks until every worker has called ``barrier()`` (e.g. after rank 0 saved a file)."""

@@ -1,11 +1,13 @@
 // C entry points for prophet_tf/runtime.py (ctypes): starting, stopping and inspecting the engine.
 // They live in the op library so that the kernels and Python share one engine per process.
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <string>
 
 #include "ops/core/engine.h"
 #include "ops/core/gate.h"
+#include "ops/core/step_meter.h"
 
 namespace {
 void CopyOut(const std::string& text, char* buf, int len) {
@@ -88,6 +90,32 @@ __attribute__((visibility("default"))) void prophet_timeline_event(const char* t
 // Number of deferred updates (crossing the barrier) not applied yet, over all variables.
 __attribute__((visibility("default"))) long long prophet_pending_updates() {
   return static_cast<long long>(prophet::GlobalGates().pending());
+}
+
+// The step report (ops/core/step_meter.h; prophet_tf/_step_report.py). A step is a call of the
+// train function: begin before it, end after it returns.
+__attribute__((visibility("default"))) void prophet_step_meter_reset() { prophet::GlobalStepMeter().Reset(); }
+
+__attribute__((visibility("default"))) void prophet_step_begin() {
+  prophet::GlobalStepMeter().BeginStep(prophet::NowNs());
+}
+
+// Ends the step and writes, in this order, up to `n` of: step_ns, wait_ns, gate_wait_ns,
+// barrier_wait_ns, gate_lower_ns, gate_upper_ns, first_gradient_ns, forward_reference_ns.
+// Returns how many it wrote.
+__attribute__((visibility("default"))) int prophet_step_end(long long* out, int n) {
+  const prophet::StepMeasure m = prophet::GlobalStepMeter().EndStep(prophet::NowNs());
+  const long long values[] = {m.step_ns,         m.wait_ns,        m.gate_wait_ns,      m.barrier_wait_ns,
+                              m.gate_lower_ns,   m.gate_upper_ns,  m.first_gradient_ns, m.forward_reference_ns};
+  const int count = std::min<int>(n, static_cast<int>(sizeof(values) / sizeof(values[0])));
+  for (int i = 0; i < count; ++i) out[i] = values[i];
+  return count;
+}
+
+// Bytes this worker has written to its peers since start-up (0 without a runtime).
+__attribute__((visibility("default"))) long long prophet_bytes_sent() {
+  prophet::Engine* e = prophet::GlobalEngine();
+  return e != nullptr ? static_cast<long long>(e->BytesSent()) : 0;
 }
 
 // Writes out what the timeline has buffered (e.g. before a process leaves through _exit).

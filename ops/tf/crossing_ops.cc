@@ -29,6 +29,7 @@
 #include "absl/strings/str_cat.h"
 #include "ops/core/engine.h"
 #include "ops/core/gate.h"
+#include "ops/core/step_meter.h"
 #include "ops/tf/convert.h"
 #include "tensorflow/core/common_runtime/process_function_library_runtime.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
@@ -83,11 +84,14 @@ class GateOp : public AsyncOpKernel {
     // The kernel and its context live until done() (the step waits for this op), so the
     // callback may use them.
     GlobalGates().Wait(GateKey(handle.scalar<ResourceHandle>()()),
-                       [this, ctx, done, start](const ::prophet::Status& s) {
+                       [this, ctx, done, start](const ::prophet::Status& s, const ::prophet::UpdateGates::Waited& w) {
+                         const int64_t end = ::prophet::NowNs();
+                         // Before done(): the step that waited here must see it when it ends.
+                         if (w.waited) ::prophet::GlobalStepMeter().OnGateWaited(w.priority, start, end);
                          // "gate" spans end when the variable may be used: for a layer's weights
                          // in the forward pass, when that layer can start.
                          if (::prophet::Timeline* timeline = ActiveTimeline())
-                           timeline->Complete("gate", var_name_, start, ::prophet::NowNs());
+                           timeline->Complete("gate", var_name_, start, end);
                          if (!s.ok())
                            ctx->SetStatus(absl::Status(ToTfStatus(s).code(),
                                                        absl::StrCat("a pending update of variable '", var_name_,
@@ -238,7 +242,7 @@ class AsyncApplyOp : public AsyncOpKernel {
                                                                           : ctx->device()->name());
     }
     OP_REQUIRES_OK_ASYNC(ctx, function_->UseDevices(devices, ctx->device()->name()), done);
-    for (const std::string& key : update->keys) GlobalGates().Arm(key);
+    for (const std::string& key : update->keys) GlobalGates().Arm(key, priority_);
 
     ::prophet::OpRequest req;
     req.kind = ::prophet::OpKind::kPushPull;
@@ -265,6 +269,7 @@ class AsyncApplyOp : public AsyncOpKernel {
         Apply(update);
       });
     };
+    ::prophet::GlobalStepMeter().OnHandOff(priority_, ::prophet::NowNs());
     engine->Submit(std::move(req));
     done();  // the step goes on; the gates hold back whoever reads these variables
   }

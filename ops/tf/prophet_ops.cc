@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "ops/core/engine.h"
+#include "ops/core/step_meter.h"
 #include "ops/tf/convert.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
@@ -58,6 +59,22 @@ class ProphetOpBase : public AsyncOpKernel {
     return true;
   }
 
+  // Submits `req`, whose completion the step waits for: the step report (step_meter.h) learns when
+  // it was handed over and how long it took, before `req.done` lets the kernel finish.
+  static void SubmitAwaited(Engine* engine, OpRequest req) {
+    ::prophet::StepMeter& meter = ::prophet::GlobalStepMeter();
+    if (!meter.step_open()) return engine->Submit(std::move(req));  // not in a measured step
+    const int64_t submitted = ::prophet::NowNs();
+    meter.OnHandOff(req.priority, submitted);
+    auto done = std::move(req.done);
+    req.done = [&meter, submitted, done = std::move(done)](const ::prophet::Status& s,
+                                                           const ::prophet::GatherResult* g) {
+      meter.OnAwaitedDone(submitted, ::prophet::NowNs());
+      done(s, g);
+    };
+    engine->Submit(std::move(req));
+  }
+
   std::string tensor_name_;
 };
 
@@ -84,7 +101,7 @@ class PushPullOp : public ProphetOpBase {
       if (!s.ok()) ctx->SetStatus(ToTfStatus(s));
       done();
     };
-    engine->Submit(std::move(req));
+    SubmitAwaited(engine, std::move(req));
   }
 
  private:
@@ -110,7 +127,7 @@ class BroadcastOp : public ProphetOpBase {
       if (!s.ok()) ctx->SetStatus(ToTfStatus(s));
       done();
     };
-    engine->Submit(std::move(req));
+    SubmitAwaited(engine, std::move(req));
   }
 
  private:
@@ -151,7 +168,7 @@ class AllgatherOp : public ProphetOpBase {
       }
       done();
     };
-    engine->Submit(std::move(req));
+    SubmitAwaited(engine, std::move(req));
   }
 
  private:

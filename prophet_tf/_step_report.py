@@ -1,0 +1,352 @@
+"""Where the time goes, for users: how long each training step of ``fit`` waited for gradients.
+
+During ``model.fit`` under a :class:`~prophet_tf.ProphetStrategy` (``step_report=True``, the
+default) every call of Keras's train function is a measured step. The runtime's kernels time what
+the step waits for (``ops/core/step_meter.h``; nothing runs in Python per operation), and this
+module turns that into:
+
+* epoch logs, so into ``History``, ``CSVLogger``, the standard ``TensorBoard`` callback (group
+  ``epoch_prophet``) and any callback that reads logs. Every worker gets the same keys with the
+  same values (the mean over the workers, exchanged in one small collective per epoch):
+
+  ========================  ================================================================
+  ``prophet/step_ms``       wall time of a step (a call of the train function), mean over the
+                            epoch's steps
+  ``prophet/wait_ms``       time a step waited for gradients (below)
+  ``prophet/compute_ms``    ``step_ms - wait_ms``: computation, input and framework time
+  ``prophet/link_gbps``     bits this worker sent to its peers per second of the epoch's
+                            training (from its first step's start to its last step's end)
+  ``prophet/schedule``      the schedule in use at the end of the epoch, as its index in
+                            ``prophet_tf.runtime.schedules()`` (0 prophet, 1 priority, 2 fifo)
+  ``prophet/plan_blocks``   blocks of the prophet policy's current plan on rank 0 (0 for other
+                            schedules and before the first plan)
+  ========================  ================================================================
+
+* one line per epoch on rank 0 (after Keras's progress bar; not with ``fit(verbose=0)``; off with
+  ``ProphetStrategy(report_every_epoch=False)`` or ``PROPHET_REPORT_EVERY_EPOCH=0``)::
+
+      step 446 ms: waiting for gradients 30 ms (7%), link 1.9 Gbit/s, schedule prophet (7 blocks)
+
+* :meth:`ProphetStrategy.step_report`: the same figures for this worker alone, since the start
+  of the current (or last) epoch, and the last step's.
+
+**Waiting for gradients** answers "how much faster would my step be with an infinitely fast
+network": the time the step could do nothing but wait for communication. It is the sum of two
+parts that never overlap in time (the exact rules, and why, are in ``ops/core/step_meter.h`` and
+docs/design.md, "Where the time goes"):
+
+* the *gate wait*: how much later the forward pass handed off its first gradient than its
+  computation alone takes, because it waited at the gates of variables whose previous update was
+  not applied yet (crossing the barrier) or for a collective it needed; kept between the first
+  layer's gate wait (a sure stall) and the union of the waits (all of them stalls at most);
+* the *barrier wait*: from the step's last gradient hand-off to its end, the union of the time it
+  waited for synchronous sums, metric sums and updates (with ``cross_barrier=False`` this is the
+  barrier at the end of every step).
+
+It includes waiting for a slower worker's gradients (an infinitely fast network would not remove
+that part). It is an estimate where the forward pass stalls inside: the computation time is taken
+from the fastest forward pass seen since ``fit`` started, so the report is low until one step ran
+its forward pass without such a stall (the first step after a validation always does).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import inspect
+import os
+import statistics
+import time
+from typing import Any, Optional
+
+__all__ = ["LOG_PREFIX", "LOG_KEYS", "REPORT_EVERY_EPOCH_ENV", "StepTimes", "StepReport",
+           "StepReporter", "is_report_key"]
+
+#: Every key this module adds to the epoch logs starts with this; no Keras metric name does.
+LOG_PREFIX = "prophet/"
+STEP_MS = LOG_PREFIX + "step_ms"
+WAIT_MS = LOG_PREFIX + "wait_ms"
+COMPUTE_MS = LOG_PREFIX + "compute_ms"
+LINK_GBPS = LOG_PREFIX + "link_gbps"
+SCHEDULE = LOG_PREFIX + "schedule"
+PLAN_BLOCKS = LOG_PREFIX + "plan_blocks"
+LOG_KEYS = (STEP_MS, WAIT_MS, COMPUTE_MS, LINK_GBPS, SCHEDULE, PLAN_BLOCKS)
+#: ``0``/``false``/``no`` turns the per-epoch line off (``report_every_epoch=None``).
+REPORT_EVERY_EPOCH_ENV = "PROPHET_REPORT_EVERY_EPOCH"
+
+# prophet_step_end's fields, in its order (ops/tf/c_api.cc).
+_FIELDS = ("step_ns", "wait_ns", "gate_wait_ns", "barrier_wait_ns", "gate_lower_ns", "gate_upper_ns",
+           "first_gradient_ns", "forward_reference_ns")
+
+
+def is_report_key(key: str) -> bool:
+    """Whether an epoch-log key is one of the runtime's (to leave out when comparing logs with a
+    run without ProphetStrategy)."""
+    return key.startswith(LOG_PREFIX)
+
+
+def report_every_epoch_default() -> bool:
+    """``$PROPHET_REPORT_EVERY_EPOCH``, true unless set to 0/false/no/off."""
+    value = os.environ.get(REPORT_EVERY_EPOCH_ENV, "").strip().lower()
+    return value not in ("0", "false", "no", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTimes:
+    """One step of this worker (one call of the train function), in milliseconds."""
+
+    step_ms: float
+    wait_ms: float          #: gate_wait_ms + barrier_wait_ms
+    gate_wait_ms: float     #: the forward pass's stall (estimate within gate_wait_bounds_ms)
+    barrier_wait_ms: float  #: after the last gradient hand-off
+    gate_wait_bounds_ms: tuple[float, float]  #: (first layer's gate wait, union of the waits)
+
+    @property
+    def compute_ms(self) -> float:
+        return self.step_ms - self.wait_ms
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReport:
+    """Where the time of the steps went (see the module docstring for the definitions)."""
+
+    steps: int                #: steps measured
+    step_ms: float            #: mean wall time of a step
+    wait_ms: float            #: mean time a step waited for gradients
+    gate_wait_ms: float       #: part of wait_ms: the forward pass at the gates
+    barrier_wait_ms: float    #: part of wait_ms: after the last gradient
+    link_gbps: float          #: bits sent per second of training, Gbit/s (0 with one worker)
+    schedule: str             #: the schedule in use
+    plan_blocks: Optional[int]  #: blocks of Prophet's current plan (None: not prophet)
+    workers: int              #: number of workers (1: no link)
+    last_step: Optional[StepTimes] = None  #: this worker's last step
+
+    @property
+    def compute_ms(self) -> float:
+        """``step_ms - wait_ms``: computation, input pipeline and framework time."""
+        return self.step_ms - self.wait_ms
+
+    @property
+    def wait_fraction(self) -> float:
+        return self.wait_ms / self.step_ms if self.step_ms > 0 else 0.0
+
+    def line(self) -> str:
+        """The line rank 0 prints after every epoch."""
+        link = "no link (one worker)" if self.workers <= 1 else f"link {_bit_rate(self.link_gbps)}"
+        schedule = f"schedule {self.schedule}"
+        if self.plan_blocks is not None and self.workers > 1:
+            blocks = f"{self.plan_blocks} block" + ("s" if self.plan_blocks > 1 else "")
+            schedule += f" ({blocks})" if self.plan_blocks > 0 else " (no plan yet)"
+        return (f"step {self.step_ms:.0f} ms: waiting for gradients {self.wait_ms:.0f} ms "
+                f"({self.wait_fraction:.0%}), {link}, {schedule}")
+
+
+class StepReporter:
+    """Per-strategy state: the current epoch's measured steps."""
+
+    def __init__(self, extended: Any, report_every_epoch: bool) -> None:
+        self._extended = extended
+        self.report_every_epoch = bool(report_every_epoch)
+        self._buffer = (ctypes.c_longlong * len(_FIELDS))()
+        self._timeline = False  # add each step's figures to the timeline (read at fit's start)
+        self._begin_epoch()
+        self._pending_line: Optional[str] = None
+
+    # ---- fit's lifecycle (the callback) -----------------------------------------------------------
+    def begin_fit(self) -> None:
+        from prophet_tf import runtime
+        self._c_api().prophet_step_meter_reset()  # the forward-pass reference is per fit
+        self._timeline = runtime.timeline_enabled()
+        self._begin_epoch()
+
+    def _begin_epoch(self) -> None:
+        self._steps: list[StepTimes] = []
+        self._first_step_ns: Optional[int] = None
+        self._first_bytes = 0
+        self._last_step_end_ns = 0
+        self._last_bytes = 0
+
+    # ---- every step (the train function's wrapper; a few microseconds) ---------------------------
+    def begin_step(self) -> None:
+        c_api = self._c_api()
+        if self._first_step_ns is None:
+            self._first_bytes = int(c_api.prophet_bytes_sent())
+            self._first_step_ns = time.monotonic_ns()
+        c_api.prophet_step_begin()
+
+    def end_step(self) -> None:
+        c_api = self._c_api()
+        n = c_api.prophet_step_end(self._buffer, len(_FIELDS))
+        values = dict(zip(_FIELDS[:n], self._buffer[:n]))
+        self._last_step_end_ns = time.monotonic_ns()
+        self._last_bytes = int(c_api.prophet_bytes_sent())
+        ms = 1e-6
+        step = StepTimes(
+            step_ms=values["step_ns"] * ms, wait_ms=values["wait_ns"] * ms,
+            gate_wait_ms=values["gate_wait_ns"] * ms, barrier_wait_ms=values["barrier_wait_ns"] * ms,
+            gate_wait_bounds_ms=(values["gate_lower_ns"] * ms, values["gate_upper_ns"] * ms))
+        self._steps.append(step)
+        if self._timeline:  # an instant at the step's end on the "report" track
+            from prophet_tf import runtime
+            lower, upper = step.gate_wait_bounds_ms
+            runtime.timeline_event(
+                "report", f"waited {step.wait_ms:.1f} ms: gates {step.gate_wait_ms:.1f} "
+                f"(within {lower:.1f}-{upper:.1f}), barrier {step.barrier_wait_ms:.1f}",
+                self._last_step_end_ns)
+
+    # ---- reports ------------------------------------------------------------------------------
+    def report(self) -> StepReport:
+        """This worker's figures for the steps of the current (or last) epoch."""
+        steps = self._steps
+        strategy = self._extended._container_strategy()
+        blocks = self._planned_blocks()
+        return StepReport(
+            steps=len(steps),
+            step_ms=_mean([s.step_ms for s in steps]),
+            wait_ms=_mean([s.wait_ms for s in steps]),
+            gate_wait_ms=_mean([s.gate_wait_ms for s in steps]),
+            barrier_wait_ms=_mean([s.barrier_wait_ms for s in steps]),
+            link_gbps=self._link_gbps(),
+            schedule=strategy.schedule_in_use,
+            plan_blocks=blocks if blocks >= 0 else None,
+            workers=self._extended._world_size,
+            last_step=steps[-1] if steps else None)
+
+    def end_epoch(self, logs: dict) -> StepReport:
+        """Adds the job's figures for this epoch to ``logs`` (the same on every worker) and keeps
+        the line to print once every callback has seen them."""
+        local = self.report()
+        job = self._job_report(local)
+        from prophet_tf import runtime
+        logs.update({
+            STEP_MS: job.step_ms, WAIT_MS: job.wait_ms, COMPUTE_MS: job.compute_ms,
+            LINK_GBPS: job.link_gbps,
+            SCHEDULE: float(runtime.schedules().index(job.schedule)),
+            PLAN_BLOCKS: float(job.plan_blocks or 0)})
+        self._pending_line = job.line() if self.report_every_epoch and self._extended._rank == 0 else None
+        return job
+
+    def print_pending_line(self) -> None:
+        line, self._pending_line = self._pending_line, None
+        if line:
+            from keras.src.utils import io_utils
+            io_utils.print_msg(line)
+
+    def _job_report(self, local: StepReport) -> StepReport:
+        """The mean over the workers of ``local``'s times and link rates, and rank 0's plan: one
+        float64 sum in which every worker contributes value / N (rank 0 alone the plan)."""
+        ext = self._extended
+        if not ext._multi:
+            return local
+        import tensorflow as tf
+        from prophet_tf.strategy import CONTROL_PRIORITY
+        n = ext._world_size
+        rank0 = 1.0 if ext._rank == 0 else 0.0
+        contribution = [local.step_ms / n, local.wait_ms / n, local.gate_wait_ms / n,
+                        local.barrier_wait_ms / n, local.link_gbps / n,
+                        rank0 * (local.plan_blocks if local.plan_blocks is not None else -1)]
+        summed = ext._push_pull(tf.constant(contribution, tf.float64), ext._namer.site("step_report"),
+                                CONTROL_PRIORITY, False).numpy().tolist()
+        blocks = int(round(summed[5]))
+        return dataclasses.replace(
+            local, step_ms=summed[0], wait_ms=summed[1], gate_wait_ms=summed[2],
+            barrier_wait_ms=summed[3], link_gbps=summed[4], plan_blocks=blocks if blocks >= 0 else None)
+
+    def _link_gbps(self) -> float:
+        if self._first_step_ns is None or self._last_step_end_ns <= self._first_step_ns:
+            return 0.0
+        seconds = (self._last_step_end_ns - self._first_step_ns) / 1e9
+        return (self._last_bytes - self._first_bytes) * 8 / seconds / 1e9
+
+    def _planned_blocks(self) -> int:
+        """The prophet policy's blocks (-1: another schedule; one round trip to the runtime)."""
+        from prophet_tf import runtime
+        try:
+            return int(runtime.scheduler_state().get("planned_blocks", -1))
+        except Exception:  # noqa: BLE001 - a stopped runtime has no plan to show
+            return -1
+
+    @staticmethod
+    def _c_api() -> Any:
+        from prophet_tf._library import c_api
+        return c_api()
+
+
+def _bit_rate(gbps: float) -> str:
+    """'1.9 Gbit/s', '350 Mbit/s', '170 kbit/s'."""
+    for scale, unit in ((1.0, "Gbit/s"), (1e-3, "Mbit/s")):
+        if gbps >= scale:
+            return f"{gbps / scale:.3g} {unit}"
+    return f"{gbps / 1e-6:.3g} kbit/s"
+
+
+def _mean(values: list[float]) -> float:
+    return statistics.fmean(values) if values else 0.0
+
+
+# ---- Keras hooks (installed by prophet_tf._keras_patches) ------------------------------------------
+
+def reporter_of(model: Any) -> Optional[StepReporter]:
+    """The step reporter of the ProphetStrategy ``model`` trains under, if it reports."""
+    from prophet_tf.strategy import ProphetStrategy
+    try:
+        strategy = model.distribute_strategy
+    except Exception:  # noqa: BLE001 - not a TF trainer
+        return None
+    if not isinstance(strategy, ProphetStrategy):
+        return None
+    return getattr(strategy.extended, "_step_reporter", None)
+
+
+def _report_callback(reporter: StepReporter) -> Any:
+    import keras
+
+    class StepReportCallback(keras.callbacks.Callback):
+        """Put first among fit's callbacks: the epoch logs it adds are seen by all the others."""
+
+        _prophet_step_report = True
+
+        def on_train_begin(self, logs: Optional[dict] = None) -> None:
+            reporter.begin_fit()
+
+        def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
+            reporter._begin_epoch()
+
+        def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+            if logs is not None:
+                reporter.end_epoch(logs)
+            if (self.params or {}).get("verbose", 1) == 0:
+                reporter._pending_line = None
+
+        def after_every_callback(self) -> None:
+            reporter.print_pending_line()
+
+    return StepReportCallback()
+
+
+def fit_with_report(original: Any, model: Any, args: tuple, kwargs: dict) -> Any:
+    """``model.fit(*args, **kwargs)`` with the step report's callback first among its callbacks."""
+    reporter = reporter_of(model)
+    if reporter is None:
+        return original(model, *args, **kwargs)
+    bound = inspect.signature(original).bind(model, *args, **kwargs)
+    callbacks = bound.arguments.get("callbacks")
+    callback = _report_callback(reporter)
+    from keras.src.callbacks.callback_list import CallbackList
+    if isinstance(callbacks, CallbackList):  # used as given by fit: add ours for this call only
+        callback.set_model(model)
+        callbacks.callbacks.insert(0, callback)
+        try:
+            return original(*bound.args, **bound.kwargs)
+        finally:
+            callbacks.callbacks.remove(callback)
+    bound.arguments["callbacks"] = [callback] + list(callbacks or [])
+    return original(*bound.args, **bound.kwargs)
+
+
+def after_epoch_end(callback_list: Any) -> None:
+    """Called once every callback's ``on_epoch_end`` ran: prints the pending line (so that it
+    follows the progress bar's)."""
+    for callback in callback_list.callbacks:
+        if getattr(callback, "_prophet_step_report", False):
+            callback.after_every_callback()
