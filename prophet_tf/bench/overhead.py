@@ -1,13 +1,24 @@
-"""What crossing the global barrier costs per variable per step.
+"""What crossing the global barrier and the step report cost per step.
 
-    python -m prophet_tf.bench.overhead [--variables 200] [--steps 60] [--rounds 3]
+    python -m prophet_tf.bench.overhead [--variables 200] [--steps 60] [--rounds 3] [--fits 3]
 
 Two workers on loopback (a fast link: communication is not the bottleneck) train a model made of
 many small variables (a stack of tiny Dense layers, 2 variables each) with ProphetStrategy, once
-with barrier crossing on and once with it off, alternating in the same run (``--rounds`` pairs).
-Per-step times are medians after warm-up; the difference divided by the number of variables is
-the crossing overhead per variable per step (gates, asynchronous hand-off and deferred apply).
-The last line reads ``crossing overhead per variable per step: X us``.
+with barrier crossing on and once with it off, alternating in the same run (``--rounds`` pairs of
+launches). Per-step times are medians after warm-up.
+
+* Crossing: the difference between the launches divided by the number of variables is the
+  crossing overhead per variable per step (gates, asynchronous hand-off and deferred apply),
+  measured with the step report off in both.
+* Step report (``ProphetStrategy(step_report=...)``): inside every launch, ``--fits`` pairs of
+  ``fit`` calls alternate the report off and on (the train function is made again for each, so
+  that it is measured with and without the report's hooks); the difference is its cost per step
+  (the kernels' timestamps and the per-step calls into the runtime), with crossing on and off.
+  Its per-epoch part (one small collective, which also waits for the other worker to end its
+  epoch, and a read of the scheduler's state) is timed apart.
+
+The last lines read ``crossing overhead per variable per step: X us`` and ``step report overhead
+per step: crossing on X us (P% of the step), crossing off ...``.
 """
 
 from __future__ import annotations
@@ -25,9 +36,10 @@ from absl import app, flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("variables", 200, "Trainable variables in the model (2 per Dense layer).")
-flags.DEFINE_integer("steps", 60, "Timed steps per run (after warm-up).")
-flags.DEFINE_integer("warmup", 10, "Steps before timing starts.")
-flags.DEFINE_integer("rounds", 3, "Alternating on/off pairs of runs.")
+flags.DEFINE_integer("steps", 60, "Timed steps per fit (after warm-up).")
+flags.DEFINE_integer("warmup", 10, "Steps of every fit before timing starts.")
+flags.DEFINE_integer("rounds", 3, "Alternating crossing off/on pairs of launches.")
+flags.DEFINE_integer("fits", 3, "Alternating step report off/on pairs of fits in every launch.")
 flags.DEFINE_integer("batch", 32, "Global batch size.")
 flags.DEFINE_string("worker", None, "Internal: run as a worker with this JSON configuration.")
 
@@ -35,35 +47,68 @@ flags.DEFINE_string("worker", None, "Internal: run as a worker with this JSON co
 def run_worker(config: dict) -> None:
     import numpy as np
     import keras
-    import tensorflow as tf
 
     import prophet_tf
+    from prophet_tf import _step_report
 
-    strategy = prophet_tf.ProphetStrategy(schedule="prophet", cross_barrier=config["cross"])
+    strategy = prophet_tf.ProphetStrategy(schedule="prophet", cross_barrier=config["cross"],
+                                          report_every_epoch=False)
+    reporter = strategy.extended._step_reporter
     layers = config["variables"] // 2
     with strategy.scope():
         model = keras.Sequential([keras.Input((8,))] + [keras.layers.Dense(8) for _ in range(layers)])
         model.compile(optimizer=keras.optimizers.SGD(0.001), loss="mse")
     steps = config["warmup"] + config["steps"]
     x = np.random.default_rng(0).normal(size=(config["batch"] * steps, 8)).astype("float32")
-    times: list[float] = []
+    epoch_end_s: list[float] = []
+    end_epoch = _step_report.StepReporter.end_epoch
+
+    def timed_end_epoch(self, logs):
+        start = time.perf_counter()
+        try:
+            return end_epoch(self, logs)
+        finally:
+            epoch_end_s.append(time.perf_counter() - start)
+
+    _step_report.StepReporter.end_epoch = timed_end_epoch
 
     class StepTimer(keras.callbacks.Callback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.times: list[float] = []
+
         def on_train_batch_begin(self, batch, logs=None):
             self.start = time.perf_counter()
 
         def on_train_batch_end(self, batch, logs=None):
-            times.append(time.perf_counter() - self.start)
+            self.times.append(time.perf_counter() - self.start)
 
-    model.fit(x, x, batch_size=config["batch"], epochs=1, verbose=0, callbacks=[StepTimer()], shuffle=False)
-    median = statistics.median(times[config["warmup"]:])
+    medians: dict[bool, list[float]] = {False: [], True: []}
+
+    def timed_fit(report: bool) -> float:
+        # The switch is read when fit starts and when the train function is made.
+        strategy.extended._step_reporter = reporter if report else None
+        model.train_function = None
+        timer = StepTimer()
+        model.fit(x, x, batch_size=config["batch"], epochs=1, verbose=0, callbacks=[timer],
+                  shuffle=False)
+        return statistics.median(timer.times[config["warmup"]:])
+
+    timed_fit(True)  # the process's first fit warms up more than its steps
+    epoch_end_s.clear()
+    for pair in range(config["fits"]):
+        for report in ((False, True) if pair % 2 == 0 else (True, False)):  # no order bias
+            medians[report].append(timed_fit(report))
     if strategy.rank == 0:
-        print("RESULT " + json.dumps({"cross": config["cross"], "step_s": median,
-                                      "variables": len(model.trainable_variables)}), flush=True)
+        print("RESULT " + json.dumps({
+            "cross": config["cross"], "variables": len(model.trainable_variables),
+            "report_off_s": statistics.median(medians[False]),
+            "report_on_s": statistics.median(medians[True]),
+            "epoch_end_s": statistics.median(epoch_end_s)}), flush=True)
 
 
 def measure(config: dict) -> dict:
-    cmd = [sys.executable, "-m", "prophet_tf.launch", "-n", "2", "--threads", "1", "--timeout", "600", "--",
+    cmd = [sys.executable, "-m", "prophet_tf.launch", "-n", "2", "--threads", "1", "--timeout", "900", "--",
            "-m", "prophet_tf.bench.overhead", "--worker", json.dumps(config)]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -79,20 +124,35 @@ def main(argv: Sequence[str]) -> int:
     if FLAGS.worker:
         run_worker(json.loads(FLAGS.worker))
         return 0
-    base = {"variables": FLAGS.variables, "steps": FLAGS.steps, "warmup": FLAGS.warmup, "batch": FLAGS.batch}
-    on, off = [], []
+    base = {"variables": FLAGS.variables, "steps": FLAGS.steps, "warmup": FLAGS.warmup,
+            "batch": FLAGS.batch, "fits": FLAGS.fits}
+    results: dict[bool, list[dict]] = {False: [], True: []}
     n_vars = None
     for round_index in range(FLAGS.rounds):
-        for cross, sink in ((False, off), (True, on)):
+        for cross in (False, True):
             result = measure(dict(base, cross=cross))
             n_vars = result["variables"]
-            sink.append(result["step_s"])
+            results[cross].append(result)
             print(f"round {round_index + 1}/{FLAGS.rounds}: crossing {'on ' if cross else 'off'} "
-                  f"{result['step_s'] * 1e3:8.3f} ms/step ({n_vars} variables)", flush=True)
-    on_s, off_s = statistics.median(on), statistics.median(off)
-    print(f"\nmedian step: crossing off {off_s * 1e3:.3f} ms, crossing on {on_s * 1e3:.3f} ms, "
-          f"{n_vars} variables, 2 workers on loopback")
+                  f"{result['report_off_s'] * 1e3:8.3f} ms/step, with the step report "
+                  f"{result['report_on_s'] * 1e3:8.3f} ms/step ({n_vars} variables)", flush=True)
+
+    def med(cross: bool, key: str) -> float:
+        return statistics.median(r[key] for r in results[cross])
+
+    off_s, on_s = med(False, "report_off_s"), med(True, "report_off_s")
+    print(f"\nmedian step (step report off): crossing off {off_s * 1e3:.3f} ms, crossing on "
+          f"{on_s * 1e3:.3f} ms, {n_vars} variables, 2 workers on loopback")
     print(f"crossing overhead per variable per step: {(on_s - off_s) / n_vars * 1e6:.1f} us")
+    parts = []
+    for cross in (True, False):
+        # Paired within each launch (the same process, fits alternating), then the median.
+        deltas = [r["report_on_s"] - r["report_off_s"] for r in results[cross]]
+        delta, base_s = statistics.median(deltas), med(cross, "report_off_s")
+        parts.append(f"crossing {'on' if cross else 'off'} {delta * 1e6:.1f} us "
+                     f"({delta / base_s:.1%} of the step)")
+    epoch_end_ms = statistics.median(r["epoch_end_s"] for rs in results.values() for r in rs) * 1e3
+    print(f"step report overhead per step: {', '.join(parts)}; per epoch {epoch_end_ms:.2f} ms")
     return 0
 
 
