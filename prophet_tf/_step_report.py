@@ -44,9 +44,9 @@ docs/design.md, "Where the time goes"):
   barrier at the end of every step).
 
 It includes waiting for a slower worker's gradients (an infinitely fast network would not remove
-that part). It is an estimate where the forward pass stalls inside: the computation time is taken
-from the fastest forward pass seen since ``fit`` started, so the report is low until one step ran
-its forward pass without such a stall (the first step after a validation always does).
+that part). Where the forward pass stalls inside, it is an estimate: the forward pass's compute is
+taken from reference steps (see :data:`REFERENCE_STEP`), which start only once every pending
+update is applied, and from any faster forward pass seen since.
 """
 
 from __future__ import annotations
@@ -73,6 +73,13 @@ PLAN_BLOCKS = LOG_PREFIX + "plan_blocks"
 LOG_KEYS = (STEP_MS, WAIT_MS, COMPUTE_MS, LINK_GBPS, SCHEDULE, PLAN_BLOCKS)
 #: ``0``/``false``/``no`` turns the per-epoch line off (``report_every_epoch=None``).
 REPORT_EVERY_EPOCH_ENV = "PROPHET_REPORT_EVERY_EPOCH"
+
+#: With barrier crossing, step REFERENCE_STEP of every fit (steps 0 and 1 trace and warm up) and
+#: every REFERENCE_EVERY-th step after it starts only once every pending update is applied: its
+#: forward pass then waits at no gate, and its time to the first gradient is the forward compute
+#: the next steps are compared with (ops/core/step_meter.h). What it waited before it starts is
+#: its barrier wait. The cost: the overlap of one step in REFERENCE_EVERY.
+REFERENCE_STEP, REFERENCE_EVERY = 2, 256
 
 # prophet_step_end's fields, in its order (ops/tf/c_api.cc).
 _FIELDS = ("step_ns", "wait_ns", "gate_wait_ns", "barrier_wait_ns", "gate_lower_ns", "gate_upper_ns",
@@ -120,6 +127,9 @@ class StepReport:
     plan_blocks: Optional[int]  #: blocks of Prophet's current plan (None: not prophet)
     workers: int              #: number of workers (1: no link)
     last_step: Optional[StepTimes] = None  #: this worker's last step
+    #: the bandwidth monitor's goodput estimate (Gbit/s of pushes while pushing; noisier: a
+    #: push's round trip also lasts while its owner waits for the other workers)
+    goodput_gbps: float = 0.0
 
     @property
     def compute_ms(self) -> float:
@@ -149,6 +159,10 @@ class StepReporter:
         self.report_every_epoch = bool(report_every_epoch)
         self._buffer = (ctypes.c_longlong * len(_FIELDS))()
         self._timeline = False  # add each step's figures to the timeline (read at fit's start)
+        # Reference steps (below) only where the forward pass may wait at gates.
+        self._crossing = bool(extended._cross_barrier and extended._multi)
+        self._fit_step = 0
+        self._held_ns = 0
         self._begin_epoch()
         self._pending_line: Optional[str] = None
 
@@ -157,6 +171,7 @@ class StepReporter:
         from prophet_tf import runtime
         self._c_api().prophet_step_meter_reset()  # the forward-pass reference is per fit
         self._timeline = runtime.timeline_enabled()
+        self._fit_step = 0
         self._begin_epoch()
 
     def _begin_epoch(self) -> None:
@@ -172,6 +187,16 @@ class StepReporter:
         if self._first_step_ns is None:
             self._first_bytes = int(c_api.prophet_bytes_sent())
             self._first_step_ns = time.monotonic_ns()
+        step, self._fit_step = self._fit_step, self._fit_step + 1
+        self._held_ns = 0
+        if self._crossing and step >= REFERENCE_STEP and (step - REFERENCE_STEP) % REFERENCE_EVERY == 0:
+            # A reference step: its forward pass waits at no gate, so its time to the first
+            # gradient is the compute the meter compares the next steps' with.
+            from prophet_tf import _crossing
+            start = time.monotonic_ns()
+            _crossing.wait_all()
+            self._held_ns = time.monotonic_ns() - start
+            c_api.prophet_step_meter_reset()
         c_api.prophet_step_begin()
 
     def end_step(self) -> None:
@@ -180,10 +205,10 @@ class StepReporter:
         values = dict(zip(_FIELDS[:n], self._buffer[:n]))
         self._last_step_end_ns = time.monotonic_ns()
         self._last_bytes = int(c_api.prophet_bytes_sent())
-        ms = 1e-6
+        ms, held = 1e-6, self._held_ns  # a reference step's wait for the updates before it
         step = StepTimes(
-            step_ms=values["step_ns"] * ms, wait_ms=values["wait_ns"] * ms,
-            gate_wait_ms=values["gate_wait_ns"] * ms, barrier_wait_ms=values["barrier_wait_ns"] * ms,
+            step_ms=(values["step_ns"] + held) * ms, wait_ms=(values["wait_ns"] + held) * ms,
+            gate_wait_ms=values["gate_wait_ns"] * ms, barrier_wait_ms=(values["barrier_wait_ns"] + held) * ms,
             gate_wait_bounds_ms=(values["gate_lower_ns"] * ms, values["gate_upper_ns"] * ms))
         self._steps.append(step)
         if self._timeline:  # an instant at the step's end on the "report" track
@@ -199,7 +224,8 @@ class StepReporter:
         """This worker's figures for the steps of the current (or last) epoch."""
         steps = self._steps
         strategy = self._extended._container_strategy()
-        blocks = self._planned_blocks()
+        state = self._scheduler_state()
+        blocks = int(state.get("planned_blocks", -1))
         return StepReport(
             steps=len(steps),
             step_ms=_mean([s.step_ms for s in steps]),
@@ -210,7 +236,8 @@ class StepReporter:
             schedule=strategy.schedule_in_use,
             plan_blocks=blocks if blocks >= 0 else None,
             workers=self._extended._world_size,
-            last_step=steps[-1] if steps else None)
+            last_step=steps[-1] if steps else None,
+            goodput_gbps=float(state.get("bandwidth_Bps", 0.0)) * 8 / 1e9)
 
     def end_epoch(self, logs: dict) -> StepReport:
         """Adds the job's figures for this epoch to ``logs`` (the same on every worker) and keeps
@@ -258,13 +285,14 @@ class StepReporter:
         seconds = (self._last_step_end_ns - self._first_step_ns) / 1e9
         return (self._last_bytes - self._first_bytes) * 8 / seconds / 1e9
 
-    def _planned_blocks(self) -> int:
-        """The prophet policy's blocks (-1: another schedule; one round trip to the runtime)."""
+    @staticmethod
+    def _scheduler_state() -> dict:
+        """The policy's state (planned_blocks, bandwidth_Bps; one round trip to the runtime)."""
         from prophet_tf import runtime
         try:
-            return int(runtime.scheduler_state().get("planned_blocks", -1))
+            return runtime.scheduler_state()
         except Exception:  # noqa: BLE001 - a stopped runtime has no plan to show
-            return -1
+            return {}
 
     @staticmethod
     def _c_api() -> Any:

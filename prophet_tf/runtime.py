@@ -244,7 +244,8 @@ def set_schedule(schedule: str) -> None:
 
 def scheduler_state() -> dict[str, Any]:
     """The scheduling policy's state: ``{"schedule", "bandwidth_Bps" (goodput of completed
-    pushes), "bandwidth_samples", "profile"}``; ``profile`` (prophet only, else None) holds
+    pushes), "bandwidth_samples", "planned_blocks" (blocks of prophet's current plan, 0 before
+    the first; -1 for the other policies), "profile"}``; ``profile`` (prophet only, else None) holds
     ``steps_observed``, ``step_origin_ns`` (first gradient of the open step, CLOCK_MONOTONIC) and
     ``tensors``: ``[{"name", "priority", "bytes", "ready_offset_ns"}]`` (median offsets from each
     step's first gradient)."""

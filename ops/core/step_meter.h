@@ -23,10 +23,12 @@
 //   The compute part of F is the same from step to step, so the meter keeps the smallest
 //   F - (lower bound) seen since Reset() as the forward pass's compute, and reports
 //   F - that reference, clamped to [lower bound, upper bound]. Exact when some step since Reset()
-//   ran its forward pass without an interior stall (e.g. the first step after a validation,
-//   which waits for every update, or any step whose gates opened in time); otherwise the
-//   reference contains stall and the report is low (never below the lower bound). Noise in the
-//   compute time makes it high by about that noise (never above the upper bound).
+//   ran its forward pass without an interior stall: the strategy resets the meter before
+//   reference steps that start once every pending update is applied (prophet_tf/_step_report.py);
+//   a validation, which waits for every update, or gates that opened in time do the same.
+//   Without one, the reference contains stall and the report is low (never below the lower
+//   bound). Noise in the compute time makes it high by about that noise (never above the upper
+//   bound).
 // - Barrier wait: from the moment the step's last gradient is handed to the runtime, the step
 //   has no more gradients to compute; what it then waits for (synchronous sums and the updates
 //   they feed, metric sums, updates read at a gate right after they are applied) is the union of
