@@ -55,6 +55,7 @@ import ctypes
 import dataclasses
 import inspect
 import os
+import re
 import statistics
 import time
 from typing import Any, Optional
@@ -80,6 +81,11 @@ REPORT_EVERY_EPOCH_ENV = "PROPHET_REPORT_EVERY_EPOCH"
 #: the next steps are compared with (ops/core/step_meter.h). What it waited before it starts is
 #: its barrier wait. The cost: the overlap of one step in REFERENCE_EVERY.
 REFERENCE_STEP, REFERENCE_EVERY = 2, 256
+
+#: Each measured step's figures are an instant on this timeline track, at the step's end.
+TIMELINE_TRACK = "report"
+_LABEL = re.compile(r"waited ([-\d.]+) ms: gates ([-\d.]+) \(within ([-\d.]+)-([-\d.]+)\), "
+                    r"barrier ([-\d.]+)$")
 
 # prophet_step_end's fields, in its order (ops/tf/c_api.cc).
 _FIELDS = ("step_ns", "wait_ns", "gate_wait_ns", "barrier_wait_ns", "gate_lower_ns", "gate_upper_ns",
@@ -151,6 +157,23 @@ class StepReport:
                 f"({self.wait_fraction:.0%}), {link}, {schedule}")
 
 
+def timeline_label(step: StepTimes) -> str:
+    """The name of a step's instant on the timeline's "report" track."""
+    lower, upper = step.gate_wait_bounds_ms
+    return (f"waited {step.wait_ms:.1f} ms: gates {step.gate_wait_ms:.1f} (within {lower:.1f}-"
+            f"{upper:.1f}), barrier {step.barrier_wait_ms:.1f}")
+
+
+def parse_timeline_label(label: str) -> Optional[StepTimes]:
+    """The figures of a "report" instant (step_ms is not in it: 0), or None."""
+    match = _LABEL.match(label)
+    if match is None:
+        return None
+    wait, gates, lower, upper, barrier = map(float, match.groups())
+    return StepTimes(0.0, wait, gates, barrier, (lower, upper))
+
+
+
 class StepReporter:
     """Per-strategy state: the current epoch's measured steps."""
 
@@ -213,11 +236,7 @@ class StepReporter:
         self._steps.append(step)
         if self._timeline:  # an instant at the step's end on the "report" track
             from prophet_tf import runtime
-            lower, upper = step.gate_wait_bounds_ms
-            runtime.timeline_event(
-                "report", f"waited {step.wait_ms:.1f} ms: gates {step.gate_wait_ms:.1f} "
-                f"(within {lower:.1f}-{upper:.1f}), barrier {step.barrier_wait_ms:.1f}",
-                self._last_step_end_ns)
+            runtime.timeline_event(TIMELINE_TRACK, timeline_label(step), self._last_step_end_ns)
 
     # ---- reports ------------------------------------------------------------------------------
     def report(self) -> StepReport:
