@@ -9,6 +9,7 @@ fractions of the injected delays, which the steps cannot finish without waiting 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import subprocess
@@ -18,7 +19,9 @@ import pytest
 
 from prophet_tf import _step_report
 from prophet_tf._step_report import (COMPUTE_MS, LINK_GBPS, LOG_KEYS, PLAN_BLOCKS, SCHEDULE, STEP_MS,
-                                     WAIT_MS, StepReport)
+                                     WAIT_MS, StepReport, StepTimes, parse_timeline_label,
+                                     timeline_label)
+from prophet_tf.bench import step_report_check
 from conftest import ROOT, WORKERS, _worker_env, parse_results
 
 APPLY_DELAY_MS = 150
@@ -113,3 +116,30 @@ def test_report_every_epoch_follows_the_environment(monkeypatch):
     monkeypatch.delenv(_step_report.REPORT_EVERY_EPOCH_ENV)
     assert _step_report.report_every_epoch_default()
     assert _step_report.is_report_key(PLAN_BLOCKS) and not _step_report.is_report_key("loss")
+
+
+def test_the_check_against_the_emulated_accelerator_reads_its_idle_time(tmp_path):
+    """bench.step_report_check on a hand-made trace: a 100 ms step whose forward pass (40 ms of
+    compute) starts 20 ms late, whose backward pass ends 10 ms before the step does."""
+    figures = StepTimes(100.0, 30.5, 20.5, 10.0, (20.0, 35.0))
+    assert parse_timeline_label(timeline_label(figures)) == dataclasses.replace(figures, step_ms=0.0)
+    ms = 1000.0  # trace times are microseconds
+    tracks = {"step": 1, "forward": 2, "backward": 3, "report": 4}
+    events = [{"ph": "M", "name": "thread_name", "pid": 0, "tid": tid, "args": {"name": name}}
+              for name, tid in tracks.items()]
+
+    def span(track, start, end, name="x"):
+        events.append({"ph": "X", "name": name, "pid": 0, "tid": tracks[track], "ts": start * ms,
+                       "dur": (end - start) * ms})
+
+    span("step", 0, 100)
+    span("forward", 20, 40)
+    span("forward", 45, 65)  # 5 ms idle between the layers: 25 ms of forward idle in all
+    span("backward", 66, 90)
+    events.append({"ph": "i", "name": timeline_label(figures), "pid": 0, "tid": tracks["report"],
+                   "ts": 100.01 * ms, "s": "t"})
+    path = tmp_path / "trace.0.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    (row,) = step_report_check.check(str(path), skip=0)
+    assert math.isclose(row["forward_idle_ms"], 25.0) and math.isclose(row["tail_idle_ms"], 10.0), row
+    assert row["gate_wait_ms"] == 20.5 and row["barrier_wait_ms"] == 10.0, row
