@@ -56,7 +56,6 @@ import dataclasses
 import inspect
 import os
 import re
-import statistics
 import time
 from typing import Any, Optional
 
@@ -178,7 +177,9 @@ class StepReporter:
     """Per-strategy state: the current epoch's measured steps."""
 
     def __init__(self, extended: Any, report_every_epoch: bool) -> None:
+        from prophet_tf._library import c_api
         self._extended = extended
+        self._lib = c_api()  # the runtime is up: its library is loaded
         self.report_every_epoch = bool(report_every_epoch)
         self._buffer = (ctypes.c_longlong * len(_FIELDS))()
         self._timeline = False  # add each step's figures to the timeline (read at fit's start)
@@ -192,13 +193,16 @@ class StepReporter:
     # ---- fit's lifecycle (the callback) -----------------------------------------------------------
     def begin_fit(self) -> None:
         from prophet_tf import runtime
-        self._c_api().prophet_step_meter_reset()  # the forward-pass reference is per fit
+        self._lib.prophet_step_meter_reset()  # the forward-pass reference is per fit
         self._timeline = runtime.timeline_enabled()
         self._fit_step = 0
         self._begin_epoch()
 
     def _begin_epoch(self) -> None:
-        self._steps: list[StepTimes] = []
+        # Sums over the epoch's steps (not a list: train_on_batch loops have no epochs).
+        self._count = 0
+        self._sums = {"step_ms": 0.0, "wait_ms": 0.0, "gate_wait_ms": 0.0, "barrier_wait_ms": 0.0}
+        self._last: Optional[StepTimes] = None
         self._first_step_ns: Optional[int] = None
         self._first_bytes = 0
         self._last_step_end_ns = 0
@@ -206,7 +210,7 @@ class StepReporter:
 
     # ---- every step (the train function's wrapper; a few microseconds) ---------------------------
     def begin_step(self) -> None:
-        c_api = self._c_api()
+        c_api = self._lib
         if self._first_step_ns is None:
             self._first_bytes = int(c_api.prophet_bytes_sent())
             self._first_step_ns = time.monotonic_ns()
@@ -223,7 +227,7 @@ class StepReporter:
         c_api.prophet_step_begin()
 
     def end_step(self) -> None:
-        c_api = self._c_api()
+        c_api = self._lib
         n = c_api.prophet_step_end(self._buffer, len(_FIELDS))
         values = dict(zip(_FIELDS[:n], self._buffer[:n]))
         self._last_step_end_ns = time.monotonic_ns()
@@ -233,7 +237,10 @@ class StepReporter:
             step_ms=(values["step_ns"] + held) * ms, wait_ms=(values["wait_ns"] + held) * ms,
             gate_wait_ms=values["gate_wait_ns"] * ms, barrier_wait_ms=(values["barrier_wait_ns"] + held) * ms,
             gate_wait_bounds_ms=(values["gate_lower_ns"] * ms, values["gate_upper_ns"] * ms))
-        self._steps.append(step)
+        self._count += 1
+        for key in self._sums:
+            self._sums[key] += getattr(step, key)
+        self._last = step
         if self._timeline:  # an instant at the step's end on the "report" track
             from prophet_tf import runtime
             runtime.timeline_event(TIMELINE_TRACK, timeline_label(step), self._last_step_end_ns)
@@ -241,21 +248,18 @@ class StepReporter:
     # ---- reports ------------------------------------------------------------------------------
     def report(self) -> StepReport:
         """This worker's figures for the steps of the current (or last) epoch."""
-        steps = self._steps
+        mean = {key: total / self._count if self._count else 0.0 for key, total in self._sums.items()}
         strategy = self._extended._container_strategy()
         state = self._scheduler_state()
         blocks = int(state.get("planned_blocks", -1))
         return StepReport(
-            steps=len(steps),
-            step_ms=_mean([s.step_ms for s in steps]),
-            wait_ms=_mean([s.wait_ms for s in steps]),
-            gate_wait_ms=_mean([s.gate_wait_ms for s in steps]),
-            barrier_wait_ms=_mean([s.barrier_wait_ms for s in steps]),
+            steps=self._count,
+            **mean,
             link_gbps=self._link_gbps(),
             schedule=strategy.schedule_in_use,
             plan_blocks=blocks if blocks >= 0 else None,
             workers=self._extended._world_size,
-            last_step=steps[-1] if steps else None,
+            last_step=self._last,
             goodput_gbps=float(state.get("bandwidth_Bps", 0.0)) * 8 / 1e9)
 
     def end_epoch(self, logs: dict) -> StepReport:
@@ -313,11 +317,6 @@ class StepReporter:
         except Exception:  # noqa: BLE001 - a stopped runtime has no plan to show
             return {}
 
-    @staticmethod
-    def _c_api() -> Any:
-        from prophet_tf._library import c_api
-        return c_api()
-
 
 def _bit_rate(gbps: float) -> str:
     """'1.9 Gbit/s', '350 Mbit/s', '170 kbit/s'."""
@@ -325,10 +324,6 @@ def _bit_rate(gbps: float) -> str:
         if gbps >= scale:
             return f"{gbps / scale:.3g} {unit}"
     return f"{gbps / 1e-6:.3g} kbit/s"
-
-
-def _mean(values: list[float]) -> float:
-    return statistics.fmean(values) if values else 0.0
 
 
 # ---- Keras hooks (installed by prophet_tf._keras_patches) ------------------------------------------
