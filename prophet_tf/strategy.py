@@ -49,7 +49,7 @@ import os
 import re
 import threading
 import weakref
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib
@@ -65,6 +65,9 @@ from tensorflow.python.util import nest
 from prophet_tf import _gradients, _sparse
 from prophet_tf._library import runtime_constants
 from prophet_tf.cluster import resolve_cluster
+
+if TYPE_CHECKING:
+    from prophet_tf._step_report import StepReport
 
 __all__ = ["ProphetStrategy", "SCHEDULES"]
 
@@ -858,7 +861,7 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
         auto = self.extended._auto_schedule
         return list(auto.decisions) if auto is not None else []
 
-    def step_report(self):
+    def step_report(self) -> StepReport:
         """Where the time of this worker's ``fit`` steps went since the start of the current (or
         last) epoch: a ``prophet_tf._step_report.StepReport`` (mean step time, time waiting for
         gradients and its parts, compute time, link rate, schedule and Prophet's blocks, the last
