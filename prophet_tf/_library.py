@@ -133,6 +133,8 @@ def predict_api() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(library_path("_prophet_predict.so")))
     lib.prophet_predict.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)]
     lib.prophet_predict.restype = ctypes.c_int
+    lib.prophet_predict_ideal.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)]
+    lib.prophet_predict_ideal.restype = ctypes.c_int
     lib.prophet_predict_free.argtypes = [ctypes.c_void_p]
     lib.prophet_predict_free.restype = None
     lib.prophet_runtime_constants.argtypes = [ctypes.c_char_p, ctypes.c_int]

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from prophet_tf import timeline
-from prophet_tf.predict import (PredictError, PredictOptions, Profile, ProfiledLayer,
-                                ProfiledTensor, ProfileError, load_profile, predict,
+from prophet_tf.predict import (SCHEDULES, PredictError, PredictOptions, Profile, ProfiledLayer,
+                                ProfiledTensor, ProfileError, ideal_bound, load_profile, predict,
                                 profile_from_trace)
 from prophet_tf.predict.__main__ import parse_duration, parse_rate
 
@@ -179,6 +179,31 @@ def test_prophet_never_stalls_when_workers_plan_apart():
         assert p.step_s >= p.single_step_s * 0.99
 
 
+def test_ideal_bound_by_hand_and_below_every_schedule():
+    # One tensor at 1 MB/s: any schedule needs its 100,000 bytes on the link (100 ms) between
+    # the backward pass and the next forward pass (10 ms); the runtime's push and sum take 200.
+    b = ideal_bound(one_tensor_profile(), workers=2, bandwidth_bps=8e6, options=EXACT)
+    assert b.step_s == pytest.approx(0.110, abs=1e-9)
+    assert (b.compute_s, b.comm_s, b.wait_s) == pytest.approx((0.010, 0.100, 0.100), abs=1e-9)
+    assert b.binding_layer == "dense" and b.layer_done_s == pytest.approx([0.100], abs=1e-9)
+    assert ideal_bound(one_tensor_profile(), workers=4, bandwidth_bps=8e6,
+                       options=EXACT).step_s == pytest.approx(0.160, abs=1e-9)
+    assert ideal_bound(one_tensor_profile(), workers=1, bandwidth_bps=None).step_s == \
+        pytest.approx(0.010)
+    with pytest.raises(PredictError, match="link rate"):
+        ideal_bound(one_tensor_profile(), workers=2, bandwidth_bps=None)
+    # Twelve layers, 4 workers, 1 Gbit/s: no schedule of the runtime beats the bound, which is
+    # at least the naive max(compute, 2(N-1)/N x bytes at the payload rate).
+    profile = twelve_varied_layers(2.0)
+    options = PredictOptions(steps=6, warmup_steps=4)
+    b = ideal_bound(profile, workers=4, bandwidth_bps=1e9, options=options)
+    naive = max(profile.step_s, 1.5 * profile.gradient_bytes * 8 / (1e9 * options.payload_efficiency))
+    assert b.step_s >= naive * (1 - 1e-9)
+    for schedule in SCHEDULES:
+        assert predict(profile, workers=4, bandwidth_bps=1e9, schedule=schedule,
+                       options=options).step_s >= b.step_s
+
+
 def test_synthetic_timeline_is_a_runtime_trace(tmp_path):
     pattern = str(tmp_path / "predicted.json")
     predict(profile_from_trace(synthetic_trace()), workers=2, bandwidth_bps=1e9, schedule="prophet",
@@ -219,13 +244,18 @@ def test_command_line_table_chart_and_json(tmp_path):
                    "--schedule", "prophet,priority_nocross,mwms", "--output",
                    str(tmp_path / "chart.png"), "--json", str(tmp_path / "out.json"))
     assert proc.returncode == 0, proc.stderr
-    assert "| link | N | prophet | priority_nocross | mwms |" in proc.stdout
+    assert "| link | N | prophet | priority_nocross | mwms | ideal |" in proc.stdout
     assert "| 100 Mbit/s | 4 |" in proc.stdout
     assert (tmp_path / "chart.png").stat().st_size > 0
     out = json.loads((tmp_path / "out.json").read_text())
     assert len(out["predictions"]) + len(out["deadlocks"]) == 3 * 2 * 3
     for p in out["predictions"]:
         assert p["step_s"] > 0 and p["speedup"] > 0
+    assert len(out["ideal_bounds"]) == 3 * 2
+    for b in out["ideal_bounds"]:
+        assert 0 < b["step_s"] <= min(p["step_s"] for p in out["predictions"]
+                                      if (p["workers"], p["bandwidth_bps"]) ==
+                                      (b["workers"], b["bandwidth_bps"]))
 
     bad = run_cli(str(tmp_path / "profile.json"), "--schedule", "lifo")
     assert bad.returncode == 2 and "unknown schedule" in bad.stderr

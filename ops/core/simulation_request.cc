@@ -202,4 +202,22 @@ std::string PredictionJson(const StepPrediction& p) {
   return out;
 }
 
+std::string IdealBoundJson(const IdealBound& bound) {
+  std::string out = "{\"step_s\": ";
+  AppendNumber(bound.step_s, &out);
+  out += ", \"compute_s\": ";
+  AppendNumber(bound.compute_s, &out);
+  out += ", \"comm_s\": ";
+  AppendNumber(bound.comm_s, &out);
+  out += ", \"wait_s\": ";
+  AppendNumber(bound.wait_s, &out);
+  out += ", \"binding_layer\": " + std::to_string(bound.binding_layer) + ", \"done_s\": [";
+  for (size_t i = 0; i < bound.done_s.size(); ++i) {
+    if (i > 0) out += ", ";
+    AppendNumber(bound.done_s[i] >= 0 ? bound.done_s[i] : std::nan(""), &out);
+  }
+  out += "]}";
+  return out;
+}
+
 }  // namespace prophet

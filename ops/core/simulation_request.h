@@ -14,6 +14,7 @@
 #include <string>
 
 #include "ops/core/common.h"
+#include "ops/core/ideal_bound.h"
 #include "ops/core/simulator.h"
 
 namespace prophet {
@@ -30,6 +31,9 @@ Status ParseSimulationRequest(const std::string& text, SimulationRequest* reques
 
 // {"step_s": ..., "periods_s": [...], ..., "tensor_times": [{"name": ..., ...}, ...]}
 std::string PredictionJson(const StepPrediction& prediction);
+
+// {"step_s": ..., "compute_s": ..., "comm_s": ..., "wait_s": ..., "binding_layer": ..., "done_s": [...]}
+std::string IdealBoundJson(const IdealBound& bound);
 
 }  // namespace prophet
 

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "ops/core/engine_options.h"
+#include "ops/core/ideal_bound.h"
 #include "ops/core/simulation_request.h"
 #include "ops/core/simulator.h"
 
@@ -32,6 +33,21 @@ __attribute__((visibility("default"))) int prophet_predict(const char* request, 
     return static_cast<int>(s.code());
   }
   *result = CopyOut(prophet::PredictionJson(prediction));
+  return 0;
+}
+
+// The ideal bound of the setting that `request` describes (ops/core/ideal_bound.h; the runtime's
+// options and the simulation's are ignored). Same conventions as prophet_predict.
+__attribute__((visibility("default"))) int prophet_predict_ideal(const char* request, char** result) {
+  prophet::SimulationRequest parsed;
+  prophet::Status s = prophet::ParseSimulationRequest(request != nullptr ? request : "", &parsed);
+  prophet::IdealBound bound;
+  if (s.ok()) s = prophet::ComputeIdealBound(parsed.profile, parsed.network, &bound);
+  if (!s.ok()) {
+    *result = CopyOut(s.message());
+    return static_cast<int>(s.code());
+  }
+  *result = CopyOut(prophet::IdealBoundJson(bound));
   return 0;
 }
 

@@ -21,8 +21,8 @@ import re
 import sys
 from typing import Optional, Sequence
 
-from prophet_tf.predict.model import (SCHEDULES, PredictError, Prediction, PredictOptions,
-                                      SimulatedDeadlock, predict)
+from prophet_tf.predict.model import (SCHEDULES, IdealBound, PredictError, Prediction,
+                                      PredictOptions, SimulatedDeadlock, ideal_bound, predict)
 from prophet_tf.predict.profile import Profile, ProfileError, load_profile
 
 __all__ = ["parse_rate", "parse_duration", "format_rate", "format_table", "plot", "main"]
@@ -62,18 +62,22 @@ def format_rate(bps: float) -> str:
 
 
 def format_table(predictions: Sequence[Prediction], schedules: Sequence[str],
-                 deadlocks: Sequence[tuple[str, int, float]] = ()) -> str:
+                 deadlocks: Sequence[tuple[str, int, float]] = (),
+                 ideals: Sequence[IdealBound] = ()) -> str:
     """Markdown: a row per (link rate, workers), a column per schedule with the predicted step
     time and the speed-up over one worker; ``*`` marks the fastest schedule, ``deadlock`` a
-    setting (schedule, workers, link rate) in which the simulated runtime stops for good."""
+    setting (schedule, workers, link rate) in which the simulated runtime stops for good. With
+    ``ideals``, a last column gives the ideal bound (the best any schedule could do) and, in
+    parentheses, the fastest schedule's step over it."""
+    ideal = {(b.bandwidth_bps, b.workers): b for b in ideals}
     rows: dict[tuple[float, int], dict[str, Prediction]] = {}
     stuck = {(s, n, bw) for s, n, bw in deadlocks}
     for s, n, bw in deadlocks:
         rows.setdefault((bw, n), {})
     for p in predictions:
         rows.setdefault((p.bandwidth_bps, p.workers), {})[p.schedule] = p
-    head = "| link | N | " + " | ".join(schedules) + " |"
-    lines = [head, "|---|---|" + "---|" * len(schedules)]
+    head = "| link | N | " + " | ".join(schedules) + " |" + (" ideal |" if ideals else "")
+    lines = [head, "|---|---|" + "---|" * (len(schedules) + (1 if ideals else 0))]
     for (bw, n), by_schedule in sorted(rows.items(), key=lambda item: item[0]):
         best = min((p.step_s for p in by_schedule.values()), default=math.nan)
         cells = []
@@ -84,6 +88,10 @@ def format_table(predictions: Sequence[Prediction], schedules: Sequence[str],
                 continue
             mark = "*" if p.step_s <= best * (1 + 1e-9) else ""
             cells.append(f"{p.step_s * 1e3:.1f} ms{mark} ({p.speedup:.2f}x)")
+        if ideals:
+            b = ideal.get((bw, n))
+            cells.append("" if b is None else f"{b.step_s * 1e3:.1f} ms" + (
+                f" ({best / b.step_s:.2f})" if math.isfinite(best) and b.step_s > 0 else ""))
         lines.append(f"| {format_rate(bw)} | {n} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -218,14 +226,18 @@ def main(argv: Sequence[str]) -> int:
         with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             outcomes = list(pool.map(one, settings))
         predictions = [o for o in outcomes if isinstance(o, Prediction)]
+        ideals = [ideal_bound(profile, workers=n, bandwidth_bps=bw, options=options)
+                  for bw in bandwidths for n in workers]
         deadlocks = [(s, n, bw, str(o)) for (bw, n, s), o in zip(settings, outcomes)
                      if isinstance(o, SimulatedDeadlock)]
     except (ProfileError, PredictError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print()
-    print(format_table(predictions, schedules, [d[:3] for d in deadlocks]))
-    print("step time per schedule (* fastest) and, in parentheses, throughput over one worker")
+    print(format_table(predictions, schedules, [d[:3] for d in deadlocks], ideals))
+    print("step time per schedule (* fastest) and, in parentheses, throughput over one worker; "
+          "ideal: the best step any schedule could reach (docs/design.md) and, in parentheses, "
+          "the fastest schedule's step over it")
     for _, _, _, why in deadlocks:
         # Every worker's plan (one entry per Prophet block) is in --json; here, where they wait.
         print(f"deadlock: {re.sub(r'[[][^]]*[]]', '[...]', why)}")
@@ -233,6 +245,7 @@ def main(argv: Sequence[str]) -> int:
         with open(FLAGS.json, "w") as f:
             json.dump({"profile": profile.to_json(), "options": vars(options),
                        "predictions": [p.to_json() for p in predictions],
+                       "ideal_bounds": [b.to_json() for b in ideals],
                        "deadlocks": [{"schedule": s, "workers": n, "bandwidth_bps": bw,
                                       "why": why} for s, n, bw, why in deadlocks]}, f, indent=1)
         print(f"wrote {FLAGS.json}")

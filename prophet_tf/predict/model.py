@@ -19,8 +19,8 @@ from prophet_tf.errors import ProphetError
 from prophet_tf.predict.profile import Profile
 
 __all__ = ["SCHEDULES", "FIXED_SCHEDULES", "PredictOptions", "Prediction", "PredictError",
-           "SimulatedDeadlock", "kernel_socket_buffer_cap", "parse_schedule", "predict",
-           "predict_many"]
+           "SimulatedDeadlock", "IdealBound", "kernel_socket_buffer_cap", "parse_schedule", "predict",
+           "predict_many", "ideal_bound"]
 
 #: The schedules the predictor knows: the runtime's policies with barrier crossing (their default)
 #: or without (``_nocross``), and TensorFlow's MultiWorkerMirroredStrategy as the baseline.
@@ -149,6 +149,42 @@ class Prediction:
         return data
 
 
+@dataclasses.dataclass
+class IdealBound:
+    """The best step time any schedule could reach on a setting (``ops/core/ideal_bound.h``;
+    docs/design.md, "The ideal bound"): the profile's compute, with every gradient's all-reduce
+    as a fluid on the pooled links, served in the order the next forward pass needs it, without
+    per-message costs or update times."""
+
+    workers: int
+    bandwidth_bps: float
+    step_s: float                 # the bound
+    compute_s: float              # the profile's step without any waiting
+    comm_s: float                 # every gradient's 2(N-1)/N share of the link, at the payload rate
+    wait_s: float                 # step_s - compute_s
+    binding_layer: Optional[str]  # the last layer whose gradients the bound waits for
+    layer_done_s: list[Optional[float]]  # per layer: its gradients all-reduced, from the backward start
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _call(entry: str, request: str, what: str) -> dict[str, Any]:
+    """Runs a C entry point of the predictor library on ``request``; its JSON answer."""
+    from prophet_tf._library import predict_api
+    api = predict_api()
+    result = ctypes.c_void_p()
+    code = getattr(api, entry)(request.encode(), ctypes.byref(result))
+    try:
+        text = ctypes.string_at(result.value).decode() if result.value else ""
+    finally:
+        api.prophet_predict_free(result)
+    if code != 0:
+        kind = SimulatedDeadlock if code == _FAILED_PRECONDITION else PredictError
+        raise kind(f"{what}: {text}")
+    return json.loads(text)
+
+
 def _ns(seconds: float) -> int:
     return int(round(seconds * 1e9))
 
@@ -207,8 +243,6 @@ def predict(profile: Profile, *, workers: int, bandwidth_bps: float, schedule: s
       SimulatedDeadlock: the runtime would stop for good in this setting.
       PredictError: bad arguments or a simulation that cannot run (the message says why).
     """
-    from prophet_tf._library import predict_api
-
     options = options or PredictOptions()
     if workers < 1:
         raise PredictError(f"workers must be at least 1, got {workers}")
@@ -220,17 +254,7 @@ def predict(profile: Profile, *, workers: int, bandwidth_bps: float, schedule: s
     profile.validate()
     request = _request(profile, workers, bandwidth_bps if workers > 1 else 1.0, schedule, options,
                        timeline_path, timeline_workers)
-    api = predict_api()
-    result = ctypes.c_void_p()
-    code = api.prophet_predict(request.encode(), ctypes.byref(result))
-    try:
-        text = ctypes.string_at(result.value).decode() if result.value else ""
-    finally:
-        api.prophet_predict_free(result)
-    if code != 0:
-        kind = SimulatedDeadlock if code == _FAILED_PRECONDITION else PredictError
-        raise kind(f"{schedule}, {workers} workers, {bandwidth_bps:g} bit/s: {text}")
-    data = json.loads(text)
+    data = _call("prophet_predict", request, f"{schedule}, {workers} workers, {bandwidth_bps:g} bit/s")
     times = [{k: (v if not isinstance(v, (int, float)) or v >= 0 else None) for k, v in t.items()}
              for t in data["tensor_times"]]
     return Prediction(schedule=schedule, workers=workers, bandwidth_bps=float(bandwidth_bps),
@@ -247,3 +271,30 @@ def predict_many(profile: Profile, *, workers: Sequence[int], bandwidths_bps: Se
     """:func:`predict` for every (bandwidth, workers, schedule), in that nesting order."""
     return [predict(profile, workers=n, bandwidth_bps=bw, schedule=s, options=options)
             for bw in bandwidths_bps for n in workers for s in schedules]
+
+
+def ideal_bound(profile: Profile, *, workers: int, bandwidth_bps: Optional[float],
+                options: Optional[PredictOptions] = None) -> IdealBound:
+    """The ideal bound of ``workers`` workers training with ``profile``'s step on links of
+    ``bandwidth_bps`` bit/s per host (None or 0 with one worker: no link). Uses the options'
+    ``payload_efficiency`` and ``latency_s`` (one way); the runtime's options play no part.
+
+    Raises:
+      PredictError: bad arguments (the message says which).
+    """
+    options = options or PredictOptions()
+    if workers < 1:
+        raise PredictError(f"workers must be at least 1, got {workers}")
+    if workers > 1 and not (bandwidth_bps and bandwidth_bps > 0 and math.isfinite(bandwidth_bps)):
+        raise PredictError(f"the link rate must be a positive number of bit/s, got {bandwidth_bps!r}")
+    profile.validate()
+    request = _request(profile, workers, bandwidth_bps if workers > 1 else 1.0, "prophet", options,
+                       None, 0)
+    data = _call("prophet_predict_ideal", request, f"ideal bound, {workers} workers, "
+                 f"{bandwidth_bps or 0:g} bit/s")
+    binding = data["binding_layer"]
+    return IdealBound(workers=workers, bandwidth_bps=float(bandwidth_bps or 0.0),
+                      step_s=data["step_s"], compute_s=data["compute_s"], comm_s=data["comm_s"],
+                      wait_s=data["wait_s"],
+                      binding_layer=profile.layers[binding].name if binding >= 0 else None,
+                      layer_done_s=list(data["done_s"]))
