@@ -1,5 +1,6 @@
-"""Tests of the training benchmark (prophet_tf/bench/train.py): the pure parts, plus one small
-end-to-end run on loopback (a tiny Transformer, 2 workers, mwms and prophet, a few steps)."""
+"""Tests of the training benchmark (prophet_tf/bench/train/): the pure parts (bounds, link rates,
+the systems' names, the JSON, table and CSV of a setting, the flags), plus small end-to-end runs
+on loopback (a tiny Transformer, 2 workers, a few steps)."""
 
 from __future__ import annotations
 
@@ -114,15 +115,126 @@ def test_format_bandwidth():
     assert format_bandwidth(64_000) == "64 kbit/s"
 
 
+# ---------------------------------------------------------------- systems and their variants
+
+def test_system_names_options_and_modifiers(monkeypatch):
+    from prophet_tf.bench.train import systems
+    plain = train.parse_system("prophet")
+    assert (plain.name, plain.schedule, plain.cross_barrier, plain.is_variant) == (
+        "prophet", "prophet", True, False)
+    assert train.parse_system("prophet_nocross").cross_barrier is False
+    assert train.parse_system("mwms").is_prophet is False
+    small = train.parse_system(" priority[socket_buffer_bytes=1048576, timeline_path=/tmp/x] ")
+    assert small.base == "priority" and small.is_variant
+    assert small.options == (("socket_buffer_bytes", 1048576), ("timeline_path", "/tmp/x"))
+    assert small.name == "priority[socket_buffer_bytes=1048576,timeline_path=/tmp/x]"
+    assert train.parse_system(small.name) == small                   # the name parses back
+    # a variant's own options win over --prophet_options
+    assert small.strategy_options({"socket_buffer_bytes": 4, "credit_bytes": 8}) == {
+        "socket_buffer_bytes": 1048576, "credit_bytes": 8, "timeline_path": "/tmp/x"}
+    assert train.parse_system('fifo[a=true,b=null,c="7",d=[1,2]]').options == (
+        ("a", True), ("b", None), ("c", "7"), ("d", [1, 2]))
+    # modifiers name bundles of options (issue 21 registers fp16/bf16 compression)
+    monkeypatch.setitem(systems.MODIFIERS, "bf16", {"compression": "bf16"})
+    bf16 = train.parse_system("prophet+bf16")
+    assert bf16.name == "prophet+bf16" and bf16.strategy_options() == {"compression": "bf16"}
+    for bad, why in (("lifo", "unknown base"), ("prophet+zip", "unknown modifier"),
+                     ("mwms[a=1]", "only ProphetStrategy"), ("prophet[]", "empty"),
+                     ("prophet[a]", "not KEY=VALUE"), ("prophet[a=1,a=2]", "twice"),
+                     ("prophet[schedule=fifo]", "sets the schedule"), ("Prophet", "expected")):
+        with pytest.raises(ValueError, match=why):
+            train.parse_system(bad)
+
+
+def test_systems_flag_keeps_variants_whole():
+    # absl's list flag cuts at every comma, also inside [...]: the pieces are put back together
+    cut = ["prophet", "prophet[socket_buffer_bytes=1048576", "partition_bytes=262144]", "fifo"]
+    assert [s.name for s in train.parse_systems(cut)] == [
+        "prophet", "prophet[socket_buffer_bytes=1048576,partition_bytes=262144]", "fifo"]
+    with pytest.raises(ValueError, match="given twice"):
+        train.parse_systems("prophet,priority,prophet")
+    opts = train.options_from_flags(_flags(compute="emulated", quick=True, systems=cut))
+    assert [s.name for s in opts.systems][1].startswith("prophet[")
+    with pytest.raises(ValueError, match="unknown base"):
+        train.options_from_flags(_flags(compute="emulated", quick=True, systems=["lifo"]))
+    st = make_setting("resnet50", 2, 1e9, 0.4, MB, 8,
+                      {"prophet": 0.5, "prophet[socket_buffer_bytes=1048576]": 0.45},
+                      compute="emulated")
+    assert list(st["results"]) == ["prophet", "prophet[socket_buffer_bytes=1048576]"]
+    validate_settings([json.loads(json.dumps(st))])
+    st["results"]["prophet[ socket_buffer_bytes=1048576]"] = st["results"].pop("prophet")
+    with pytest.raises(ValueError, match="canonical"):
+        validate_settings([st])
+
+
+# ---------------------------------------------------------------- the ideal bound
+
+def _two_layer_specs():
+    from prophet_tf.bench.emulated import LayerSpec, WeightSpec
+    # 1 GFLOP and 3 GFLOP per example; 250,000 and 1,000 float32 weights
+    return [LayerSpec("first", "Dense", (WeightSpec("kernel", (250_000,), "float32", True),), 1e9),
+            LayerSpec("second", "Dense", (WeightSpec("kernel", (1_000,), "float32", True),
+                                          WeightSpec("moving", (10,), "float32", False)), 3e9)]
+
+
+def test_ideal_bound_of_the_emulated_step():
+    from prophet_tf.bench.emulated import emulated_profile
+    # batch 10 at 100 TFLOP/s: forward 0.1 and 0.3 ms, backward 0.2 and 0.6 ms; x 10 time scale
+    profile = emulated_profile(_two_layer_specs(), batch=10, tflops=100.0, time_scale=10.0)
+    assert [(layer.name, round(layer.forward_s, 9), round(layer.backward_s, 9))
+            for layer in profile.layers] == [("first", 0.001, 0.002), ("second", 0.003, 0.006)]
+    by_name = {t.name: t for t in profile.tensors}
+    # backward runs last layer first: second's gradient at 6 ms, first's at 8 ms; the first
+    # layer's gradient is the most urgent
+    assert by_name["grad/second/kernel"].ready_s == pytest.approx(0.006)
+    assert by_name["grad/first/kernel"].ready_s == pytest.approx(0.008)
+    assert by_name["grad/first/kernel"].priority > by_name["grad/second/kernel"].priority
+    assert by_name["grad/first/kernel"].bytes == 1_000_000 and len(profile.tensors) == 2
+    assert profile.backward_s == pytest.approx(0.008)
+    # 2 workers at 8e8 bit/s with full payload: first's 1 MB take 10 ms, ready at 8 ms -> done at
+    # 18 ms; second's 4 kB are done at 6.04 ms. Next forward: first at 18, second at 19 (needs
+    # 6.04), next backward at 22 ms: a 22 ms period, compute 12 ms, naive bound max(12, 10.04).
+    b = train.ideal_bound(profile, 2, 8e8, payload_efficiency=1.0)
+    assert b.step_s == pytest.approx(0.022, abs=1e-9) and b.binding_layer == "first"
+    assert b.step_s >= lower_bound_s(0.012, 1_004_000, 2, 8e8)
+    # 4 workers move 1.5 x the bytes; headers (efficiency 0.5) double the link time
+    assert train.ideal_bound(profile, 4, 8e8, 1.0).step_s == pytest.approx(0.008 + 0.015 + 0.004,
+                                                                           abs=1e-9)
+    assert train.ideal_bound(profile, 2, 8e8, 0.5).step_s == pytest.approx(0.008 + 0.020 + 0.004,
+                                                                           abs=1e-9)
+    # unshaped: the compute
+    assert train.ideal_bound(profile, 2, None, 1.0).step_s == pytest.approx(0.012)
+
+
+def test_the_sweep_records_the_ideal_bound():
+    from prophet_tf.bench.train import sweep
+    specs = _two_layer_specs()
+    described = dict(sweep.describe_specs(specs, 10, 100.0), specs=specs)
+    opts = train.SweepOptions(models=["resnet50"], workers=[2], ratios=[1.0], systems=["prophet"],
+                              compute="emulated")
+    profile = sweep._step_profile(described, 10, opts, compute_s=0.012)   # time scale 10
+    ideal = sweep._ideal(profile, 2, 8e8, opts, 0.012)
+    from prophet_tf.bench.netem import TBF_FRAME_EFFICIENCY
+    assert ideal["payload_efficiency"] == TBF_FRAME_EFFICIENCY
+    assert ideal["step_s"] == pytest.approx(0.008 + 0.010 / TBF_FRAME_EFFICIENCY + 0.004)
+    assert ideal["binding_layer"] == "first" and ideal["per_layer"] == "accelerator"
+    st = make_setting("m", 2, 8e8, 0.012, 1_004_000, 10, {"prophet": 0.03}, compute="emulated",
+                      ideal_bound_s=ideal["step_s"], ideal=ideal)
+    assert st["results"]["prophet"]["ratio_to_ideal_bound"] == pytest.approx(0.03 / ideal["step_s"])
+    assert st["ideal"]["binding_layer"] == "first"
+    assert sweep._ideal(None, 2, 8e8, opts, 0.012) is None
+    assert sweep._ideal(None, 2, None, opts, 0.012)["step_s"] == 0.012      # unshaped
+
+
 # ---------------------------------------------------------------- settings, JSON, table, CSV
 
-def _setting(mwms=1.0, prophet=0.6, bw=800e6):
+def _setting(mwms=1.0, prophet=0.6, bw=800e6, ideal=0.55):
     return make_setting("vgg16", 2, bw, compute_s=0.5, gradient_bytes=50 * MB,
                         batch_per_worker=16,
                         step_s={"prophet": prophet, "prophet_nocross": 0.7, "priority": 0.65,
                                 "fifo": 0.8, "auto": 0.62, "mwms": mwms},
                         ratio=1.0, extra={"prophet": {"schedule_effective": "prophet"}},
-                        notes=["a note"])
+                        notes=["a note"], ideal_bound_s=ideal)
 
 
 def test_make_setting_derived_numbers():
@@ -139,6 +251,8 @@ def test_make_setting_derived_numbers():
     assert p["samples_per_s"] == pytest.approx(32 / 0.6)
     assert p["speedup_vs_mwms"] == pytest.approx(1.0 / 0.6)
     assert p["ratio_to_lower_bound"] == pytest.approx(1.2)
+    assert st["ideal_bound_s"] == pytest.approx(0.55)
+    assert p["ratio_to_ideal_bound"] == pytest.approx(0.6 / 0.55)
     assert p["schedule_effective"] == "prophet"
     assert st["results"]["mwms"]["speedup_vs_mwms"] == pytest.approx(1.0)
     assert list(st["results"]) == list(SYSTEMS)
@@ -148,7 +262,9 @@ def test_make_setting_failed_and_missing_systems():
     st = make_setting("transformer", 2, None, 0.2, MB, 8, {"prophet": None, "mwms": float("nan")})
     assert st["bandwidth_bps"] is None and st["comm_compute_ratio"] is None
     assert st["results"]["prophet"] == {"step_s_median": None, "samples_per_s": None,
-                                        "speedup_vs_mwms": None, "ratio_to_lower_bound": None}
+                                        "speedup_vs_mwms": None, "ratio_to_lower_bound": None,
+                                        "ratio_to_ideal_bound": None}
+    assert st["ideal_bound_s"] is None
     assert set(st["results"]) == {"prophet", "mwms"}
     # failed mwms: no speed-ups anywhere
     st = make_setting("vgg16", 2, 1e9, 0.2, MB, 8, {"prophet": 0.3, "mwms": None})
@@ -196,15 +312,16 @@ def test_format_markdown_table():
     text = format_markdown([_setting(), _setting(mwms=None, bw=400e6)])
     lines = text.strip().splitlines()
     assert lines[0].startswith("| model | N | batch | comm/comp | link |")
+    assert "| bound ms | ideal ms |" in lines[0] and lines[0].endswith("| step/bound | step/ideal |")
     assert set(lines[1].replace("|", "")) == {"-"}
     ncols = lines[0].count("|")
     assert all(line.count("|") == ncols for line in lines)
     assert len(lines) == 2 + 2 * len(SYSTEMS)
     first = [c.strip() for c in lines[2].strip("|").split("|")]
-    assert first[:8] == ["vgg16", "2", "32", "1", "800 Mbit/s", "500", "500", "prophet"]
-    assert first[8:] == ["600", "53.3", "1.67x", "1.20"]
+    assert first[:9] == ["vgg16", "2", "32", "1", "800 Mbit/s", "500", "500", "550", "prophet"]
+    assert first[9:] == ["600", "53.3", "1.67x", "1.20", "1.09"]
     second = [c.strip() for c in lines[3].strip("|").split("|")]
-    assert second[:7] == [""] * 7 and second[7] == "prophet_nocross"
+    assert second[:8] == [""] * 8 and second[8] == "prophet_nocross"
     # missing mwms in the second setting: n/a speed-ups
     assert "n/a" in lines[2 + len(SYSTEMS)]
 
@@ -219,7 +336,8 @@ def test_format_markdown_emulated_setting():
     row = [c.strip() for c in format_markdown([st]).splitlines()[2].strip("|").split("|")]
     assert row[4] == "1.97 Gbit/s (55.2 Gbit/s)"
     assert row[5] == "416 (alone 470)"
-    assert row[7] == "prophet (CPU-limited: cores 93% busy)"
+    assert row[7] == "n/a"                                  # no ideal bound known
+    assert row[8] == "prophet (CPU-limited: cores 93% busy)"
 
 
 def test_write_csv(tmp_path):
@@ -305,27 +423,32 @@ def test_options_for_emulated_compute():
     assert quick.compute == "emulated" and not quick.contended and quick.grid is None
     assert (quick.steps, quick.warmup) == (train.EMULATED_STEPS, train.EMULATED_WARMUP)
     # --quick: no auto and no retries unless asked for; the sweeps retry a disturbed launch once
-    assert quick.systems == list(train.QUICK_SYSTEMS) and quick.retries == 0
+    assert [s.name for s in quick.systems] == list(train.QUICK_SYSTEMS) and quick.retries == 0
     asked = train.options_from_flags(_flags(compute="emulated", quick=True, retries=2,
                                             systems=["prophet", "auto"]))
-    assert asked.systems == ["prophet", "auto"] and asked.retries == 2
+    assert [s.name for s in asked.systems] == ["prophet", "auto"] and asked.retries == 2
     default = train.options_from_flags(_flags(compute="emulated"))
     cells = train.sweep_cells(default)
     assert [m for m, _ in cells] == list(dict.fromkeys(m for m, _, _ in
                                                        train.EMULATED_DEFAULT_GRID))
     assert sum(len(runs) for _, runs in cells) == len(train.EMULATED_DEFAULT_GRID)
-    assert default.retries == 1 and default.systems == list(train.EMULATED_DEFAULT_SYSTEMS)
+    assert default.retries == 1
+    assert [s.name for s in default.systems] == list(train.EMULATED_DEFAULT_SYSTEMS)
+    # the default sweep: every model x N = 2, 4, 8 x comm/comp 0.5, 1, 2
+    assert sorted((m, n, r) for m, runs in cells for n, rs in runs for r in rs) == sorted(
+        (m, n, r) for m in ("resnet50", "vgg16", "bert_base") for n in (2, 4, 8)
+        for r in (0.5, 1.0, 2.0))
     full = train.options_from_flags(_flags(compute="emulated", full=True))
-    assert full.systems == list(train.SYSTEMS)
+    assert [s.name for s in full.systems] == list(train.SYSTEMS)
     cells = train.sweep_cells(full)
     assert [m for m, _ in cells] == list(train.EMULATED_DEFAULT_MODELS)
-    assert all(runs == [(n, train.EMULATED_RATIOS) for n in (2, 4, 8)] for _, runs in cells)
+    assert all(runs == [(n, train.EMULATED_FULL_RATIOS) for n in (2, 4, 8)] for _, runs in cells)
     # explicit choices replace the default grid
     mine = train.options_from_flags(_flags(compute="emulated", models=["vgg16"], workers=["4"]))
     assert train.sweep_cells(mine) == [("vgg16", [(4, train.EMULATED_RATIOS)])]
     real = train.options_from_flags(_flags())
     assert real.compute == "real" and real.contended and real.steps == 10
-    assert real.systems == list(train.SYSTEMS)
+    assert [s.name for s in real.systems] == list(train.SYSTEMS)
     assert train.sweep_cells(real) == [(m, [(2, train.DEFAULT_RATIOS)])
                                        for m in train.DEFAULT_MODELS]
 
@@ -336,18 +459,20 @@ def test_default_emulated_sweep_runs_mwms_only_at_comm_comp_1(monkeypatch, tmp_p
     assert train.options_from_flags(_flags(compute="emulated", systems=["mwms"])).mwms_ratios is None
     assert train.options_from_flags(_flags(compute="emulated", ratios=["2"])).mwms_ratios is None
     from prophet_tf.bench import netem
+    from prophet_tf.bench.train import sweep
     monkeypatch.setattr(netem.EmulatedCluster, "check_available", staticmethod(lambda: None))
-    monkeypatch.setattr(train, "_describe", lambda *a, **k: {
+    monkeypatch.setattr(sweep, "_describe", lambda *a, **k: {
         "gradient_bytes": 1e8, "accelerator_s": 0.015, "spec_path": "x"})
-    monkeypatch.setattr(train, "_emulation_facts", lambda *a, **k: {})
-    monkeypatch.setattr(train, "_write_outputs", lambda *a, **k: None)
-    monkeypatch.setattr(train, "available_memory_bytes", lambda: None)
+    monkeypatch.setattr(sweep, "_step_profile", lambda *a, **k: None)
+    monkeypatch.setattr(sweep, "_emulation_facts", lambda *a, **k: {})
+    monkeypatch.setattr(sweep, "write_outputs", lambda *a, **k: None)
+    monkeypatch.setattr(sweep, "available_memory_bytes", lambda: None)
     ran = []
 
     def fake_setting(model, n, cfg, batch, ratio, bw, compute_s, gbytes, systems, *rest):
-        ran.append((model, n, ratio, tuple(systems)))
+        ran.append((model, n, ratio, tuple(s.name for s in systems)))
         return {}
-    monkeypatch.setattr(train, "_run_setting", fake_setting)
+    monkeypatch.setattr(sweep, "_run_setting", fake_setting)
     train.run_sweep(opts)
     assert len(ran) == sum(len(r) for _, _, r in train.EMULATED_DEFAULT_GRID)
     for model, n, ratio, systems in ran:
@@ -428,8 +553,11 @@ def test_end_to_end_emulated_loopback_smoke(tmp_path):
     assert st["compute_s"] == pytest.approx(em["accelerator_s"])
     assert em["accelerator_s"] == pytest.approx(2 * em["modelled_accelerator_s"])
     assert st["compute_single"]["step_s_median"] > 0
+    # unshaped loopback: the ideal bound is the compute time
+    assert st["ideal_bound_s"] == st["compute_s"]
     for res in st["results"].values():
         assert res["step_s_median"] > 0
+        assert res["ratio_to_ideal_bound"] == pytest.approx(res["step_s_median"] / st["compute_s"])
     [spec_file] = (out / "specs").glob("transformer-*.json")
     specs = json.loads(spec_file.read_text())
     assert sum(len([w for w in s["weights"] if w["trainable"]]) for s in specs) == 20

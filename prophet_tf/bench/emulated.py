@@ -41,7 +41,8 @@ from typing import Any, Optional, Sequence
 
 __all__ = ["BACKWARD_FLOPS_FACTOR", "DEFAULT_ACCELERATOR_TFLOPS", "WeightSpec", "LayerSpec",
            "layer_flops", "layer_specs", "layer_times", "step_flops", "accelerator_step_s",
-           "specs_to_json", "specs_from_json", "load_or_make_specs", "emulated_compute",
+           "specs_to_json", "specs_from_json", "load_or_make_specs", "emulated_profile",
+           "emulated_compute",
            "EmulatedLayer", "build_emulated_model"]
 
 #: A layer's backward pass costs this many forward passes (input gradient + weight gradient).
@@ -216,6 +217,34 @@ def accelerator_step_s(specs: Sequence[LayerSpec], batch: int, tflops: float,
                        time_scale: float = 1.0) -> float:
     """Emulated compute time of one step: the sum of every layer's forward and backward time."""
     return sum(f + b for f, b in layer_times(specs, batch, tflops, time_scale))
+
+
+def emulated_profile(specs: Sequence[LayerSpec], batch: int, tflops: float,
+                     time_scale: float = 1.0, source: str = "") -> Any:
+    """The step of the emulated model as the predictor sees it (a
+    :class:`prophet_tf.predict.Profile`), exactly, without recording a run: every layer's forward
+    and backward times from :func:`layer_times`; the backward pass runs last layer first and each
+    layer's gradients are ready when its backward op ends; priorities are the strategy's (the
+    first layer's gradients most urgent); no update time, launch, tail or gap (what the CPU adds
+    is not part of the emulated accelerator)."""
+    import numpy as np
+
+    from prophet_tf.predict import Profile, ProfiledLayer, ProfiledTensor
+    times = layer_times(specs, batch, tflops, time_scale)
+    grads = [(s.name, w) for s in specs for w in s.weights if w.trainable]
+    priority = {(layer, w.name): len(grads) - i for i, (layer, w) in enumerate(grads)}
+    ready, at = {}, 0.0
+    for spec, (_, backward) in reversed(list(zip(specs, times))):
+        at += backward
+        ready[spec.name] = at
+    tensors = [ProfiledTensor(name=f"grad/{layer}/{w.name}",
+                              bytes=int(np.prod(w.shape, dtype=np.int64)) * np.dtype(w.dtype).itemsize,
+                              priority=priority[(layer, w.name)], ready_s=ready[layer], layer=layer,
+                              element_size=np.dtype(w.dtype).itemsize)
+               for layer, w in grads]
+    return Profile(layers=[ProfiledLayer(s.name, f, b) for s, (f, b) in zip(specs, times)],
+                   tensors=tensors, backward_s=at, forward="measured",
+                   source=source or f"emulated model ({len(specs)} layers)")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -42,13 +42,19 @@ from typing import Any, Optional, Sequence
 from prophet_tf.errors import ProphetError
 
 __all__ = ["EmulatedCluster", "LoopbackCluster", "NetemError", "NetemUnavailableError",
-           "cleanup_stale", "list_namespaces"]
+           "TBF_FRAME_EFFICIENCY", "cleanup_stale", "list_namespaces"]
 
 SUBNET_PREFIX = "10.77.0"   # hosts are SUBNET_PREFIX.1 ... SUBNET_PREFIX.N, /24
 HOST_IFACE = "eth0"
 _BRIDGE = "br0"
 _MAX_HOSTS = 250
 _ACTIVE_PREFIXES: set[str] = set()   # prefixes of clusters alive in this process
+#: Payload share of what tbf counts against a host's rate: a full TCP segment carries 1448 bytes
+#: (MTU 1500 - 20 IP - 32 TCP with timestamps) in a 1514-byte frame (+ 14 Ethernet; tbf counts
+#: the frame, GSO packets per segment). The acknowledgements of the other direction also pass
+#: the tbf, but how many there are (delayed ACKs, GRO) is not fixed, so this is the most any
+#: transfer can get: a single TCP stream through tbf at 1 Gbit/s measured 0.96 Gbit/s.
+TBF_FRAME_EFFICIENCY = 1448.0 / 1514.0
 _FIX = ("Run as root (e.g. `sudo -E python ...`) so that network namespaces and tc can be used, "
         "or use --loopback to run the workers on 127.0.0.x without bandwidth shaping.")
 

@@ -58,15 +58,18 @@ LINK_BUDGET_GBPS = 2.0
 #: TensorFlow workers; about 2 minutes on an idle 2-core machine, see docs/benchmarks.md).
 QUICK_SYSTEMS = ("prophet", "priority", "fifo")
 QUICK_STEPS, QUICK_WARMUP = 8, 4
-#: Prediction systems of the training benchmark's systems (the same names).
+#: The predictor's schedule of each base system of the training benchmark (the same names;
+#: ``auto`` has none: it runs one of the others).
 SYSTEM_SCHEDULES = {"prophet": "prophet", "prophet_nocross": "prophet_nocross",
                     "priority": "priority", "fifo": "fifo", "mwms": "mwms"}
 
 
-def predict_options(opts: "train.SweepOptions") -> Any:
-    """How the emulated cluster of ``opts`` is modelled (see the module docstring)."""
+def predict_options(opts: "train.SweepOptions", system: Optional["train.System"] = None) -> Any:
+    """How the emulated cluster of ``opts`` is modelled (see the module docstring), with the
+    runtime options of ``system`` (a variant's own over ``--prophet_options``)."""
     from prophet_tf.predict import PredictOptions, kernel_socket_buffer_cap
-    runtime = dict(opts.prophet_options)
+    runtime = (system.strategy_options(opts.prophet_options) if system is not None
+               else dict(opts.prophet_options))
     options = PredictOptions(ingress_limited=False, payload_efficiency=TBF_PAYLOAD_EFFICIENCY,
                              apply_threads=opts.inter_threads, warmup_steps=opts.warmup,
                              steps=opts.steps)
@@ -93,7 +96,8 @@ def record_profiles(setting: Mapping[str, Any], opts: "train.SweepOptions", dire
     paths, procs = [], []
     for i in range(int(setting["workers"])):
         path = os.path.join(directory, f"{model}_n{setting['workers']}_worker{i}.json")
-        worker = train.worker_config("prophet", cfg.to_dict(), batch, opts, _worker_emulation(emulation))
+        worker = train.worker_config("prophet", cfg.to_dict(), batch, opts,
+                                     _worker_emulation(emulation))
         worker["prophet_options"] = dict(worker.get("prophet_options") or {}, profile_path=path)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             p for p in (train.repo_root(), os.environ.get("PYTHONPATH")) if p),
@@ -132,20 +136,21 @@ def _worker_emulation(facts: Mapping[str, Any]) -> Optional[dict[str, Any]]:
             "time_scale": facts["time_scale"], "spec_path": facts["spec_path"]}
 
 
-def predict_setting(setting: Mapping[str, Any], profile: Any, options: Any,
+def predict_setting(setting: Mapping[str, Any], profile: Any, opts: "train.SweepOptions",
                     systems: Sequence[str]) -> dict[str, Optional[float]]:
     """Predicted step time of every system of ``setting`` (None: the simulated runtime
-    deadlocked; the reason is logged)."""
+    deadlocked; the reason is logged), each with its own runtime options."""
     from prophet_tf.predict import SimulatedDeadlock, predict
     out: dict[str, Optional[float]] = {}
     for system in systems:
-        schedule = SYSTEM_SCHEDULES.get(system)
+        spec = train.parse_system(system)
+        schedule = SYSTEM_SCHEDULES.get(spec.base)
         if schedule is None:
             continue
         try:
             out[system] = predict(profile, workers=int(setting["workers"]),
                                   bandwidth_bps=float(setting["bandwidth_bps"]), schedule=schedule,
-                                  options=options).step_s
+                                  options=predict_options(opts, spec)).step_s
         except SimulatedDeadlock as e:
             sys.stderr.write(f"  predicted deadlock: {e}\n")
             out[system] = None
@@ -220,7 +225,6 @@ def _rows_for(settings: Sequence[Mapping[str, Any]], opts: "train.SweepOptions",
               ) -> tuple[list[dict], list[str]]:
     """Records a profile per (model, workers, time scale), predicts every setting."""
     from prophet_tf.predict import load_profile
-    options = predict_options(opts)
     profiles: dict[tuple, Any] = {}
     rows: list[dict] = []
     notes: list[str] = []
@@ -240,13 +244,13 @@ def _rows_for(settings: Sequence[Mapping[str, Any]], opts: "train.SweepOptions",
             else:
                 p = profiles[key]
                 print(f"    {p.step_s * 1e3:.0f} ms/step on one worker ({p.forward} forward "
-                      f"times), {train._launch_text(time.monotonic() - t0, recorded[0][1])}",
+                      f"times), {train.launch_text(time.monotonic() - t0, recorded[0][1])}",
                       flush=True)
                 notes.extend(n for n in p.notes if n not in notes)
         profile = profiles[key]
-        predicted = predict_setting(st, profile, options, list(st["results"])) if profile else {}
+        predicted = predict_setting(st, profile, opts, list(st["results"])) if profile else {}
         for system, res in st["results"].items():
-            if system not in SYSTEM_SCHEDULES:
+            if train.parse_system(system).base not in SYSTEM_SCHEDULES:
                 continue
             foreign = res.get("foreign_cores")
             rows.append({"compute": st.get("compute", opts.compute), "model": st["model"],
@@ -279,7 +283,7 @@ def auto_lines(settings: Sequence[Mapping[str, Any]]) -> list[str]:
 
 def _define_flags() -> None:
     from absl import flags
-    train._define_flags()
+    train.define_flags()
     flags.DEFINE_list("modes", ["emulated", "real"], "Compute modes to validate (the training "
                       "benchmark's --compute); --quick: emulated.")
 
