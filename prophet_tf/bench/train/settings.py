@@ -4,6 +4,7 @@ scale, and the JSON object each setting becomes (pure functions, unit-tested).""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -21,7 +22,7 @@ __all__ = [
     "comm_bytes", "comm_time_s", "lower_bound_s", "ideal_bound", "choose_bandwidth",
     "choose_bandwidths", "emulated_time_scale", "step_periods", "median", "make_setting",
     "finite", "validate_settings", "json_safe", "write_json", "SweepOptions", "default_batch",
-    "sweep_cells", "worker_memory_bytes", "available_memory_bytes",
+    "sweep_cells", "spec_path", "worker_memory_bytes", "available_memory_bytes",
 ]
 
 DEFAULT_MODELS = ("vgg16", "transformer")
@@ -355,6 +356,13 @@ def sweep_cells(opts: SweepOptions) -> list[tuple[str, list[tuple[int, tuple[flo
             by_model.setdefault(model, []).append((int(n), tuple(float(r) for r in ratios)))
         return list(by_model.items())
     return [(m, [(n, tuple(opts.ratios)) for n in opts.workers]) for m in opts.models]
+
+
+def spec_path(out: str, model: str, cfg: Any) -> str:
+    """Where the layer specs of ``model`` with configuration ``cfg`` (a ``ModelConfig``) are kept
+    below the output directory ``out``: built once, shared by every run that uses that ``out``."""
+    key = hashlib.sha1(json.dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
+    return os.path.abspath(os.path.join(out, "specs", f"{model}-{key}.json"))
 
 
 # ------------------------------------------------------------------------------------------------

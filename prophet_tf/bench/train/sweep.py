@@ -6,7 +6,6 @@ that the report (:mod:`prophet_tf.bench.train.report`) writes."""
 from __future__ import annotations
 
 import datetime
-import hashlib
 import io
 import json
 import math
@@ -24,7 +23,7 @@ from prophet_tf.bench.train.report import (format_bandwidth, launch_text, noise_
 from prophet_tf.bench.train.settings import (NETNS_PREFIX, SweepOptions, available_memory_bytes,
                                              choose_bandwidths, default_batch,
                                              emulated_time_scale, ideal_bound, lower_bound_s,
-                                             make_setting, median, sweep_cells,
+                                             make_setting, median, spec_path, sweep_cells,
                                              worker_memory_bytes)
 from prophet_tf.bench.train.systems import System, parse_system
 
@@ -475,12 +474,11 @@ def _describe(model: str, cfg: Any, batch: int, opts: SweepOptions,
     orchestrator needs from them (gradient bytes, accelerator time, the specs for the ideal
     bound). Emulated compute runs these layers; real compute uses them for the ideal bound."""
     from prophet_tf.bench import emulated
-    key = hashlib.sha1(json.dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
-    spec_path = os.path.abspath(os.path.join(opts.out, "specs", f"{model}-{key}.json"))
+    path = spec_path(opts.out, model, cfg)
     progress.start(f"{model}: layer specs from the real model (variables, FLOPs)")
-    if not os.path.exists(spec_path):
+    if not os.path.exists(path):
         task = {"compute": opts.compute, "accelerator_tflops": opts.accelerator_tflops,
-                "time_scale": 1.0, "spec_path": spec_path}
+                "time_scale": 1.0, "spec_path": path}
         try:
             _launch_system("specs", 1, None, cfg.to_dict(), batch, opts, opts.launch_timeout,
                            f"{model}_specs", task)
@@ -488,9 +486,9 @@ def _describe(model: str, cfg: Any, batch: int, opts: SweepOptions,
             progress.finish("FAILED")
             sys.stderr.write(f"{e}\n")
             return None
-    with open(spec_path) as f:
+    with open(path) as f:
         specs = emulated.specs_from_json(f.read())
-    info = dict(describe_specs(specs, batch, opts.accelerator_tflops), spec_path=spec_path,
+    info = dict(describe_specs(specs, batch, opts.accelerator_tflops), spec_path=path,
                 specs=specs)
     progress.finish(f"{info['params'] / 1e6:.1f}M parameters in {info['num_gradients']} tensors "
                     f"({info['gradient_bytes'] / 1e6:.1f} MB of gradients), {info['layers']} "

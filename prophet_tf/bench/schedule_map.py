@@ -1,0 +1,334 @@
+"""Where Prophet's blocks beat priority order, and by how much: a map made by the predictor.
+
+    python -m prophet_tf.bench.schedule_map [--models resnet50,vgg16,bert_base]
+        [--workers 2,4,8,16] [--bandwidth 1G,2.5G,10G,25G,100G] [--rtt 50us,200us,1ms,3ms,10ms]
+        [--accelerator_tflops 100] [--out bench_out] [--prophet_options JSON]
+
+This machine's kernel has no ``sch_netem``, so the emulated cluster cannot add delay; the
+predictor (``prophet_tf.predict``: the runtime's own policies replayed over a model of the
+links) can. For every model, worker count N, link rate and round-trip time it predicts the step
+time of ``prophet`` and ``priority`` (both crossing the barrier, the runtime's default options or
+``--prophet_options``) and the ideal bound (docs/design.md, "The ideal bound"), and reports
+``priority / prophet`` (above 1: Prophet's blocks are faster) and each one's step over the ideal.
+
+The modelled cluster: each worker's step is the emulated accelerator's (``--accelerator_tflops``,
+default 100 TFLOP/s; layer times from FLOPs, backward = 2 x forward, each layer's gradients ready
+when its backward pass ends; :func:`prophet_tf.bench.emulated.emulated_profile`) with the
+benchmark's per-worker batch; every host has one NIC limited to the link rate both ways; TCP over
+Ethernet carries 1448 payload bytes per 1538 on the wire; a frame arrives one one-way latency
+(RTT / 2) after its last byte left, so a push's credit returns one RTT after it was sent at the
+earliest; updates take no time. Not modelled: TCP's congestion window (the kernel's send window is
+assumed to cover the bandwidth-delay product), the host CPU.
+
+The layer specs are built once per model from the real Keras model (one TensorFlow process) and
+kept in ``OUT/specs/`` (shared with ``python -m prophet_tf.bench.train --out OUT``). Outputs in
+``OUT/schedule_map/``: ``map.md`` (a table per model: rows N x link rate, columns RTT), ``map.json``
+(every prediction) and ``map.png`` (a heat map of priority / prophet per model and N).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Optional, Sequence
+
+__all__ = ["MapPoint", "map_points", "format_tables", "summary_lines", "plot", "main"]
+
+DEFAULT_MODELS = ("resnet50", "vgg16", "bert_base")
+DEFAULT_WORKERS = ("2", "4", "8", "16")
+DEFAULT_BANDWIDTHS = ("1G", "2.5G", "10G", "25G", "100G")
+DEFAULT_RTTS = ("50us", "200us", "1ms", "3ms", "10ms")
+SCHEDULES = ("prophet", "priority")
+#: Prophet counts as faster (or slower) than priority beyond this relative difference.
+MARGIN = 0.02
+
+
+@dataclasses.dataclass
+class MapPoint:
+    """One setting of the map: the predicted step of each schedule (None: the simulated runtime
+    deadlocked) and the ideal bound."""
+
+    model: str
+    workers: int
+    bandwidth_bps: float
+    rtt_s: float
+    compute_s: float
+    ideal_s: float
+    step_s: dict[str, Optional[float]]
+
+    @property
+    def speedup(self) -> Optional[float]:
+        """priority / prophet: above 1, Prophet's blocks are faster."""
+        prophet, priority = self.step_s.get("prophet"), self.step_s.get("priority")
+        return priority / prophet if prophet and priority else None
+
+    def over_ideal(self, schedule: str) -> Optional[float]:
+        s = self.step_s.get(schedule)
+        return s / self.ideal_s if s and self.ideal_s > 0 else None
+
+    def to_json(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["speedup_prophet_over_priority"] = self.speedup
+        data["over_ideal"] = {s: self.over_ideal(s) for s in self.step_s}
+        return data
+
+
+def map_points(profiles: dict[str, Any], workers: Sequence[int], bandwidths: Sequence[float],
+               rtts: Sequence[float], options: Any, threads: int = 0,
+               progress: Any = None) -> list[MapPoint]:
+    """Predicts every (model, N, link rate, RTT) of the map; ``profiles``: model -> Profile,
+    ``options``: the :class:`prophet_tf.predict.PredictOptions` apart from the latency. The
+    simulations run on ``threads`` threads (0: one per core; ctypes releases the GIL)."""
+    from prophet_tf.predict import SimulatedDeadlock, ideal_bound, predict
+    cells = [(m, n, bw, rtt) for m in profiles for n in workers for bw in bandwidths for rtt in rtts]
+
+    def one(cell: tuple[str, int, float, float]) -> MapPoint:
+        model, n, bw, rtt = cell
+        opts = dataclasses.replace(options, latency_s=rtt / 2)
+        steps: dict[str, Optional[float]] = {}
+        for schedule in SCHEDULES:
+            try:
+                steps[schedule] = predict(profiles[model], workers=n, bandwidth_bps=bw,
+                                          schedule=schedule, options=opts).step_s
+            except SimulatedDeadlock:
+                steps[schedule] = None
+        b = ideal_bound(profiles[model], workers=n, bandwidth_bps=bw, options=opts)
+        if progress is not None:
+            progress(cell)
+        return MapPoint(model, n, bw, rtt, b.compute_s, b.step_s, steps)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=threads or os.cpu_count() or 1) as pool:
+        return list(pool.map(one, cells))
+
+
+def _rate(bps: float) -> str:
+    from prophet_tf.predict.__main__ import format_rate
+    return format_rate(bps)
+
+
+def _duration(s: float) -> str:
+    return f"{s * 1e3:g} ms" if s >= 1e-3 else f"{s * 1e6:g} us"
+
+
+def format_tables(points: Sequence[MapPoint]) -> str:
+    """Markdown, one table per model: a row per (N, link rate), a column per RTT; each cell is
+    priority / prophet (bold when Prophet is faster by more than :data:`MARGIN`) and, in
+    parentheses, prophet's step over the ideal bound."""
+    out = []
+    for model in dict.fromkeys(p.model for p in points):
+        mine = [p for p in points if p.model == model]
+        rtts = sorted({p.rtt_s for p in mine})
+        out.append(f"**{model}** (compute {mine[0].compute_s * 1e3:.1f} ms per step)\n")
+        out.append("| N | link | " + " | ".join(f"RTT {_duration(r)}" for r in rtts) + " |")
+        out.append("|---|---|" + "---|" * len(rtts))
+        for n, bw in sorted({(p.workers, p.bandwidth_bps) for p in mine}):
+            cells = []
+            for r in rtts:
+                p = next(q for q in mine if (q.workers, q.bandwidth_bps, q.rtt_s) == (n, bw, r))
+                cells.append(_cell(p))
+            out.append(f"| {n} | {_rate(bw)} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def _cell(p: MapPoint) -> str:
+    if p.speedup is None:
+        stuck = [s for s, v in p.step_s.items() if v is None]
+        return "deadlock: " + ", ".join(stuck)
+    text = f"{p.speedup:.2f}"
+    if p.speedup > 1 + MARGIN:
+        text = f"**{text}**"
+    return f"{text} ({p.over_ideal('prophet'):.2f})"
+
+
+def summary_lines(points: Sequence[MapPoint]) -> list[str]:
+    """What the map says, in a few lines: how often and where Prophet is faster or slower than
+    priority beyond :data:`MARGIN`, the largest gains, and how far both stay from the ideal."""
+    ok = [p for p in points if p.speedup is not None]
+    lines = [f"{len(points)} settings, {len(points) - len(ok)} with a simulated deadlock"]
+    if not ok:
+        return lines
+    faster = [p for p in ok if p.speedup > 1 + MARGIN]
+    slower = [p for p in ok if p.speedup < 1 - MARGIN]
+    lines.append(f"prophet faster than priority by more than {MARGIN:.0%}: {len(faster)} of "
+                 f"{len(ok)}; slower by more than {MARGIN:.0%}: {len(slower)}; within: "
+                 f"{len(ok) - len(faster) - len(slower)}")
+    for p in sorted(ok, key=lambda q: -q.speedup)[:5]:
+        lines.append(f"  largest gain {p.speedup:.2f}x: {p.model}, N={p.workers}, "
+                     f"{_rate(p.bandwidth_bps)}, RTT {_duration(p.rtt_s)} (prophet "
+                     f"{p.over_ideal('prophet'):.2f}, priority {p.over_ideal('priority'):.2f} x "
+                     "the ideal)")
+    for p in sorted(ok, key=lambda q: q.speedup)[:3]:
+        if p.speedup < 1 - MARGIN:
+            lines.append(f"  largest loss {p.speedup:.2f}x: {p.model}, N={p.workers}, "
+                         f"{_rate(p.bandwidth_bps)}, RTT {_duration(p.rtt_s)}")
+    for model in dict.fromkeys(p.model for p in ok):
+        mine = [p for p in ok if p.model == model]
+        best = [min(p.over_ideal("prophet"), p.over_ideal("priority")) for p in mine]
+        lines.append(f"{model}: the better schedule within 1.05x of the ideal in "
+                     f"{sum(b <= 1.05 for b in best)} of {len(mine)} settings (median "
+                     f"{sorted(best)[len(best) // 2]:.2f}x, worst {max(best):.2f}x)")
+    return lines
+
+
+def plot(points: Sequence[MapPoint], path: str, title: str = "") -> None:
+    """Heat maps of priority / prophet: a row of panels per model, a panel per N; link rate
+    against RTT, red where Prophet is faster, blue where priority is."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import TwoSlopeNorm
+
+    models = list(dict.fromkeys(p.model for p in points))
+    workers = sorted({p.workers for p in points})
+    rtts = sorted({p.rtt_s for p in points})
+    bws = sorted({p.bandwidth_bps for p in points})
+    values = [p.speedup for p in points if p.speedup is not None]
+    spread = max([abs(v - 1) for v in values] + [0.05])
+    norm = TwoSlopeNorm(vmin=1 - spread, vcenter=1.0, vmax=1 + spread)
+    fig, axes = plt.subplots(len(models), len(workers), squeeze=False,
+                             figsize=(2.9 * len(workers) + 1, 2.5 * len(models) + 0.8))
+    image = None
+    for i, model in enumerate(models):
+        for j, n in enumerate(workers):
+            ax = axes[i][j]
+            grid = [[math.nan] * len(rtts) for _ in bws]
+            for p in points:
+                if p.model == model and p.workers == n and p.speedup is not None:
+                    grid[bws.index(p.bandwidth_bps)][rtts.index(p.rtt_s)] = p.speedup
+            image = ax.imshow(grid, origin="lower", cmap="RdBu_r", norm=norm, aspect="auto")
+            for y, row in enumerate(grid):
+                for x, v in enumerate(row):
+                    dark = not math.isnan(v) and abs(v - 1) > 0.6 * spread
+                    ax.text(x, y, "dl" if math.isnan(v) else f"{v:.2f}", ha="center",
+                            va="center", fontsize=6.5, color="white" if dark else "black")
+            ax.set_xticks(range(len(rtts)))
+            ax.set_xticklabels([_duration(r).replace(" ", "") for r in rtts], fontsize=6.5)
+            ax.set_yticks(range(len(bws)))
+            ax.set_yticklabels([_rate(b).replace(" ", "").replace("bit/s", "")
+                                for b in bws], fontsize=6.5)
+            ax.set_title(f"{model}, N={n}", fontsize=8)
+            if i == len(models) - 1:
+                ax.set_xlabel("round trip", fontsize=7)
+            if j == 0:
+                ax.set_ylabel("link", fontsize=7)
+    if image is not None:
+        fig.colorbar(image, ax=axes, shrink=0.6, label="priority / prophet step (>1: prophet faster)")
+    fig.suptitle(title or "predicted step time, priority / prophet", fontsize=9)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def _profiles(models: Sequence[str], out: str, tflops: float, batch: Optional[int]) -> dict:
+    """model -> the emulated step (layer specs built once per model and kept in OUT/specs)."""
+    from prophet_tf.bench import emulated
+    from prophet_tf.bench import models as models_mod
+    from prophet_tf.bench.train import default_batch, spec_path
+    profiles = {}
+    for model in models:
+        cfg = models_mod.config_for(model, "emulated")
+        path = spec_path(out, model, cfg)
+        t0 = time.monotonic()
+        specs = emulated.load_or_make_specs(path, lambda: models_mod.build_model(cfg))
+        b = batch or default_batch(model, "emulated")
+        profiles[model] = emulated.emulated_profile(specs, b, tflops, 1.0, source=f"{model} "
+                                                    f"(emulated, batch {b}, {tflops:g} TFLOP/s)")
+        p = profiles[model]
+        print(f"{model}: {len(p.layers)} layers, {len(p.tensors)} gradients "
+              f"({p.gradient_bytes / 1e6:.1f} MB), {p.step_s * 1e3:.1f} ms of compute per step "
+              f"at batch {b} ({time.monotonic() - t0:.0f} s)", flush=True)
+    return profiles
+
+
+def _define_flags() -> None:
+    from absl import flags
+    flags.DEFINE_list("models", list(DEFAULT_MODELS), "Models (prophet_tf/bench/models.py).")
+    flags.DEFINE_list("workers", list(DEFAULT_WORKERS), "Worker counts.")
+    flags.DEFINE_list("bandwidth", list(DEFAULT_BANDWIDTHS), "Link rates per host and direction.")
+    flags.DEFINE_list("rtt", list(DEFAULT_RTTS), "Round-trip times (one-way latency = RTT / 2).")
+    flags.DEFINE_float("accelerator_tflops", 100.0, "The emulated accelerator's TFLOP/s.")
+    flags.DEFINE_integer("batch", None, "Per-worker batch (default: the training benchmark's).")
+    flags.DEFINE_string("prophet_options", "{}", "JSON of runtime options for both schedules "
+                        "(partition_bytes, credit_bytes, socket_buffer_bytes).")
+    flags.DEFINE_integer("steps", 10, "Measured simulated steps per setting (median).")
+    flags.DEFINE_integer("warmup", 5, "Simulated steps before those.")
+    flags.DEFINE_integer("threads", 0, "Simulations at once (0: one per core).")
+    flags.DEFINE_string("out", "bench_out", "Output directory (the map goes to OUT/schedule_map).")
+
+
+def main(argv: Sequence[str]) -> int:
+    """Entry point (after absl parsed the flags)."""
+    from absl import flags
+
+    from prophet_tf.bench.models import MODEL_NAMES
+    from prophet_tf.predict import PredictOptions
+    from prophet_tf.predict.__main__ import parse_duration, parse_rate
+    FLAGS = flags.FLAGS
+    if len(argv) > 1:
+        print(f"unexpected arguments: {' '.join(argv[1:])}", file=sys.stderr)
+        return 2
+    try:
+        bad = [m for m in FLAGS.models if m not in MODEL_NAMES]
+        if bad:
+            raise ValueError(f"unknown model(s) {bad}; choose from {', '.join(MODEL_NAMES)}")
+        workers = [int(w) for w in FLAGS.workers]
+        if any(n < 2 for n in workers):
+            raise ValueError(f"--workers must be at least 2, got {FLAGS.workers}")
+        bandwidths = [parse_rate(b) for b in FLAGS.bandwidth]
+        rtts = [parse_duration(r) for r in FLAGS.rtt]
+        runtime = json.loads(FLAGS.prophet_options or "{}")
+        if not isinstance(runtime, dict):
+            raise ValueError("--prophet_options must be a JSON object")
+        options = PredictOptions(steps=FLAGS.steps, warmup_steps=FLAGS.warmup)
+        for key, value in runtime.items():
+            if key not in ("partition_bytes", "credit_bytes", "socket_buffer_bytes",
+                           "replan_threshold"):
+                raise ValueError(f"--prophet_options: {key!r} is not modelled by the predictor")
+            setattr(options, key, type(getattr(options, key))(value))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = os.path.join(FLAGS.out, "schedule_map")
+    os.makedirs(out, exist_ok=True)
+    t0 = time.monotonic()
+    profiles = _profiles(FLAGS.models, FLAGS.out, FLAGS.accelerator_tflops, FLAGS.batch)
+    total = len(profiles) * len(workers) * len(bandwidths) * len(rtts)
+    done = [0]
+
+    def progress(cell: tuple) -> None:
+        done[0] += 1
+        if done[0] % max(1, total // 20) == 0 or done[0] == total:
+            print(f"  {done[0]}/{total} settings predicted ({time.monotonic() - t0:.0f} s)",
+                  flush=True)
+
+    print(f"predicting {total} settings x {len(SCHEDULES)} schedules (+ the ideal bound) ...",
+          flush=True)
+    points = map_points(profiles, workers, bandwidths, rtts, options, FLAGS.threads, progress)
+    tables = format_tables(points)
+    summary = summary_lines(points)
+    command = " ".join(["python -m prophet_tf.bench.schedule_map", *sys.argv[1:]])
+    with open(os.path.join(out, "map.md"), "w") as f:
+        f.write(f"# priority / prophet, predicted ({command})\n\nEach cell: priority's step over "
+                f"prophet's (bold: prophet faster by more than {MARGIN:.0%}) and, in "
+                "parentheses, prophet's step over the ideal bound.\n\n" + tables + "\n"
+                + "\n".join(summary) + "\n")
+    with open(os.path.join(out, "map.json"), "w") as f:
+        json.dump({"command": command, "options": dataclasses.asdict(options),
+                   "points": [p.to_json() for p in points], "summary": summary}, f, indent=1)
+    plot(points, os.path.join(out, "map.png"))
+    print()
+    print(tables)
+    print("\n".join(summary))
+    print(f"\ndone in {time.monotonic() - t0:.0f} s; {out}/ (map.md, map.json, map.png)")
+    return 0
+
+
+if __name__ == "__main__":
+    from absl import app
+    _define_flags()
+    app.run(main)
