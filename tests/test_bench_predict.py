@@ -33,9 +33,13 @@ def test_the_emulated_cluster_is_modelled_as_shaped():
                               inter_threads=3, prophet_options={"credit_bytes": 1 << 20})
     options = bench_predict.predict_options(opts)
     assert not options.ingress_limited  # tbf shapes each host's egress only
-    assert options.payload_efficiency == pytest.approx(1448 / 1547)
+    assert options.payload_efficiency == pytest.approx(1448 / 1514)
     assert options.apply_threads == 3 and options.credit_bytes == 1 << 20
     assert (options.steps, options.warmup_steps) == (opts.steps, opts.warmup)
+    # a variant's own options over --prophet_options
+    variant = train.parse_system("priority[credit_bytes=4096,socket_buffer_bytes=65536]")
+    options = bench_predict.predict_options(opts, variant)
+    assert options.credit_bytes == 4096 and options.socket_buffer_bytes == 65536
 
 
 def test_auto_against_the_best_fixed_schedule():
@@ -45,3 +49,17 @@ def test_auto_against_the_best_fixed_schedule():
     (line,) = bench_predict.auto_lines([setting])
     assert line.startswith("auto vs best fixed (priority): 1.025") and "auto ran priority" in line
     assert bench_predict.auto_lines([{"results": {"prophet": {"step_s_median": 1.0}}}]) == []
+
+
+def test_measured_settings_bring_their_run_options():
+    opts = train.SweepOptions(models=["resnet50"], workers=[2], ratios=[1.0], systems=["prophet"])
+    run = {"steps": 12, "warmup": 3, "intra_threads": 1, "inter_threads": 4,
+           "prophet_options": {"socket_buffer_bytes": 1 << 20}}
+    bench_predict._use_run_facts(opts, [{"run": run}, {"run": dict(run)}])
+    assert (opts.steps, opts.warmup, opts.inter_threads) == (12, 3, 4)
+    assert bench_predict.predict_options(opts).socket_buffer_bytes == 1 << 20
+    with pytest.raises(ValueError, match="different options"):
+        bench_predict._use_run_facts(opts, [{"run": run}, {"run": dict(run, steps=5)}])
+    before = (opts.steps, opts.inter_threads)
+    bench_predict._use_run_facts(opts, [{"model": "resnet50"}])    # an older results.json
+    assert (opts.steps, opts.inter_threads) == before

@@ -51,9 +51,10 @@ _MAX_HOSTS = 250
 _ACTIVE_PREFIXES: set[str] = set()   # prefixes of clusters alive in this process
 #: Payload share of what tbf counts against a host's rate: a full TCP segment carries 1448 bytes
 #: (MTU 1500 - 20 IP - 32 TCP with timestamps) in a 1514-byte frame (+ 14 Ethernet; tbf counts
-#: the frame, GSO packets per segment). The acknowledgements of the other direction also pass
-#: the tbf, but how many there are (delayed ACKs, GRO) is not fixed, so this is the most any
-#: transfer can get: a single TCP stream through tbf at 1 Gbit/s measured 0.96 Gbit/s.
+#: the frame, GSO packets per segment). The acknowledgements of the other direction pass the same
+#: tbf but are too few to count (GRO acknowledges many segments at once): a single TCP stream
+#: through tbf at 1 Gbit/s measured 0.96 Gbit/s, and a ResNet50 all-reduce at 983 Mbit/s needs at
+#: least 0.951 of the rate for its measured 876 ms steps (docs/benchmarks.md).
 TBF_FRAME_EFFICIENCY = 1448.0 / 1514.0
 _FIX = ("Run as root (e.g. `sudo -E python ...`) so that network namespaces and tc can be used, "
         "or use --loopback to run the workers on 127.0.0.x without bandwidth shaping.")

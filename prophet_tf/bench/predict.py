@@ -2,6 +2,7 @@
 
     python -m prophet_tf.bench.predict [--quick] [--modes emulated,real] [--out bench_out]
         [any flag of python -m prophet_tf.bench.train]
+    python -m prophet_tf.bench.predict --measured bench_out/results.json [--out bench_out]
 
 For each compute mode (``--modes``; ``--quick``: emulated only) this runs the settings of
 ``python -m prophet_tf.bench.train`` with the same flags (its default sweep of that mode, or
@@ -18,10 +19,15 @@ setting:
    the framework, the updates); worker 0's profile is used;
 3. **predicted**: ``prophet_tf.predict`` for every system at the setting's link rate (the tc
    rate), modelling the emulated cluster: only egress is shaped (``tbf`` on each host's NIC,
-   nothing limits what a host receives), TCP over tbf carries 1448 payload bytes per 1514 on the
-   wire plus one 66-byte ACK per two segments going the other way, TensorFlow runs updates on
+   nothing limits what a host receives), TCP over tbf carries 1448 payload bytes per 1514 that
+   tbf counts (``netem.TBF_FRAME_EFFICIENCY``; the acknowledgements going the other way are too
+   few to count: GRO acknowledges many segments at once), TensorFlow runs updates on
    ``--inter_threads`` threads, and each socket commits what this machine's kernel lets it hold
    (twice the runtime's socket buffer, capped at ``net.core.wmem_max``).
+
+``--measured RESULTS.json`` skips step 1: it predicts the settings that a run of ``python -m
+prophet_tf.bench.train`` measured (its ``results.json``, e.g. the default sweep's), recording the
+profiles with that run's time scales, batches and options.
 
 It prints predicted vs measured per setting and system, then ``prediction error: median X%,
 max Y%`` (absolute relative error over every setting and system). With an ``auto`` system in the
@@ -33,7 +39,6 @@ measured), plus the training benchmark's own outputs per mode and the recorded p
 from __future__ import annotations
 
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -43,12 +48,9 @@ from typing import Any, Mapping, Optional, Sequence
 
 from prophet_tf.bench import train
 
-__all__ = ["TBF_PAYLOAD_EFFICIENCY", "predict_options", "record_profiles", "predict_setting",
+__all__ = ["predict_options", "record_profiles", "predict_setting",
            "errors", "format_table", "summary_line", "plot", "main"]
 
-#: TCP over tbf: 1448 payload bytes per 1514-byte frame (MTU 1500 + Ethernet header; tbf counts
-#: the frame), and a 66-byte ACK per two segments in the other direction of the same link.
-TBF_PAYLOAD_EFFICIENCY = 1448.0 / (1514.0 + 66.0 / 2)
 #: Emulated compute: the N links at comm/comp 1 together, bit/s (the training benchmark's default
 #: is 4 Gbit/s): a time scale twice the benchmark's, so that this machine's CPU, which the
 #: workers share with each other (and with whatever else runs), sets fewer step times. Every ratio
@@ -67,10 +69,11 @@ SYSTEM_SCHEDULES = {"prophet": "prophet", "prophet_nocross": "prophet_nocross",
 def predict_options(opts: "train.SweepOptions", system: Optional["train.System"] = None) -> Any:
     """How the emulated cluster of ``opts`` is modelled (see the module docstring), with the
     runtime options of ``system`` (a variant's own over ``--prophet_options``)."""
+    from prophet_tf.bench.netem import TBF_FRAME_EFFICIENCY
     from prophet_tf.predict import PredictOptions, kernel_socket_buffer_cap
     runtime = (system.strategy_options(opts.prophet_options) if system is not None
                else dict(opts.prophet_options))
-    options = PredictOptions(ingress_limited=False, payload_efficiency=TBF_PAYLOAD_EFFICIENCY,
+    options = PredictOptions(ingress_limited=False, payload_efficiency=TBF_FRAME_EFFICIENCY,
                              apply_threads=opts.inter_threads, warmup_steps=opts.warmup,
                              steps=opts.steps)
     for key in ("partition_bytes", "credit_bytes", "replan_threshold"):
@@ -90,7 +93,7 @@ def record_profiles(setting: Mapping[str, Any], opts: "train.SweepOptions", dire
     from prophet_tf.bench import models as models_mod
     model = setting["model"]
     cfg = models_mod.config_for(model, opts.compute, **opts.model_overrides.get(model, {}))
-    batch = opts.batch or train.default_batch(model, opts.compute)
+    batch = int(setting["global_batch"]) // int(setting["workers"])
     emulation = setting.get("emulation") or {}
     os.makedirs(directory, exist_ok=True)
     paths, procs = [], []
@@ -281,11 +284,28 @@ def auto_lines(settings: Sequence[Mapping[str, Any]]) -> list[str]:
     return lines
 
 
+def _use_run_facts(opts: "train.SweepOptions", settings: Sequence[Mapping[str, Any]]) -> None:
+    """Sets ``opts`` to what the run that measured ``settings`` used (their ``"run"`` facts:
+    steps, threads, ProphetStrategy options); settings without them keep the flags' values."""
+    runs = [st["run"] for st in settings if st.get("run")]
+    if not runs:
+        return
+    first = runs[0]
+    if any(r != first for r in runs):
+        raise ValueError("the measured settings come from runs with different options; give "
+                         "one run's results.json")
+    opts.steps, opts.warmup = int(first["steps"]), int(first["warmup"])
+    opts.intra_threads, opts.inter_threads = int(first["intra_threads"]), int(first["inter_threads"])
+    opts.prophet_options = dict(first["prophet_options"])
+
+
 def _define_flags() -> None:
     from absl import flags
     train.define_flags()
     flags.DEFINE_list("modes", ["emulated", "real"], "Compute modes to validate (the training "
                       "benchmark's --compute); --quick: emulated.")
+    flags.DEFINE_string("measured", None, "A results.json of python -m prophet_tf.bench.train: "
+                        "predict its settings instead of measuring them again.")
 
 
 def main(argv: Sequence[str]) -> int:
@@ -308,6 +328,16 @@ def main(argv: Sequence[str]) -> int:
         print(f"error: --modes: unknown {bad}; choose from {', '.join(train.COMPUTE_MODES)}",
               file=sys.stderr)
         return 2
+    measured: Optional[list] = None
+    if FLAGS.measured:
+        try:
+            with open(FLAGS.measured) as f:
+                measured = json.load(f)
+            train.validate_settings(measured)
+        except (OSError, ValueError) as e:
+            print(f"error: --measured {FLAGS.measured}: {e}", file=sys.stderr)
+            return 2
+        modes = list(dict.fromkeys(st.get("compute", "real") for st in measured))
     out = os.path.join(FLAGS.out, "predict")
     os.makedirs(out, exist_ok=True)
     t0 = time.monotonic()
@@ -323,13 +353,26 @@ def main(argv: Sequence[str]) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         opts.contended = False  # the profiles below are recorded under the same sharing
-        print(f"[{mode} compute] measuring: {'; '.join(f'{m} N={[n for n, _ in r]}' for m, r in train.sweep_cells(opts))}; "
-              f"systems {', '.join(opts.systems)}", flush=True)
-        try:
-            settings = train.run_sweep(opts)
-        except KeyboardInterrupt:
-            print("\ninterrupted", file=sys.stderr)
-            return 130
+        if measured is not None:
+            settings = [st for st in measured if st.get("compute", "real") == mode]
+            if not settings:
+                continue
+            try:
+                _use_run_facts(opts, settings)
+            except ValueError as e:
+                print(f"error: --measured {FLAGS.measured}: {e}", file=sys.stderr)
+                return 2
+            print(f"[{mode} compute] {len(settings)} settings measured by {FLAGS.measured}",
+                  flush=True)
+        else:
+            cells = "; ".join(f"{m} N={[n for n, _ in r]}" for m, r in train.sweep_cells(opts))
+            print(f"[{mode} compute] measuring: {cells}; systems "
+                  f"{', '.join(s.name for s in opts.systems)}", flush=True)
+            try:
+                settings = train.run_sweep(opts)
+            except KeyboardInterrupt:
+                print("\ninterrupted", file=sys.stderr)
+                return 130
         all_settings.extend(settings)
         mode_rows, mode_notes = _rows_for(settings, opts, os.path.join(out, "profiles", mode))
         rows.extend(mode_rows)

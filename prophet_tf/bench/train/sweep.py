@@ -400,6 +400,11 @@ def run_sweep(opts: SweepOptions) -> list[dict]:
                                                  lower_bound_s(contended, gbytes, n, bw))
                 st["compute_single"] = single_info
                 st["compute_contended"] = contended_info
+                # What a later run needs to model this one (bench.predict --measured).
+                st["run"] = {"steps": opts.steps, "warmup": opts.warmup,
+                             "intra_threads": opts.intra_threads,
+                             "inter_threads": opts.inter_threads,
+                             "prophet_options": dict(opts.prophet_options)}
                 if emulation is not None and described is not None:
                     st["emulation"] = _emulation_facts(described, emulation, bw)
                 settings.append(st)
