@@ -197,7 +197,8 @@ def test_ideal_bound_by_hand_and_below_every_schedule():
     profile = twelve_varied_layers(2.0)
     options = PredictOptions(steps=6, warmup_steps=4)
     b = ideal_bound(profile, workers=4, bandwidth_bps=1e9, options=options)
-    naive = max(profile.step_s, 1.5 * profile.gradient_bytes * 8 / (1e9 * options.payload_efficiency))
+    naive = max(profile.step_s,
+                1.5 * profile.gradient_bytes * 8 / (1e9 * options.payload_efficiency))
     assert b.step_s >= naive * (1 - 1e-9)
     for schedule in SCHEDULES:
         assert predict(profile, workers=4, bandwidth_bps=1e9, schedule=schedule,

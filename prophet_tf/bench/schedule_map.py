@@ -85,7 +85,8 @@ def map_points(profiles: dict[str, Any], workers: Sequence[int], bandwidths: Seq
     ``options``: the :class:`prophet_tf.predict.PredictOptions` apart from the latency. The
     simulations run on ``threads`` threads (0: one per core; ctypes releases the GIL)."""
     from prophet_tf.predict import SimulatedDeadlock, ideal_bound, predict
-    cells = [(m, n, bw, rtt) for m in profiles for n in workers for bw in bandwidths for rtt in rtts]
+    cells = [(m, n, bw, rtt) for m in profiles for n in workers for bw in bandwidths
+             for rtt in rtts]
 
     def one(cell: tuple[str, int, float, float]) -> MapPoint:
         model, n, bw, rtt = cell
@@ -218,7 +219,8 @@ def plot(points: Sequence[MapPoint], path: str, title: str = "") -> None:
             if j == 0:
                 ax.set_ylabel("link", fontsize=7)
     if image is not None:
-        fig.colorbar(image, ax=axes, shrink=0.6, label="priority / prophet step (>1: prophet faster)")
+        fig.colorbar(image, ax=axes, shrink=0.6,
+                     label="priority / prophet step (>1: prophet faster)")
     fig.suptitle(title or "predicted step time, priority / prophet", fontsize=9)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)

@@ -254,7 +254,8 @@ def predict(profile: Profile, *, workers: int, bandwidth_bps: float, schedule: s
     profile.validate()
     request = _request(profile, workers, bandwidth_bps if workers > 1 else 1.0, schedule, options,
                        timeline_path, timeline_workers)
-    data = _call("prophet_predict", request, f"{schedule}, {workers} workers, {bandwidth_bps:g} bit/s")
+    data = _call("prophet_predict", request,
+                 f"{schedule}, {workers} workers, {bandwidth_bps:g} bit/s")
     times = [{k: (v if not isinstance(v, (int, float)) or v >= 0 else None) for k, v in t.items()}
              for t in data["tensor_times"]]
     return Prediction(schedule=schedule, workers=workers, bandwidth_bps=float(bandwidth_bps),
@@ -286,7 +287,8 @@ def ideal_bound(profile: Profile, *, workers: int, bandwidth_bps: Optional[float
     if workers < 1:
         raise PredictError(f"workers must be at least 1, got {workers}")
     if workers > 1 and not (bandwidth_bps and bandwidth_bps > 0 and math.isfinite(bandwidth_bps)):
-        raise PredictError(f"the link rate must be a positive number of bit/s, got {bandwidth_bps!r}")
+        raise PredictError(f"the link rate must be a positive number of bit/s, got "
+                           f"{bandwidth_bps!r}")
     profile.validate()
     request = _request(profile, workers, bandwidth_bps if workers > 1 else 1.0, "prophet", options,
                        None, 0)

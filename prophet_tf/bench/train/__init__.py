@@ -67,11 +67,13 @@ and each system's ratio to both (``step/bound``, ``step/ideal``):
   the measured step split among the layers by their FLOPs, an estimate), every gradient's
   all-reduce as a fluid on the links from the moment it is ready, in the order the next forward
   pass needs them, at the link's payload rate (1448 of every 1514 bytes tbf counts). It exceeds
-  the lower bound where the gradients the next step needs first are produced last. Outputs in ``--out`` (default ``bench_out/``): ``results.md`` (Markdown table),
-``results.csv``, ``results.json`` (``"compute": "real"|"emulated"`` per setting; emulated
-settings add ``"emulation"``: time scale, accelerator times, modelled link rate; ``"ideal"``
-says what the ideal bound is made of), ``results.png``
-(chart) and ``logs/`` (every launch's output); ``--json PATH`` also writes the JSON list there.
+  the lower bound where the gradients the next step needs first are produced last.
+
+Outputs in ``--out`` (default ``bench_out/``): ``results.md`` (Markdown table), ``results.csv``,
+``results.json`` (``"compute": "real"|"emulated"`` per setting; emulated settings add
+``"emulation"``: time scale, accelerator times, modelled link rate; ``"ideal"`` says what the
+ideal bound is made of; ``"run"`` the run's steps, threads and options), ``results.png`` (chart)
+and ``logs/`` (every launch's output); ``--json PATH`` also writes the JSON list there.
 ``--timeline DIR`` (or ``$PROPHET_TIMELINE``) writes a Chrome trace per ProphetStrategy launch
 and worker and draws one measured step of each (``DIR/<launch>.step<K>.png``; emulated compute
 adds the layers' forward and backward spans).

@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence
 
 from prophet_tf.bench.emulated import DEFAULT_ACCELERATOR_TFLOPS
 from prophet_tf.bench.models import COMPUTE_MODES, MODEL_NAMES
-from prophet_tf.bench.train.report import format_markdown
+from prophet_tf.bench.train.report import BOUNDS_TEXT, format_markdown
 from prophet_tf.bench.train.settings import (DEFAULT_BATCH, DEFAULT_LINK_BUDGET_BPS,
                                              DEFAULT_MODELS, DEFAULT_RATIOS, EMULATED_BATCH,
                                              EMULATED_DEFAULT_GRID, EMULATED_DEFAULT_MODELS,
@@ -239,6 +239,7 @@ def main(argv: Sequence[str]) -> int:
         return 128 + getattr(e, "signum", signal.SIGINT)
     print()
     print(format_markdown(settings))
+    print(BOUNDS_TEXT)
     for note in sorted({n for st in settings for n in st.get("notes", [])}):
         print(f"- {note}")
     for why in opts.meta.get("skipped", []):

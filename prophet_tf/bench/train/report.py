@@ -12,7 +12,7 @@ from prophet_tf.bench.train.settings import (CPU_LIMITED_FRACTION, NOISY_CORES, 
                                              finite, lower_bound_s, median, write_json)
 from prophet_tf.bench.train.systems import parse_system
 
-__all__ = ["format_bandwidth", "format_markdown", "CSV_FIELDS", "write_csv", "plot",
+__all__ = ["format_bandwidth", "format_markdown", "CSV_FIELDS", "BOUNDS_TEXT", "write_csv", "plot",
            "launch_text", "noise_text", "rate_change_summary", "compute_summary",
            "write_outputs"]
 
@@ -222,6 +222,14 @@ def rate_change_summary(periods: Sequence[float], warmup: int, rate_change: tupl
             "text": text}
 
 
+#: What the two bounds of every row are (results.md).
+BOUNDS_TEXT = ("bound ms: max(compute, 2(N-1)/N x gradient bytes at the link rate); ideal ms: the "
+               "best step any schedule could reach on the same layers and links (every "
+               "gradient's all-reduce as a fluid from the moment it is ready, in the order the "
+               "next forward pass needs them, at tbf's payload rate; docs/design.md, \"The ideal "
+               "bound\"); step/bound and step/ideal: each system's median step over them.")
+
+
 def compute_summary(settings: Sequence[Mapping[str, Any]], opts: SweepOptions) -> str:
     """One paragraph saying how the workers computed (and, emulated, what the times model)."""
     if opts.compute != "emulated":
@@ -268,6 +276,7 @@ def write_outputs(settings: Sequence[dict], opts: SweepOptions, final: bool) -> 
                 f"average (1/5/15 min) {la0} at the start, {la1} at the end; source "
                 f"{meta.get('source', 'unknown')}.\n\n")
         f.write(compute_summary(settings, opts) + "\n\n")
+        f.write(BOUNDS_TEXT + "\n\n")
         f.write(table)
         if notes:
             f.write("\n" + "\n".join(f"- {n}" for n in notes) + "\n")

@@ -444,7 +444,9 @@ def _ideal(profile: Optional[Any], n: int, bw: Optional[float], opts: SweepOptio
         return None
     return {"step_s": b.step_s, "wait_s": b.wait_s, "comm_s": b.comm_s,
             "binding_layer": b.binding_layer, "payload_efficiency": efficiency,
-            "per_layer": opts.compute == "emulated" and "accelerator" or "flops"}
+            # where the layers' times come from: the emulated accelerator's, or the measured
+            # step split by FLOPs
+            "per_layer": "accelerator" if opts.compute == "emulated" else "flops"}
 
 
 def _emulation_facts(described: Mapping[str, Any], emulation: Mapping[str, Any],
