@@ -481,6 +481,37 @@ def test_default_emulated_sweep_runs_mwms_only_at_comm_comp_1(monkeypatch, tmp_p
         assert systems == (want if ratio == 1.0 else tuple(s for s in want if s != "mwms"))
 
 
+def test_systems_that_do_not_fit_in_memory_are_skipped(monkeypatch, tmp_path):
+    # VGG16-sized gradients at N=4: ProphetStrategy workers need about 4 x 4.5 GB, mwms workers
+    # 4 x 6.7 GB; with 22 GB available (90% usable) mwms is skipped, the others run. At N=8
+    # nothing fits and the whole setting is skipped.
+    from prophet_tf.bench import netem
+    from prophet_tf.bench.train import sweep
+    assert train.worker_memory_bytes(553e6, "prophet") == pytest.approx(1.2e9 + 6 * 553e6)
+    assert train.worker_memory_bytes(553e6, train.parse_system("mwms")) == pytest.approx(
+        1.2e9 + 10 * 553e6)
+    opts = train.options_from_flags(_flags(compute="emulated", models=["vgg16"],
+                                           workers=["4", "8"], ratios=["1"], out=str(tmp_path)))
+    monkeypatch.setattr(netem.EmulatedCluster, "check_available", staticmethod(lambda: None))
+    monkeypatch.setattr(sweep, "_describe", lambda *a, **k: {
+        "gradient_bytes": 553e6, "accelerator_s": 0.06, "spec_path": "x"})
+    monkeypatch.setattr(sweep, "_step_profile", lambda *a, **k: None)
+    monkeypatch.setattr(sweep, "_emulation_facts", lambda *a, **k: {})
+    monkeypatch.setattr(sweep, "write_outputs", lambda *a, **k: None)
+    monkeypatch.setattr(sweep, "available_memory_bytes", lambda: 22e9)
+    ran = []
+
+    def fake_setting(model, n, cfg, batch, ratio, bw, compute_s, gbytes, systems, *rest):
+        ran.append((n, tuple(s.name for s in systems)))
+        return {}
+    monkeypatch.setattr(sweep, "_run_setting", fake_setting)
+    train.run_sweep(opts)
+    assert ran == [(4, ("prophet", "priority", "fifo"))]
+    skipped = opts.meta["skipped"]
+    assert any("4 workers: mwms skipped" in why for why in skipped)
+    assert sum("8 workers" in why for why in skipped) == 4
+
+
 def test_rate_change_flag_and_summary():
     opts = train.options_from_flags(_flags(compute="emulated", quick=True, rate_change="15:0.5"))
     assert opts.rate_change == (15, 0.5)

@@ -323,9 +323,11 @@ def run_sweep(opts: SweepOptions) -> list[dict]:
     emulated = opts.compute == "emulated"
     cells = sweep_cells(opts)
 
-    def systems_at(ratio: Optional[float]) -> list[System]:
-        return [s for s in opts.systems if s.base != "mwms" or opts.mwms_ratios is None
-                or ratio is None or ratio in opts.mwms_ratios]
+    def systems_at(ratio: Optional[float],
+                   pool: Optional[Sequence[System]] = None) -> list[System]:
+        return [s for s in (opts.systems if pool is None else pool)
+                if s.base != "mwms" or opts.mwms_ratios is None or ratio is None
+                or ratio in opts.mwms_ratios]
 
     def per_n(ratios: Sequence[float]) -> int:
         # [one worker alone (emulated, with --alone: its time scale depends on N)], [N uncoupled
@@ -355,14 +357,23 @@ def run_sweep(opts: SweepOptions) -> list[dict]:
                 continue
         for n, ratios in runs:
             gbytes_known = (described or {}).get("gradient_bytes") or (single or (0, 0))[1]
-            need, have = n * worker_memory_bytes(gbytes_known), available_memory_bytes()
-            if have is not None and need > 0.9 * have:
-                why = (f"{model} with {n} workers skipped: they need about {need / 1e9:.0f} GB of "
-                       f"memory, {have / 1e9:.0f} GB are available")
+            have = available_memory_bytes()
+            fitting = [s for s in opts.systems
+                       if have is None or n * worker_memory_bytes(gbytes_known, s) <= 0.9 * have]
+            for s in opts.systems:
+                if s in fitting:
+                    continue
+                need = n * worker_memory_bytes(gbytes_known, s)
+                why = (f"{model} with {n} workers: {s.name} skipped: its workers need about "
+                       f"{need / 1e9:.0f} GB of memory, {have / 1e9:.0f} GB are available")
                 print(f"  ({why})", flush=True)
                 opts.meta.setdefault("skipped", []).append(why)
+            if not fitting:
                 progress.done += per_n(ratios)
                 continue
+            plan_ratios = [None] if opts.loopback else list(ratios)
+            progress.done += sum(len(systems_at(r)) - len(systems_at(r, fitting))
+                                 for r in plan_ratios)
             emulation: Optional[dict] = None
             if emulated:
                 assert described is not None
@@ -393,7 +404,7 @@ def run_sweep(opts: SweepOptions) -> list[dict]:
             for ratio, bw in plan:
                 ideal = _ideal(step_profile, n, bw, opts, compute_s)
                 st = _run_setting(model, n, cfg, batch, ratio, bw, compute_s, gbytes,
-                                  systems_at(ratio), opts, progress, emulation, ideal)
+                                  systems_at(ratio, fitting), opts, progress, emulation, ideal)
                 st["compute_contended_s"] = contended
                 # The same bound with the compute time of N workers sharing this machine.
                 st["lower_bound_contended_s"] = (None if contended is None else
