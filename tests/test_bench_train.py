@@ -413,7 +413,7 @@ def _flags(**overrides):
                   json=None, intra_threads=1, inter_threads=2, launch_timeout=600.0,
                   prophet_options="{}", model_options="{}", contended=None, retries=None,
                   noise_cores=0.3, netns_prefix="ptfbench", timeline=None, alone=False,
-                  verbose=False, rate_change=None)
+                  verbose=False, rate_change=None, plan=False)
     values.update(overrides)
     return SimpleNamespace(**values)
 
@@ -510,6 +510,33 @@ def test_systems_that_do_not_fit_in_memory_are_skipped(monkeypatch, tmp_path):
     skipped = opts.meta["skipped"]
     assert any("4 workers: mwms skipped" in why for why in skipped)
     assert sum("8 workers" in why for why in skipped) == 4
+
+
+def test_plan_says_what_would_run_and_how_long(monkeypatch, tmp_path):
+    from prophet_tf.bench.train import sweep
+    specs = _two_layer_specs()
+    monkeypatch.setattr(sweep, "_describe", lambda *a, **k: dict(
+        sweep.describe_specs(specs, 10, 100.0), spec_path="x", specs=specs))
+    monkeypatch.setattr(sweep, "available_memory_bytes", lambda: None)
+    monkeypatch.setattr(sweep, "_run_setting", lambda *a, **k: pytest.fail("--plan ran a setting"))
+    opts = train.options_from_flags(_flags(compute="emulated", models=["resnet50"],
+                                           workers=["2"], ratios=["1", "2"], plan=True,
+                                           out=str(tmp_path), systems=["prophet", "mwms"]))
+    assert opts.plan and train.run_sweep(opts) == []
+    plan = opts.meta["plan"]
+    assert [(p["workers"], p["ratio"], p["systems"]) for p in plan] == [
+        (2, 1.0, ["prophet", "mwms"]), (2, 2.0, ["prophet", "mwms"])]
+    for p in plan:
+        assert p["ideal_bound_s"] >= p["lower_bound_s"] > 0
+        launches = opts.warmup + opts.steps + 1
+        assert p["estimated_s"] > launches * (p["ideal_bound_s"] * sweep.PLAN_PROPHET_OVER_IDEAL
+                                              + p["lower_bound_s"] * sweep.PLAN_MWMS_OVER_BOUND)
+    text = sweep.format_plan(plan, ["vgg16 with 8 workers: mwms skipped"])
+    assert "| resnet50 | 2 | 1 |" in text and "2 settings, 4 launches: about" in text
+    assert text.endswith("- vgg16 with 8 workers: mwms skipped")
+    assert not list(tmp_path.iterdir())                      # nothing written
+    with pytest.raises(ValueError, match="--compute emulated"):
+        train.run_sweep(train.options_from_flags(_flags(plan=True, out=str(tmp_path))))
 
 
 def test_rate_change_flag_and_summary():

@@ -21,7 +21,7 @@ from prophet_tf.bench.train.settings import (DEFAULT_BATCH, DEFAULT_LINK_BUDGET_
                                              EMULATED_RATIOS, EMULATED_STEPS, EMULATED_WARMUP,
                                              MAX_WORKERS, NETNS_PREFIX, QUICK_MODEL,
                                              SweepOptions, sweep_cells)
-from prophet_tf.bench.train.sweep import run_sweep
+from prophet_tf.bench.train.sweep import format_plan, run_sweep
 from prophet_tf.bench.train.systems import (EMULATED_DEFAULT_SYSTEMS, QUICK_SYSTEMS, SYSTEMS,
                                             parse_systems)
 from prophet_tf.bench.train.worker import run_worker
@@ -107,6 +107,9 @@ def define_flags() -> Any:
                     "the setting's rate (e.g. 15:0.5), to watch Prophet re-plan; the output "
                     "gives the step times before and after, and --timeline draws the steps "
                     "around it. Needs the emulated cluster (not --loopback).")
+    f.DEFINE_bool("plan", False, "Emulated compute: print every setting the flags select (time "
+                  "scale, link, bounds, the systems that fit in memory) and an estimate of how "
+                  "long the sweep takes, without running it (builds the layer specs if needed).")
     f.DEFINE_bool("verbose", False, "Echo the workers' output.")
     f.DEFINE_string("worker", None, "Internal: run as a worker with this JSON configuration.")
     return flags.FLAGS
@@ -188,7 +191,8 @@ def options_from_flags(flags_: Any) -> SweepOptions:
                         netns_prefix=flags_.netns_prefix, alone=flags_.alone,
                         timeline=flags_.timeline or os.environ.get("PROPHET_TIMELINE") or None,
                         grid=grid, rate_change=rate_change,
-                        mwms_ratios=(1.0,) if grid is not None and not flags_.systems else None)
+                        mwms_ratios=(1.0,) if grid is not None and not flags_.systems else None,
+                        plan=flags_.plan)
 
 
 def worker_or_bad_arguments(argv: Sequence[str], flags_: Any) -> Optional[int]:
@@ -224,20 +228,24 @@ def main(argv: Sequence[str]) -> int:
         for model, runs in sweep_cells(opts))
     compute = ("real compute (this machine's CPU)" if opts.compute == "real" else
                f"emulated compute ({opts.accelerator_tflops:g} TFLOP/s accelerator)")
-    print(f"Training benchmark on {where}, {compute}: {grid}; systems "
+    print(f"{'Plan of the t' if opts.plan else 'T'}raining benchmark on {where}, {compute}: "
+          f"{grid}; systems "
           f"{', '.join(s.name for s in opts.systems)}; {opts.steps} steps after {opts.warmup} "
           "warm-up; "
           f"output in {opts.out}/", flush=True)
     t0 = time.monotonic()
     try:
         settings = run_sweep(opts)
-    except NetemUnavailableError as e:
+    except (NetemUnavailableError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
         print("\ninterrupted: workers stopped, namespaces deleted", file=sys.stderr)
         return 128 + getattr(e, "signum", signal.SIGINT)
     print()
+    if opts.plan:
+        print(format_plan(opts.meta.get("plan", []), opts.meta.get("skipped", [])))
+        return 0
     print(format_markdown(settings))
     print(BOUNDS_TEXT)
     for note in sorted({n for st in settings for n in st.get("notes", [])}):

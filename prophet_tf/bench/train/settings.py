@@ -337,6 +337,7 @@ class SweepOptions:
                                           # becomes factor x the setting's rate at step K
     mwms_ratios: Optional[tuple[float, ...]] = None  # mwms runs only at these comm/comp ratios
                                           # (None: at all)
+    plan: bool = False                    # only say what would run and how long it would take
 
     def __post_init__(self) -> None:
         self.systems = [s if isinstance(s, System) else parse_system(s) for s in self.systems]

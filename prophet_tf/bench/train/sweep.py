@@ -27,7 +27,7 @@ from prophet_tf.bench.train.settings import (NETNS_PREFIX, SweepOptions, availab
                                              worker_memory_bytes)
 from prophet_tf.bench.train.systems import System, parse_system
 
-__all__ = ["run_sweep", "LaunchFailed", "Interrupted", "parse_results", "timeline_pattern",
+__all__ = ["run_sweep", "format_plan", "LaunchFailed", "Interrupted", "parse_results", "timeline_pattern",
            "worker_config", "repo_root", "safe_name", "cpu_fraction", "foreign_cores",
            "describe_specs"]
 
@@ -315,7 +315,10 @@ def run_sweep(opts: SweepOptions) -> list[dict]:
     """Runs every setting; returns the list of setting objects (see :func:`make_setting`)."""
     from prophet_tf.bench import models as models_mod
 
-    if not opts.loopback:
+    if opts.plan and opts.compute != "emulated":
+        raise ValueError("--plan estimates emulated-compute sweeps (real compute's step time is "
+                         "only known once measured): add --compute emulated")
+    if not opts.loopback and not opts.plan:
         from prophet_tf.bench.netem import EmulatedCluster
         EmulatedCluster.check_available()   # NetemUnavailableError says: root or --loopback
     opts.meta.update(started=datetime.datetime.now().isoformat(timespec="seconds"),
@@ -386,7 +389,7 @@ def run_sweep(opts: SweepOptions) -> list[dict]:
                 # no system can be faster, and it does not depend on this machine's load.
                 single = (described["accelerator_s"] * scale, int(described["gradient_bytes"]),
                           {})
-                if opts.alone:
+                if opts.alone and not opts.plan:
                     alone = _measure_single(model, n, cfg, batch, opts, progress, emulation)
                     if alone is not None:
                         single[2].update(alone[2], step_s_median=alone[0])
@@ -395,7 +398,7 @@ def run_sweep(opts: SweepOptions) -> list[dict]:
             step_profile = _step_profile(described, batch, opts, compute_s)
             contended, contended_info = (_measure_contended(model, n, cfg, batch, opts, progress,
                                                             emulation)
-                                         if opts.contended else (None, {}))
+                                         if opts.contended and not opts.plan else (None, {}))
             if opts.loopback:
                 plan: list[tuple[Optional[float], Optional[float]]] = [(None, None)]
             else:
@@ -403,6 +406,11 @@ def run_sweep(opts: SweepOptions) -> list[dict]:
                 plan = list(zip(ratios, bws))
             for ratio, bw in plan:
                 ideal = _ideal(step_profile, n, bw, opts, compute_s)
+                if opts.plan:
+                    opts.meta.setdefault("plan", []).append(_plan_setting(
+                        model, n, ratio, bw, compute_s, gbytes, systems_at(ratio, fitting), opts,
+                        emulation, ideal))
+                    continue
                 st = _run_setting(model, n, cfg, batch, ratio, bw, compute_s, gbytes,
                                   systems_at(ratio, fitting), opts, progress, emulation, ideal)
                 st["compute_contended_s"] = contended
@@ -420,8 +428,57 @@ def run_sweep(opts: SweepOptions) -> list[dict]:
                     st["emulation"] = _emulation_facts(described, emulation, bw)
                 settings.append(st)
                 write_outputs(settings, opts, final=False)
-    write_outputs(settings, opts, final=True)
+    if not opts.plan:
+        write_outputs(settings, opts, final=True)
     return settings
+
+
+#: --plan's estimate of a launch: start-up and the first step (tracing) take about 11 s of CPU
+#: per worker (measured: 5 + 6 s, ResNet50, N=2), and the workers share 2 cores; ...
+PLAN_STARTUP_CPU_S = 11.0
+#: ... a ProphetStrategy system's step about 1.25 x the ideal bound (quiet machine, 2026-11-26:
+#: 1.01-1.31), an mwms step about 3.1 x the lower bound (3.03-3.11 at comm/comp 1).
+PLAN_PROPHET_OVER_IDEAL = 1.25
+PLAN_MWMS_OVER_BOUND = 3.1
+
+
+def _plan_setting(model: str, n: int, ratio: Optional[float], bw: Optional[float],
+                  compute_s: float, gbytes: int, systems: Sequence[System], opts: SweepOptions,
+                  emulation: Optional[Mapping[str, Any]],
+                  ideal: Optional[Mapping[str, Any]]) -> dict[str, Any]:
+    """--plan: what one setting would run and about how long it would take (see the PLAN_
+    constants), without running it."""
+    lb = lower_bound_s(compute_s, gbytes, n, bw)
+    ib = (ideal or {}).get("step_s") or lb
+    startup = PLAN_STARTUP_CPU_S * max(n, os.cpu_count() or 1) / (os.cpu_count() or 1)
+    steps = opts.warmup + opts.steps + 1
+    seconds = sum(startup + steps * (lb * PLAN_MWMS_OVER_BOUND if s.base == "mwms"
+                                     else ib * PLAN_PROPHET_OVER_IDEAL) for s in systems)
+    return {"model": model, "workers": n, "ratio": ratio, "bandwidth_bps": bw,
+            "time_scale": (emulation or {}).get("time_scale"), "compute_s": compute_s,
+            "lower_bound_s": lb, "ideal_bound_s": (ideal or {}).get("step_s"),
+            "systems": [s.name for s in systems], "estimated_s": seconds}
+
+
+def format_plan(plan: Sequence[Mapping[str, Any]], skipped: Sequence[str] = ()) -> str:
+    """--plan's table: a row per setting with its systems and estimated minutes, then the total
+    and what does not fit."""
+    lines = ["| model | N | comm/comp | link | time scale | compute ms | bound ms | ideal ms | "
+             "systems | estimate |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for p in plan:
+        ideal = f"{p['ideal_bound_s'] * 1e3:.0f}" if p["ideal_bound_s"] else "n/a"
+        ratio = f"{p['ratio']:g}" if p["ratio"] else "n/a"
+        scale = f"{p['time_scale']:g}" if p["time_scale"] else "n/a"
+        lines.append(f"| {p['model']} | {p['workers']} | {ratio} | "
+                     f"{format_bandwidth(p['bandwidth_bps'])} | {scale} | "
+                     f"{p['compute_s'] * 1e3:.0f} | {p['lower_bound_s'] * 1e3:.0f} | {ideal} | "
+                     f"{', '.join(p['systems'])} | {p['estimated_s'] / 60:.1f} min |")
+    total = sum(p["estimated_s"] for p in plan)
+    lines.append(f"\n{len(plan)} settings, {sum(len(p['systems']) for p in plan)} launches: about "
+                 f"{total / 3600:.1f} hours on an idle 2-core machine (plus the layer specs, "
+                 "about 30 s per model the first time)")
+    lines += [f"- {why}" for why in skipped]
+    return "\n".join(lines)
 
 
 def _step_profile(described: Optional[Mapping[str, Any]], batch: int, opts: SweepOptions,
