@@ -569,10 +569,12 @@ def test_without_root_says_use_loopback(monkeypatch, tmp_path):
 
 
 def test_end_to_end_loopback_smoke(tmp_path):
-    """Tiny Transformer, 2 workers on loopback, mwms + prophet, 3 steps (about 30-50 s)."""
+    """Tiny Transformer, 2 workers on loopback, mwms + a variant of prophet, 3 steps (about
+    30-50 s)."""
     out, js = tmp_path / "out", tmp_path / "r.json"
     t0 = time.monotonic()
-    r = _run(["--loopback", "--models", "transformer", "--systems", "prophet,mwms",
+    r = _run(["--loopback", "--models", "transformer", "--systems",
+              "prophet[partition_bytes=65536],mwms",
               "--model_options", '{"transformer": {"blocks": 1, "d_model": 32, "ff": 64, '
               '"seq_len": 8, "vocab": 64}}', "--batch", "4", "--steps", "3", "--warmup", "1",
               # a smoke test: no re-runs of launches disturbed by other programs
@@ -584,7 +586,11 @@ def test_end_to_end_loopback_smoke(tmp_path):
     assert len(data) == 1
     st = data[0]
     assert st["model"] == "transformer" and st["workers"] == 2 and st["bandwidth_bps"] is None
-    assert set(st["results"]) == {"prophet", "mwms"}
+    assert set(st["results"]) == {"prophet[partition_bytes=65536]", "mwms"}
+    # the variant's option reached the runtime
+    variant = st["results"]["prophet[partition_bytes=65536]"]
+    assert variant["runtime_options"] == {"partition_bytes": 65536}
+    assert variant["schedule_effective"] == "prophet"
     for res in st["results"].values():
         assert res["step_s_median"] > 0 and res["samples_per_s"] > 0
     for name in ("results.md", "results.csv", "results.json", "results.png"):

@@ -375,7 +375,7 @@ def worker_memory_bytes(gradient_bytes: float, system: Any = "prophet") -> float
     Keras (~1.2 GB) plus copies of the gradient bytes (weights, optimizer slot, gradients, sums,
     buffers): 6 under ProphetStrategy, 10 under mwms. Measured peak RSS (emulated compute, N=2,
     2026-11-26): ResNet50 (102 MB of gradients) 1.33-1.42 GB with ProphetStrategy, 1.89 GB with
-    mwms; VGG16 (553 MB) 4.07-4.51 GB and 6.55 GB."""
+    mwms; VGG16 (553 MB) 4.07-4.51 GB and 6.55 GB; BERT-base (438 MB) 2.75-3.02 GB and 5.07 GB."""
     base = system.base if isinstance(system, System) else str(system)
     copies = 10.0 if base == "mwms" else 6.0
     return 1.2e9 + copies * float(gradient_bytes)

@@ -666,6 +666,8 @@ def _run_setting(model: str, n: int, cfg: Any, batch: int, ratio: Optional[float
             if spec.is_prophet:
                 info["schedule_effective"] = res.get("schedule_effective")
                 info["cross_barrier"] = res.get("cross_barrier")
+                if res.get("runtime_options"):
+                    info["runtime_options"] = res["runtime_options"]
                 if spec.base == "auto" and res.get("schedule_in_use"):
                     info["schedule_in_use"] = res["schedule_in_use"]
                     info["schedule_decisions"] = res.get("schedule_decisions")

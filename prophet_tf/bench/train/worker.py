@@ -56,6 +56,10 @@ def make_strategy(system: str, tf: Any, prophet_options: Mapping[str, Any]) -> t
     strategy = ProphetStrategy(schedule=spec.schedule, **kwargs)
     facts["schedule_effective"] = strategy.schedule
     facts["cross_barrier"] = bool(kwargs["cross_barrier"])
+    from prophet_tf import runtime
+    started = runtime.config()
+    # The runtime options this system set, as the runtime was started with them.
+    facts["runtime_options"] = {k: started[k] for k, _ in spec.options if k in started}
     return strategy, facts
 
 
