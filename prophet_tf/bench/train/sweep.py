@@ -433,9 +433,10 @@ def run_sweep(opts: SweepOptions) -> list[dict]:
     return settings
 
 
-#: --plan's estimate of a launch: start-up and the first step (tracing) take about 11 s of CPU
-#: per worker (measured: 5 + 6 s, ResNet50, N=2), and the workers share 2 cores; ...
-PLAN_STARTUP_CPU_S = 11.0
+#: --plan's estimate of a launch: start-up and the first step (tracing) take about 13 s of CPU
+#: per worker (measured 2026-11-26: 5 + 2-7 s at N=2 for ResNet50, VGG16 and BERT-base; 6 + 8 s
+#: at N=8), and the workers share the machine's cores; ...
+PLAN_STARTUP_CPU_S = 13.0
 #: ... a ProphetStrategy system's step about 1.25 x the ideal bound (quiet machine, 2026-11-26:
 #: 1.01-1.31), an mwms step about 3.1 x the lower bound (3.03-3.11 at comm/comp 1).
 PLAN_PROPHET_OVER_IDEAL = 1.25
