@@ -189,9 +189,10 @@ def plot(points: Sequence[MapPoint], path: str, title: str = "") -> None:
     workers = sorted({p.workers for p in points})
     rtts = sorted({p.rtt_s for p in points})
     bws = sorted({p.bandwidth_bps for p in points})
+    # Colours by log2 of the ratio, so that 2x faster and 2x slower are equally far from white.
     values = [p.speedup for p in points if p.speedup is not None]
-    spread = max([abs(v - 1) for v in values] + [0.05])
-    norm = TwoSlopeNorm(vmin=1 - spread, vcenter=1.0, vmax=1 + spread)
+    spread = max([abs(math.log2(v)) for v in values] + [math.log2(1.1)])
+    norm = TwoSlopeNorm(vmin=-spread, vcenter=0.0, vmax=spread)
     fig, axes = plt.subplots(len(models), len(workers), squeeze=False,
                              figsize=(2.9 * len(workers) + 1, 2.5 * len(models) + 0.8))
     image = None
@@ -202,10 +203,11 @@ def plot(points: Sequence[MapPoint], path: str, title: str = "") -> None:
             for p in points:
                 if p.model == model and p.workers == n and p.speedup is not None:
                     grid[bws.index(p.bandwidth_bps)][rtts.index(p.rtt_s)] = p.speedup
-            image = ax.imshow(grid, origin="lower", cmap="RdBu_r", norm=norm, aspect="auto")
+            image = ax.imshow([[math.log2(v) for v in row] for row in grid], origin="lower",
+                              cmap="RdBu_r", norm=norm, aspect="auto")
             for y, row in enumerate(grid):
                 for x, v in enumerate(row):
-                    dark = not math.isnan(v) and abs(v - 1) > 0.6 * spread
+                    dark = not math.isnan(v) and abs(math.log2(v)) > 0.6 * spread
                     ax.text(x, y, "dl" if math.isnan(v) else f"{v:.2f}", ha="center",
                             va="center", fontsize=6.5, color="white" if dark else "black")
             ax.set_xticks(range(len(rtts)))
@@ -219,9 +221,13 @@ def plot(points: Sequence[MapPoint], path: str, title: str = "") -> None:
             if j == 0:
                 ax.set_ylabel("link", fontsize=7)
     if image is not None:
-        fig.colorbar(image, ax=axes, shrink=0.6,
-                     label="priority / prophet step (>1: prophet faster)")
-    fig.suptitle(title or "predicted step time, priority / prophet", fontsize=9)
+        bar = fig.colorbar(image, ax=axes, shrink=0.6,
+                           label="priority / prophet step (>1: prophet faster)")
+        ticks = [t for t in range(-4, 5) if abs(t) <= spread] or [0]
+        bar.set_ticks(ticks)
+        bar.set_ticklabels([f"{2.0 ** t:g}" for t in ticks])
+    fig.suptitle(title or "predicted step time, priority / prophet (dl: a schedule deadlocked)",
+                 fontsize=9)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
