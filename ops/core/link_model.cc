@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <functional>
 #include <limits>
 
 namespace prophet {
@@ -26,25 +25,64 @@ void LinkModel::Progress(int connection, int64_t now_ns) {
   c.updated_ns = now_ns;
 }
 
+void LinkModel::HeapPlace(size_t at, int connection) {
+  finishes_[at] = connection;
+  connections_[connection].heap_at = static_cast<int>(at);
+}
+
+void LinkModel::HeapSiftUp(size_t at) {
+  const int c = finishes_[at];
+  while (at > 0) {
+    const size_t parent = (at - 1) / 2;
+    if (!FinishesBefore(c, finishes_[parent])) break;
+    HeapPlace(at, finishes_[parent]);
+    at = parent;
+  }
+  HeapPlace(at, c);
+}
+
+void LinkModel::HeapSiftDown(size_t at) {
+  const int c = finishes_[at];
+  const size_t n = finishes_.size();
+  while (true) {
+    size_t child = 2 * at + 1;
+    if (child >= n) break;
+    if (child + 1 < n && FinishesBefore(finishes_[child + 1], finishes_[child])) ++child;
+    if (!FinishesBefore(finishes_[child], c)) break;
+    HeapPlace(at, finishes_[child]);
+    at = child;
+  }
+  HeapPlace(at, c);
+}
+
+void LinkModel::HeapRemove(int connection) {
+  Connection& c = connections_[connection];
+  if (c.heap_at < 0) return;
+  const size_t at = static_cast<size_t>(c.heap_at);
+  c.heap_at = -1;
+  const int last = finishes_.back();
+  finishes_.pop_back();
+  if (last == connection) return;
+  HeapPlace(at, last);
+  HeapSiftUp(at);
+  HeapSiftDown(static_cast<size_t>(connections_[last].heap_at));
+}
+
 void LinkModel::ScheduleFinish(int connection, int64_t now_ns) {
   Connection& c = connections_[connection];
-  ++c.version;
-  if (c.scheduled) {
-    c.scheduled = false;
-    --live_finishes_;
+  if (c.frames.empty() || c.rate <= 0) {
+    HeapRemove(connection);
+    return;
   }
-  if (c.frames.empty() || c.rate <= 0) return;
-  const double ns = std::ceil(c.head_left / c.rate);
-  finishes_.push_back({now_ns + static_cast<int64_t>(ns), connection, c.version});
-  std::push_heap(finishes_.begin(), finishes_.end(), std::greater<Finish>());
-  c.scheduled = true;
-  ++live_finishes_;
-  if (finishes_.size() > 2 * live_finishes_ + 64) {
-    finishes_.erase(std::remove_if(finishes_.begin(), finishes_.end(),
-                                   [this](const Finish& f) { return f.version != connections_[f.connection].version; }),
-                    finishes_.end());
-    std::make_heap(finishes_.begin(), finishes_.end(), std::greater<Finish>());
+  c.finish_ns = now_ns + static_cast<int64_t>(std::ceil(c.head_left / c.rate));
+  if (c.heap_at < 0) {
+    finishes_.push_back(connection);
+    HeapSiftUp(finishes_.size() - 1);
+    return;
   }
+  const size_t at = static_cast<size_t>(c.heap_at);
+  HeapSiftUp(at);
+  HeapSiftDown(static_cast<size_t>(c.heap_at));
 }
 
 void LinkModel::Reschedule(int src, int dst, int64_t now_ns) {
@@ -133,37 +171,33 @@ void LinkModel::Queue(int64_t now_ns, const LinkFrame& frame) {
 
 int64_t LinkModel::NextEventNs() const {
   if (!pending_.empty()) return now_ns_;
-  return finishes_.empty() ? std::numeric_limits<int64_t>::max() : finishes_.front().time_ns;
+  return finishes_.empty() ? std::numeric_limits<int64_t>::max() : connections_[finishes_.front()].finish_ns;
 }
 
 void LinkModel::AdvanceTo(int64_t now_ns, std::vector<LinkEvent>* out) {
   for (const LinkEvent& e : pending_) out->push_back(e);
   pending_.clear();
-  while (!finishes_.empty() && finishes_.front().time_ns <= now_ns) {
-    std::pop_heap(finishes_.begin(), finishes_.end(), std::greater<Finish>());
-    const Finish f = finishes_.back();
-    finishes_.pop_back();
-    Connection& c = connections_[f.connection];
-    if (f.version != c.version) continue;  // made with an older rate
-    c.scheduled = false;
-    --live_finishes_;
-    if (c.frames.empty()) continue;
-    now_ns_ = std::max(now_ns_, f.time_ns);
+  while (!finishes_.empty() && connections_[finishes_.front()].finish_ns <= now_ns) {
+    const int connection = finishes_.front();
+    Connection& c = connections_[connection];
+    const int64_t time_ns = c.finish_ns;
+    HeapRemove(connection);
+    now_ns_ = std::max(now_ns_, time_ns);
     const Queued done = c.frames.front();
     c.frames.pop_front();
-    const int src = f.connection / options_.hosts;
+    const int src = connection / options_.hosts;
     hosts_[src].sent_wire_bytes += done.wire_bytes;
-    c.updated_ns = f.time_ns;
-    if (!done.written) out->push_back({LinkEvent::kWritten, f.time_ns, done.frame});
-    out->push_back({LinkEvent::kSent, f.time_ns, done.frame});
+    c.updated_ns = time_ns;
+    if (!done.written) out->push_back({LinkEvent::kWritten, time_ns, done.frame});
+    out->push_back({LinkEvent::kSent, time_ns, done.frame});
     if (c.frames.empty()) {
       c.head_left = 0;
-      SetActive(f.connection, false, f.time_ns);
+      SetActive(connection, false, time_ns);
     } else {
       // Same connection count, same rate: only this connection's next finish changes.
       c.head_left = c.frames.front().wire_bytes;
-      ScheduleFinish(f.connection, f.time_ns);
-      NoteWritten(f.connection, f.time_ns);
+      ScheduleFinish(connection, time_ns);
+      NoteWritten(connection, time_ns);
     }
     for (const LinkEvent& e : pending_) out->push_back(e);
     pending_.clear();

@@ -89,8 +89,8 @@ class LinkModel {
     double head_left = 0;       // wire bytes of frames[0] still to send
     double rate = 0;            // wire bytes per ns
     int64_t updated_ns = 0;     // head_left is exact at this time
-    uint64_t version = 0;       // invalidates finish events made with an older rate
-    bool scheduled = false;     // has a finish event of the current version
+    int64_t finish_ns = 0;      // frames[0]'s last byte leaves at the current rate
+    int heap_at = -1;           // index in finishes_, -1 when not sending
   };
   struct Host {
     int sending = 0;    // connections from this host with a frame
@@ -99,20 +99,21 @@ class LinkModel {
     int64_t egress_busy_ns = 0;
     int64_t busy_since_ns = 0;
   };
-  struct Finish {
-    int64_t time_ns;
-    int connection;
-    uint64_t version;
-    bool operator>(const Finish& other) const {
-      return time_ns != other.time_ns ? time_ns > other.time_ns : connection > other.connection;
-    }
-  };
 
   int Index(int src, int dst) const { return src * options_.hosts + dst; }
   void Progress(int connection, int64_t now_ns);
   // Rate and finish event of every active connection through `src`'s egress or `dst`'s ingress.
   void Reschedule(int src, int dst, int64_t now_ns);
   void ScheduleFinish(int connection, int64_t now_ns);
+  // The finish heap: connections ordered by (finish_ns, index).
+  bool FinishesBefore(int a, int b) const {
+    const int64_t ta = connections_[a].finish_ns, tb = connections_[b].finish_ns;
+    return ta != tb ? ta < tb : a < b;
+  }
+  void HeapPlace(size_t at, int connection);
+  void HeapSiftUp(size_t at);
+  void HeapSiftDown(size_t at);
+  void HeapRemove(int connection);
   void SetActive(int connection, bool active, int64_t now_ns);
   // Marks frames whose last byte is inside the socket window as written.
   void NoteWritten(int connection, int64_t now_ns);
@@ -120,11 +121,10 @@ class LinkModel {
   LinkOptions options_;
   std::vector<Connection> connections_;
   std::vector<Host> hosts_;
-  // A min-heap (std::push_heap with std::greater) of finish events. Every rate change leaves the
-  // connection's previous event behind, stale; with many hosts they outnumber the live ones, so
-  // the heap is rebuilt without them once it is more than twice as large as needed.
-  std::vector<Finish> finishes_;
-  std::size_t live_finishes_ = 0;
+  // A binary min-heap of the sending connections by finish time, one entry each, moved in place
+  // when a rate changes (a change of sharing touches every connection of a host, so updates
+  // outnumber finishes by the number of hosts).
+  std::vector<int> finishes_;
   std::vector<LinkEvent> pending_;  // written at Queue time, reported by the next AdvanceTo
   int64_t now_ns_ = 0;
 };
