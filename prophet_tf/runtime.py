@@ -85,7 +85,7 @@ def init(
         to each other that they hold it (HMAC-SHA256 over fresh nonces; it never travels).
       schedule: one of :func:`schedules`.
       partition_bytes: tensors are cut into partitions of at most this size.
-      credit_bytes: bytes of partitions that may be in flight at once.
+      credit_bytes: bytes of released partitions that may wait to leave this worker at once.
       replan_threshold: the ``prophet`` policy re-plans when the measured bandwidth or a stage
         interval moves by more than this fraction.
       timeout_s: an operation not completed within this time fails instead of hanging

@@ -57,10 +57,11 @@ class CollectiveHost {
   // the scheduler, which releases it later through Collective::SendScheduled.
   virtual void Announce(const TensorReady& ready) = 0;
   virtual void Schedule(SendTask task) = 0;
-  // A pushed partition's result came back (returns its credit, feeds bandwidth and timeline).
+  // A released push left this worker (its last byte is in the kernel) or never will (the operation
+  // ended): returns its credit (SchedulerPolicy::OnPushLeft).
+  virtual void PushLeft(const SendTask& task) = 0;
+  // A pushed partition's result came back (feeds bandwidth and timeline).
   virtual void PushCompleted(const TransferDone& done) = 0;
-  // Credit of pushed partitions whose result will never come (the operation ended).
-  virtual void ReturnCredit(uint64_t bytes) = 0;
 };
 
 class Collective {

@@ -31,8 +31,7 @@ namespace {
 constexpr int64_t kTimeoutCheckNs = 100 * 1000 * 1000;
 constexpr uint64_t kWakeTag = ~0ull;  // epoll tag of the eventfd; connections use their peer rank
 // What one connection may read per turn of the I/O thread before the thread starts what was
-// submitted meanwhile and sends what the bytes read completed (sums, pushes released by returned
-// credit). Draining the socket first (it may hold a peer's whole tensor) kept an operation
+// submitted meanwhile and sends what the bytes read completed (sums). Draining the socket first (it may hold a peer's whole tensor) kept an operation
 // submitted meanwhile waiting, its frames held as early frames, and its sums unsent until the
 // last byte was read. Each receive still takes as much of a payload as the kernel has.
 constexpr uint64_t kReadTurnBytes = 1 << 20;
@@ -43,8 +42,8 @@ struct Engine::Impl : public Connection::Handler,
                       public CollectiveHost,
                       public FailuresHost,
                       public TimeoutsHost {
-  // Early PUSHes from one peer are bounded by that peer's credit (their results cannot come
-  // back before this worker submits), so that much per peer is worth keeping warm.
+  // Early PUSHes arrive from every peer that is ahead; a credit and a partition per peer is
+  // worth keeping warm.
   explicit Impl(const EngineOptions& o)
       : options_(o),
         early(o),
@@ -81,7 +80,9 @@ struct Engine::Impl : public Connection::Handler,
   std::string next_schedule;  // switch to it once no partition is queued
   uint64_t next_op_id = 1;
   uint64_t enqueue_seq = 0;
-  uint64_t in_flight = 0;  // bytes of pushed partitions whose result has not come back
+  // Bytes of released pushes that have not left this worker: what the byte credit bounds.
+  uint64_t unsent_push_bytes = 0;
+  bool credit_returned = false;  // since the last Pump
   int64_t next_timeout_check = 0;
   Timeline timeline;
   BufferPool buffers;  // payloads held in memory (early frames)
@@ -104,7 +105,10 @@ struct Engine::Impl : public Connection::Handler,
   uint64_t StartOperation(OpRequest req, uint64_t round);
   // Frames that arrived before this worker submitted `op`.
   void ReplayEarly(Collective* op);
+  // The scheduler releases PUSHes under the byte credit (Pump).
   void Pump();
+  // Pump, then write what every connection has queued, again while that returns credit.
+  void SendQueued();
   void SwitchPolicy();
   void Wake() {
     uint64_t one = 1;
@@ -151,8 +155,12 @@ struct Engine::Impl : public Connection::Handler,
     task.enqueue_seq = enqueue_seq++;
     policy->Enqueue(task);
   }
+  void PushLeft(const SendTask& task) override {
+    unsent_push_bytes -= task.bytes;
+    credit_returned = true;
+    policy->OnPushLeft(task);
+  }
   void PushCompleted(const TransferDone& done) override;
-  void ReturnCredit(uint64_t bytes) override { in_flight -= bytes; }
   Connection* connection(int peer) override { return conns[peer].get(); }
   Collective* Find(const std::string& key) override {
     auto it = ops.find(key);
@@ -340,7 +348,6 @@ void Engine::Impl::Run() {
     // Operations submitted meanwhile start before the sockets are read, so that their frames
     // land in their tensors rather than being held as early frames and copied again.
     DrainSubmissions();
-    Pump();
     for (int i = 0; i < n_events; ++i) {
       const uint64_t tag = events[i].data.u64;
       if (tag == kWakeTag) {
@@ -355,10 +362,7 @@ void Engine::Impl::Run() {
       if (c.open() && (events[i].events & EPOLLOUT)) c.Flush();
     }
     if (stop.load()) break;
-    DrainSubmissions();
-    Pump();
-    for (auto& c : conns)
-      if (c && c->open() && !c->idle() && !c->awaiting_room()) c->Flush();
+    SendQueued();
     now = NowNs();
     if (now >= next_timeout_check) {
       timeouts.Check(now);
@@ -367,6 +371,18 @@ void Engine::Impl::Run() {
     }
   }
   Shutdown();
+}
+
+void Engine::Impl::SendQueued() {
+  // Pushes that left while flushing return their credit, which may release the next ones at once:
+  // the kernel holds only a little unsent data (transport.h), so waiting for the next turn would
+  // let the link idle.
+  do {
+    credit_returned = false;
+    Pump();
+    for (auto& c : conns)
+      if (c && c->open() && !c->idle() && !c->awaiting_room()) c->Flush();
+  } while (credit_returned && policy->queued() > 0);
 }
 
 // Fails what is left, then closes so that peers read EOF rather than a reset.
@@ -489,7 +505,7 @@ void Engine::Impl::Pump() {
   if (policy->queued() == 0) return;
   const uint64_t credit = options_.credit_bytes;
   std::vector<SendTask> tasks;
-  policy->Dequeue(in_flight < credit ? credit - in_flight : 0, NowNs(), &tasks);
+  policy->Dequeue(unsent_push_bytes < credit ? credit - unsent_push_bytes : 0, NowNs(), &tasks);
   if (timeline.enabled())
     for (const PolicySpan& span : policy->TakeSpans()) {
       if (span.instant) {
@@ -501,8 +517,11 @@ void Engine::Impl::Pump() {
     }
   for (const SendTask& t : tasks) {
     auto it = ops_by_id.find(t.request_id);
-    if (it == ops_by_id.end()) continue;  // failed while queued
-    in_flight += t.bytes;
+    if (it == ops_by_id.end()) {  // failed while queued: it will never leave
+      policy->OnPushLeft(t);
+      continue;
+    }
+    unsent_push_bytes += t.bytes;
     it->second->SendScheduled(t);
   }
 }
@@ -527,7 +546,6 @@ void Engine::Impl::SwitchPolicy() {
 }
 
 void Engine::Impl::PushCompleted(const TransferDone& d) {
-  in_flight -= d.task.bytes;
   policy->OnTransferDone(d);
   const std::vector<BandwidthSample> samples = policy->bandwidth()->TakeSamples();
   if (!timeline.enabled()) return;

@@ -33,13 +33,9 @@ void ProphetPolicy::StartStep(int64_t origin_ns) {
   late_queue_.MoveAllTo(&overdue_queue_);
   credit_queue_.MoveAllTo(&overdue_queue_);
 
-  // A push still unreported two step starts after its release belongs to an operation that
-  // failed (its credit went back without a transfer): forget it rather than let it count ahead
-  // of every later push.
-  const uint64_t step = profiler_.steps_started();
-  for (auto it = in_flight_.begin(); it != in_flight_.end();) {
-    it = it->second.step + 2 <= step ? in_flight_.erase(it) : std::next(it);
-  }
+  // Pushes of the previous step that have not left still keep the link busy, but belong to no
+  // block of this one.
+  for (auto& entry : unsent_) entry.second = -1;
 
   wire_bytes_last_step_.swap(wire_bytes_this_step_);
   wire_bytes_this_step_.clear();
@@ -61,6 +57,7 @@ void ProphetPolicy::StartStep(int64_t origin_ns) {
   open_block_ = 0;
   ready_this_step_.clear();
   block_queues_.assign(plan_.blocks.size(), PriorityTaskQueue());
+  block_unsent_.assign(plan_.blocks.size(), 0);
   block_missing_.clear();
   for (const PlanBlock& block : plan_.blocks) {
     block_missing_.push_back(static_cast<int>(block.members.size()));
@@ -180,31 +177,31 @@ int64_t ProphetPolicy::CreditDeadlineNs() const {
 }
 
 void ProphetPolicy::Dequeue(uint64_t credit_bytes, int64_t now_ns, std::vector<SendTask>* out) {
-  uint64_t tracked = 0;
-  for (const auto& entry : in_flight_) tracked += entry.second.bytes;
-  if (credit_bytes > 0) credit_estimate_ = std::max(credit_estimate_, credit_bytes + tracked);
-  // Bytes the engine counts in flight that this policy does not know (e.g. released by the
-  // policy it replaced): they count ahead of every task.
-  untracked_in_flight_ = credit_estimate_ > credit_bytes + tracked ? credit_estimate_ - credit_bytes - tracked : 0;
-  const size_t released_before = out->size();
-  const bool refused = ReleasePlanned(credit_bytes, now_ns, out);
-  for (size_t i = released_before; i < out->size(); ++i) TrackInFlight((*out)[i]);
-  if (refused) ReleaseAheadOfInFlight(now_ns, out);
+  ReleasePlanned(credit_bytes, now_ns, out);
 }
 
-bool ProphetPolicy::ReleasePlanned(uint64_t credit_bytes, int64_t now_ns, std::vector<SendTask>* out) {
+void ProphetPolicy::ReleasePlanned(uint64_t credit_bytes, int64_t now_ns, std::vector<SendTask>* out) {
   CreditWindow window(credit_bytes);
-  if (!window.Release(&overdue_queue_, out)) return true;
-  if (!blocks_active_) return !window.Release(&credit_queue_, out);
+  size_t released_before = out->size();
+  const bool overdue_drained = window.Release(&overdue_queue_, out);
+  TrackUnsent(*out, released_before, -1);
+  if (!overdue_drained) return;
+  if (!blocks_active_) {
+    released_before = out->size();
+    window.Release(&credit_queue_, out);
+    TrackUnsent(*out, released_before, -1);
+    return;
+  }
   if (!credit_phase_ && now_ns >= CreditDeadlineNs()) credit_phase_ = true;
 
   const int blocks = static_cast<int>(block_queues_.size());
   while (open_block_ < blocks) {
     // No preemption: the open block's queued partitions go before anything else.
-    const size_t released_before = out->size();
+    released_before = out->size();
     const bool drained = window.Release(&block_queues_[open_block_], out);
     NoteReleased(*out, released_before, now_ns, open_block_);
-    if (!drained) return true;
+    TrackUnsent(*out, released_before, open_block_);
+    if (!drained) return;
     if (credit_phase_) {
       EndPhaseSpan(now_ns);
       EndBlocks();
@@ -214,92 +211,51 @@ bool ProphetPolicy::ReleasePlanned(uint64_t credit_bytes, int64_t now_ns, std::v
     // Its members are not ready yet and no later block has data: rather than idle the link until
     // they are, send what the plan holds for the credit phase (see FillIdleLink).
     if (!complete && !LaterBlockQueued()) return FillIdleLink(&window, now_ns, out);
+    // The next block opens once this one has left this worker.
+    if (BlockUnsent(open_block_)) return;
     EndPhaseSpan(now_ns);
     ++open_block_;
   }
   if (!credit_phase_) {
-    if (!window.Release(&late_queue_, out)) return true;
+    released_before = out->size();
+    const bool late_drained = window.Release(&late_queue_, out);
+    TrackUnsent(*out, released_before, -1);
+    if (!late_drained) return;
     return FillIdleLink(&window, now_ns, out);  // every block ended before the first layer is ready
   }
   EndBlocks();
-  const size_t released_before = out->size();
+  released_before = out->size();
   const bool drained = window.Release(&credit_queue_, out);
   NoteReleased(*out, released_before, now_ns, /*block=*/-1);
+  TrackUnsent(*out, released_before, -1);
   if (drained) EndPhaseSpan(now_ns);
-  return !drained;
 }
 
-bool ProphetPolicy::FillIdleLink(CreditWindow* window, int64_t now_ns, std::vector<SendTask>* out) {
+void ProphetPolicy::FillIdleLink(CreditWindow* window, int64_t now_ns, std::vector<SendTask>* out) {
+  // Released pushes that have not left keep the link busy (the kernel holds little beyond them).
+  if (!unsent_.empty()) return;
   const size_t released_before = out->size();
-  const bool drained = window->Release(&credit_queue_, out);
+  window->Release(&credit_queue_, out);
   // Counted in the open block's span, or in a span of its own.
   NoteReleased(*out, released_before, now_ns, /*block=*/-2);
-  return !drained;
+  TrackUnsent(*out, released_before, -1);
 }
 
-namespace {
-
-// Ahead in the order every worker shares: higher priority, or the same priority of an earlier
-// round. Tasks of equal priority and round (the partitions of one tensor, tensors that share a
-// priority) are not ahead of each other: their queue order (arrival) differs between workers, and
-// a task that nothing in flight is ahead of must always be free to go.
-bool AheadOf(int64_t priority, uint64_t round, const SendTask& task) {
-  return priority > task.priority || (priority == task.priority && round < task.round);
-}
-
-}  // namespace
-
-uint64_t ProphetPolicy::BytesInFlightAhead(const SendTask& task) const {
-  uint64_t bytes = untracked_in_flight_;
-  for (const auto& entry : in_flight_) {
-    if (AheadOf(entry.second.priority, entry.second.round, task)) bytes += entry.second.bytes;
+void ProphetPolicy::TrackUnsent(const std::vector<SendTask>& out, size_t from, int block) {
+  for (size_t i = from; i < out.size(); ++i) {
+    const SendTask& task = out[i];
+    if (task.priority >= kControlPriority) continue;  // never held back, never holds back
+    unsent_[std::make_tuple(task.name, task.round, task.partition)] = block;
+    if (block >= 0) ++block_unsent_[block];
   }
-  return bytes;
 }
 
-void ProphetPolicy::TrackInFlight(const SendTask& task) {
-  InFlight& entry = in_flight_[std::make_tuple(task.name, task.round, task.partition)];
-  entry.priority = task.priority;
-  entry.round = task.round;
-  entry.bytes = task.bytes;
-  entry.step = profiler_.steps_started();
-}
-
-void ProphetPolicy::OnTransferDone(const TransferDone& done) {
-  in_flight_.erase(std::make_tuple(done.task.name, done.task.round, done.task.partition));
-  SchedulerPolicy::OnTransferDone(done);
-}
-
-void ProphetPolicy::ReleaseAheadOfInFlight(int64_t now_ns, std::vector<SendTask>* out) {
-  // The queues whose tasks the plan would release now were it not for the credit.
-  std::vector<PriorityTaskQueue*> queues = {&overdue_queue_};
-  const int blocks = static_cast<int>(block_queues_.size());
-  if (!blocks_active_ || credit_phase_) {
-    queues.push_back(&credit_queue_);
-    queues.push_back(&late_queue_);
-    for (PriorityTaskQueue& queue : block_queues_) queues.push_back(&queue);
-  } else if (open_block_ < blocks) {
-    queues.push_back(&block_queues_[open_block_]);
-  } else {
-    queues.push_back(&late_queue_);
-  }
-  const size_t released_before = out->size();
-  while (true) {
-    PriorityTaskQueue* most_urgent = nullptr;
-    for (PriorityTaskQueue* queue : queues) {
-      if (queue->empty()) continue;
-      if (most_urgent == nullptr || LessUrgent(most_urgent->top(), queue->top())) most_urgent = queue;
-    }
-    if (most_urgent == nullptr) break;
-    const SendTask& task = most_urgent->top();
-    const uint64_t ahead = BytesInFlightAhead(task);
-    // As CreditWindow: the first task ahead of everything goes whatever its size.
-    if (ahead > 0 && ahead + task.bytes > credit_estimate_) break;
-    out->push_back(most_urgent->Pop());
-    TrackInFlight(out->back());
-  }
-  const bool blocks_phase = blocks_active_ && !credit_phase_ && open_block_ < blocks;
-  NoteReleased(*out, released_before, now_ns, blocks_phase ? open_block_ : -1);
+void ProphetPolicy::OnPushLeft(const SendTask& task) {
+  // Pushes released by a policy this one replaced are not tracked here.
+  auto it = unsent_.find(std::make_tuple(task.name, task.round, task.partition));
+  if (it == unsent_.end()) return;
+  if (it->second >= 0) --block_unsent_[it->second];
+  unsent_.erase(it);
 }
 
 std::string ProphetPolicy::BlockLabel(int block) const {

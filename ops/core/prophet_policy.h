@@ -13,37 +13,33 @@
 //  - Blocks are sent one after another, in plan order (see planner.h for how they are formed):
 //      * the open block releases its members' partitions as soon as they are queued, highest
 //        priority first, under the byte credit; nothing else is released while any of them is
-//        queued (no preemption: a more urgent gradient that arrives waits for the block to end);
+//        queued or has not left this worker (no preemption: a more urgent gradient that arrives
+//        waits for the block to leave; "left" is the engine's OnPushLeft: the last byte is in the
+//        kernel, which holds only a little unsent data);
 //      * members that are ready go out even if other members of the block are not ready yet, so
 //        the link is never idle while data of the open block waits;
-//      * the open block ends when all its members were ready and released. If it still waits for
+//      * the open block ends when all its members were ready and have left. If it still waits for
 //        members (late, or absent this step) while a later block already has data queued, it is
-//        closed and the next block opens (the link does not idle for a gradient that may not
-//        come); a member of a closed block that arrives later joins the block open at that time
-//        (or, with none open, is sent at once).
+//        closed once what it released has left, and the next block opens (the link does not idle
+//        for a gradient that may not come); a member of a closed block that arrives later joins
+//        the block open at that time (or, with none open, is sent at once).
 //  - Credit phase: when the first layer's gradient (the plan's highest-priority tensor, or any
-//    tensor of higher priority) is ready, the block in flight is finished and then everything left
-//    goes under the credit in priority order. Tensors that fit in no block and tensors the profile
-//    does not know yet are held for this phase, but only while the plan has something to send:
-//    when the open block waits for members that are not ready (and no later block has data), or
-//    every block ended before the first layer, the held tensors go under the credit, most urgent
-//    first, rather than the link idling (it idled 42% of the backward pass of ResNet50 in the
-//    emulated benchmark). Members that become ready later still go at once: the credit never
-//    holds back a push more urgent than one in flight (below). Should the first layer not show up (profile off by more
+//    tensor of higher priority) is ready, the open block's queued partitions are released and then
+//    everything left goes under the credit in priority order (the first layer may overtake
+//    released partitions of the block that have not started: the connection's queue is in
+//    priority order). Tensors that fit in no block and tensors the profile does not know yet are
+//    held for this phase, but only while the plan keeps the link busy: when everything this policy
+//    released has left and the open block waits for members that are not ready (and no later
+//    block has data), or every block ended before the first layer, the held tensors go under the
+//    credit, most urgent first, rather than the link idling (it idled 42% of the backward pass of
+//    ResNet50 in the emulated benchmark). Should the first layer not show up (profile off by more
 //    than the re-plan threshold), the credit phase starts anyway at its expected ready offset
 //    x (1 + replan_threshold) (NextWakeupNs reports that time).
 //  - Tasks of an earlier step still queued when a step opens are sent first, in priority order.
-//  - The byte credit never holds back a push that is more urgent than one in flight. A push's
-//    credit returns only when its sum does, and the sum needs every worker's push; workers plan
-//    apart (each pushes different bytes per tensor, measures its own bandwidth and ready times),
-//    so one worker's credit can be full of pushes that the others hold back for later blocks
-//    while they wait, credit full, for pushes this worker holds back: a deadlock (seen at 4
-//    workers with ResNet50). So when the credit refuses what the plan releases next, the most
-//    urgent queued task still goes if the pushes in flight ahead of it (higher priority, or the
-//    same priority of an earlier round: an order every worker shares) leave it room in the
-//    credit. The least urgent unfinished push of all workers then always moves on every worker.
-//    What may go this way: the open block and tasks of earlier steps; in the credit phase,
-//    everything (blocks still end by themselves: before the credit phase, waiting is local).
+//  - Everything this policy waits for is local: a member's readiness, a deadline, and pushes
+//    leaving this worker, whose credit the engine returns without waiting for any other worker.
+//    (While the credit came back with a push's sum, workers whose plans differ held each other's
+//    sums back: a deadlock at 4 workers with ResNet50.)
 // Every SendTask carries its tensor's name, which places it in its block.
 #ifndef PROPHET_OPS_CORE_PROPHET_POLICY_H_
 #define PROPHET_OPS_CORE_PROPHET_POLICY_H_
@@ -76,7 +72,7 @@ class ProphetPolicy : public SchedulerPolicy {
   void OnTensorReady(const TensorReady& ready) override;
   void Enqueue(const SendTask& task) override;
   void Dequeue(uint64_t credit_bytes, int64_t now_ns, std::vector<SendTask>* out) override;
-  void OnTransferDone(const TransferDone& done) override;
+  void OnPushLeft(const SendTask& task) override;
   size_t queued() const override;
   int64_t NextWakeupNs() const override;
   std::string Describe() const override;
@@ -94,8 +90,8 @@ class ProphetPolicy : public SchedulerPolicy {
   const std::string& last_replan_reason() const { return last_replan_reason_; }
   const ReadyTimeProfiler& profiler() const { return profiler_; }
   const ReadyTimeProfiler* ready_time_profiler() const override { return &profiler_; }
-  // Pushes this policy released whose transfer has not been reported done.
-  size_t pushes_in_flight() const { return in_flight_.size(); }
+  // Pushes this policy released that have not left this worker.
+  size_t pushes_unsent() const { return unsent_.size(); }
 
   // For the timeline's "block" track: when each block released its first task until it ended,
   // and the credit phase from its start until its queue ran empty (times are Dequeue's now_ns).
@@ -105,17 +101,15 @@ class ProphetPolicy : public SchedulerPolicy {
   std::vector<PolicySpan> TakeSpans() override;
 
  private:
-  // Dequeue's planned release; true when it stopped because the credit refused a task.
-  bool ReleasePlanned(uint64_t credit_bytes, int64_t now_ns, std::vector<SendTask>* out);
-  // After a refusal: the most urgent queued tasks that the pushes in flight ahead of them leave
-  // room for (see the class comment).
-  void ReleaseAheadOfInFlight(int64_t now_ns, std::vector<SendTask>* out);
+  void ReleasePlanned(uint64_t credit_bytes, int64_t now_ns, std::vector<SendTask>* out);
   // The plan has nothing to send now (the open block waits for members, or every block ended
-  // before the first layer): what it holds for the credit phase goes under the credit, most
-  // urgent first. True when the credit refused a task.
-  bool FillIdleLink(CreditWindow* window, int64_t now_ns, std::vector<SendTask>* out);
-  uint64_t BytesInFlightAhead(const SendTask& task) const;
-  void TrackInFlight(const SendTask& task);
+  // before the first layer) and everything released has left: what it holds for the credit phase
+  // goes under the credit, most urgent first.
+  void FillIdleLink(CreditWindow* window, int64_t now_ns, std::vector<SendTask>* out);
+  // Remembers released tasks until they leave: `block` is the block they were released for (-1:
+  // none).
+  void TrackUnsent(const std::vector<SendTask>& out, size_t from, int block);
+  bool BlockUnsent(int block) const { return block >= 0 && block < static_cast<int>(block_unsent_.size()) && block_unsent_[block] > 0; }
   void StartStep(int64_t origin_ns);
   void MaybeReplan();
   bool LaterBlockQueued() const;
@@ -153,19 +147,10 @@ class ProphetPolicy : public SchedulerPolicy {
   std::map<std::string, uint64_t> wire_bytes_this_step_;
   std::map<std::string, uint64_t> wire_bytes_last_step_;
 
-  // Pushes released and not reported done, by (name, round, partition).
-  struct InFlight {
-    int64_t priority = 0;
-    uint64_t round = 0;
-    uint64_t bytes = 0;
-    uint64_t step = 0;  // steps_started() when released
-  };
-  std::map<std::tuple<std::string, uint64_t, int>, InFlight> in_flight_;
-  // The engine's whole credit, learned from Dequeue: credit left + bytes in flight (the engine
-  // counts what this policy released; only a policy switch can hide pushes from it, and then
-  // this underestimates).
-  uint64_t credit_estimate_ = 0;
-  uint64_t untracked_in_flight_ = 0;  // in this Dequeue call
+  // Pushes released that have not left this worker, by (name, round, partition): the block of
+  // this step they were released for, or -1. block_unsent_ counts them per block.
+  std::map<std::tuple<std::string, uint64_t, int>, int> unsent_;
+  std::vector<int> block_unsent_;
 
   bool span_open_ = false;
   int open_span_block_ = 0;  // NoteReleased's `block` of the open span

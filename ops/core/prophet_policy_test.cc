@@ -110,7 +110,8 @@ class Harness {
     Ready(name, round, LayerOf(name).offset_ns);
   }
 
-  // Names of the released tasks, in order ("g5" twice for its two partitions).
+  // Names of the released tasks, in order ("g5" twice for its two partitions). They leave this
+  // worker at once (the kernel takes them) and come back as the link carries them.
   std::string Dequeue(uint64_t credit, uint64_t round, int64_t offset_ns) {
     const int64_t now = origin(round) + offset_ns;
     std::vector<SendTask> out;
@@ -118,6 +119,7 @@ class Harness {
     std::string names;
     for (const SendTask& task : out) {
       names += (names.empty() ? "" : ",") + request_names_[task.request_id];
+      policy_->OnPushLeft(task);
       TransferDone done;
       done.task = task;
       done.sent_ns = std::max(now, link_free_ns_);
@@ -128,40 +130,36 @@ class Harness {
     return names;
   }
 
-  // As the engine does: `credit` bytes at most in flight (the policy is offered what is left), and
-  // released tasks stay in flight until Complete reports them done.
-  std::string DequeueUnderCredit(uint64_t credit, uint64_t round, int64_t offset_ns) {
+  // As the engine does: released tasks stay unsent (in this worker's queues, holding `credit`)
+  // until Leave reports them gone.
+  std::string DequeueUnsent(uint64_t credit, uint64_t round, int64_t offset_ns) {
     const int64_t now = origin(round) + offset_ns;
     std::vector<SendTask> out;
-    policy_->Dequeue(in_flight_bytes_ < credit ? credit - in_flight_bytes_ : 0, now, &out);
+    policy_->Dequeue(unsent_bytes_ < credit ? credit - unsent_bytes_ : 0, now, &out);
     std::string names;
     for (const SendTask& task : out) {
       names += (names.empty() ? "" : ",") + request_names_[task.request_id];
-      in_flight_bytes_ += task.bytes;
-      in_flight_.push_back({task, now});
+      unsent_bytes_ += task.bytes;
+      unsent_.push_back(task);
     }
     return names;
   }
-  // Reports every task in flight done at `offset_ns` (sent back to back from their release).
-  void CompleteAll(uint64_t round, int64_t offset_ns) {
-    for (const auto& entry : in_flight_) {
-      TransferDone done;
-      done.task = entry.first;
-      done.sent_ns = entry.second;
-      done.done_ns = origin(round) + offset_ns;
-      policy_->OnTransferDone(done);
-    }
-    in_flight_.clear();
-    in_flight_bytes_ = 0;
+  // The oldest unsent task leaves this worker.
+  void LeaveOne() {
+    policy_->OnPushLeft(unsent_.front());
+    unsent_bytes_ -= unsent_.front().bytes;
+    unsent_.erase(unsent_.begin());
   }
+  size_t unsent() const { return unsent_.size(); }
 
   // One step at the profiled times, releasing everything as soon as possible.
+  // As the engine does, the policy is asked again when what it released has left.
   std::string RunProfiledStep(uint64_t round) {
     std::string order;
     for (const Layer& layer : kLayers) {
       ReadyAtProfiledTime(layer.name, round);
-      const std::string released = Dequeue(kLargeCredit, round, layer.offset_ns);
-      if (!released.empty()) order += (order.empty() ? "" : ",") + released;
+      for (std::string released; !(released = Dequeue(kLargeCredit, round, layer.offset_ns)).empty();)
+        order += (order.empty() ? "" : ",") + released;
     }
     return order;
   }
@@ -174,8 +172,8 @@ class Harness {
   uint64_t next_request_ = 1;
   uint64_t next_seq_ = 0;
   int64_t link_free_ns_ = 0;
-  std::vector<std::pair<SendTask, int64_t>> in_flight_;  // DequeueUnderCredit: task, release time
-  uint64_t in_flight_bytes_ = 0;
+  std::vector<SendTask> unsent_;  // DequeueUnsent, oldest first
+  uint64_t unsent_bytes_ = 0;
 };
 
 std::string Members(const PlanBlock& block) {
@@ -253,34 +251,37 @@ TEST(PriorityFallbackThenBlocksWithoutPreemption) {
   EXPECT_TRUE(h.policy().Describe().find("2 blocks") != std::string::npos);
 }
 
-TEST(CreditNeverHoldsBackAPushMoreUrgentThanOneInFlight) {
-  // The engine's credit is one partition (0.5 MB); a push stays in flight until its sum returns,
-  // which needs the other workers' pushes of the same partition.
+TEST(NoNewBlockUntilTheOpenOneHasLeft) {
+  // Released pushes wait in this worker's queues until the kernel takes them (DequeueUnsent);
+  // only then does the plan move on. The first layer does not wait.
   Harness h(120e6);
-  for (const char* name : {"g5", "g4", "g3", "g2", "g1", "g0"}) h.ReadyAtProfiledTime(name, 0);
-  // Step 0 (priority order, no plan yet): one push at a time over the 120 MB/s link (4.2 ms each).
-  int64_t now = 21 * kMs;
-  for (const char* names : {"g0", "g1", "g2", "g3", "g4", "g5,g5"}) {
-    EXPECT_EQ(h.DequeueUnderCredit(kHalfMB, 0, now), std::string(names));
-    now += 5 * kMs;
-    h.CompleteAll(0, now);
-  }
-  // Step 1 follows the plan: block 0 = {g4} takes the credit, and its sum waits for another
-  // worker whose plan sends g2 and g3 first. Those are more urgent than g4: the credit must not
-  // hold them back, or both workers wait for each other for good.
+  RunStepZero(&h);
   h.ReadyAtProfiledTime("g5", 1);
+  EXPECT_EQ(h.DequeueUnsent(kLargeCredit, 1, 0), std::string("g5,g5"));  // nothing planned is ready
   h.ReadyAtProfiledTime("g4", 1);
-  EXPECT_TRUE(h.policy().blocks_active());
-  EXPECT_EQ(h.DequeueUnderCredit(kHalfMB, 1, kMs / 10), std::string("g4"));
+  EXPECT_EQ(h.DequeueUnsent(kLargeCredit, 1, kMs / 10), std::string("g4"));  // block 0 goes at once
   h.ReadyAtProfiledTime("g3", 1);
+  EXPECT_EQ(h.DequeueUnsent(kLargeCredit, 1, 10 * kMs), std::string());  // block 0 has not left
+  h.LeaveOne();
+  h.LeaveOne();
+  EXPECT_EQ(h.DequeueUnsent(kLargeCredit, 1, 10 * kMs), std::string());  // g4 still has not
+  EXPECT_EQ(h.policy().open_block(), 0);
+  h.LeaveOne();
+  EXPECT_EQ(h.DequeueUnsent(kLargeCredit, 1, 10 * kMs), std::string("g3"));
+  EXPECT_EQ(h.policy().open_block(), 1);
   h.ReadyAtProfiledTime("g2", 1);
-  EXPECT_EQ(h.DequeueUnderCredit(kHalfMB, 1, 10 * kMs + kMs / 10), std::string("g2"));
-  // g3 is behind g2 (in flight, more urgent), which fills the credit; g5 is no block's member.
-  EXPECT_EQ(h.DequeueUnderCredit(kHalfMB, 1, 10 * kMs + kMs / 10), std::string());
-  EXPECT_EQ(h.policy().pushes_in_flight(), 2u);
-  h.CompleteAll(1, 11 * kMs);
-  EXPECT_EQ(h.policy().pushes_in_flight(), 0u);
-  EXPECT_EQ(h.DequeueUnderCredit(kHalfMB, 1, 11 * kMs), std::string("g3"));
+  EXPECT_EQ(h.DequeueUnsent(kLargeCredit, 1, 10 * kMs + kMs / 10), std::string("g2"));
+  // Block 1 waits for nothing more, but has not left: g1 (in no block) is held rather than put
+  // behind it. The first layer starts the credit phase, block 1 or not.
+  h.ReadyAtProfiledTime("g1", 1);
+  EXPECT_EQ(h.DequeueUnsent(kLargeCredit, 1, 20 * kMs), std::string());
+  h.ReadyAtProfiledTime("g0", 1);
+  EXPECT_EQ(h.DequeueUnsent(kLargeCredit, 1, 20 * kMs + kMs / 10), std::string("g0,g1"));
+  EXPECT_EQ(h.unsent(), 4u);
+  EXPECT_EQ(h.policy().pushes_unsent(), 4u);
+  while (h.unsent() > 0) h.LeaveOne();
+  EXPECT_EQ(h.policy().pushes_unsent(), 0u);
+  EXPECT_EQ(h.policy().queued(), 0u);
 }
 
 TEST(ControlTrafficIsNeitherProfiledNorHeldBack) {
@@ -359,8 +360,10 @@ TEST(LeftoversOfAStepGoFirstInTheNext) {
   // The next step opens before the credit released the rest of step 1.
   h.ReadyAtProfiledTime("g5", 2);
   EXPECT_EQ(h.policy().queued(), 7u);  // g3, g2, g1, g5 x2 of step 1, g5 x2 of step 2
-  // Step 1's first, in priority order; then step 2's g5 (block 0, g4, has nothing ready).
-  EXPECT_EQ(h.Dequeue(kLargeCredit, 2, 0), std::string("g1,g2,g3,g5,g5,g5,g5"));
+  // Step 1's first, in priority order; then, once they have left, step 2's g5 (block 0, g4, has
+  // nothing ready).
+  EXPECT_EQ(h.Dequeue(kLargeCredit, 2, 0), std::string("g1,g2,g3,g5,g5"));
+  EXPECT_EQ(h.Dequeue(kLargeCredit, 2, 0), std::string("g5,g5"));
 }
 
 TEST(ReplansWhenBandwidthDrops) {

@@ -17,7 +17,7 @@ void PushPull::Start() {
   const size_t np = parts().size();
   set_pending(static_cast<int>(np));
   push_state_.assign(np, PushState::kQueued);
-  push_sent_ns_.assign(np, 0);
+  push_released_ns_.assign(np, 0);
   contributions_.assign(np, 0);
   result_sends_left_.assign(np, 0);
   contributed_.assign(np, {});
@@ -39,24 +39,31 @@ void PushPull::Start() {
       contributions_[p] = 1;
       continue;
     }
-    SendTask t;
-    t.name = r.name;
-    t.round = round();
-    t.request_id = id();
-    t.partition = static_cast<int>(p);
-    t.peer = parts()[p].owner;
-    t.priority = r.priority;
-    t.bytes = parts()[p].bytes;
-    t.ready_ns = submit_ns();
-    host()->Schedule(std::move(t));
+    host()->Schedule(PushTask(p));
   }
+}
+
+SendTask PushPull::PushTask(uint32_t part) const {
+  SendTask t;
+  t.name = req_.name;
+  t.round = round();
+  t.request_id = id();
+  t.partition = static_cast<int>(part);
+  t.peer = parts()[part].owner;
+  t.priority = req_.priority;
+  t.bytes = parts()[part].bytes;
+  t.ready_ns = submit_ns();
+  return t;
 }
 
 void PushPull::SendScheduled(const SendTask& task) {
   const uint32_t p = static_cast<uint32_t>(task.partition);
-  push_state_[p] = PushState::kPushed;
-  push_sent_ns_[p] = NowNs();
-  host()->Send(task.peer, Frame(FrameType::kPush, p, static_cast<const char*>(req_.input) + parts()[p].offset));
+  push_state_[p] = PushState::kReleased;
+  push_released_ns_[p] = NowNs();
+  host()->Send(task.peer, Frame(FrameType::kPush, p, static_cast<const char*>(req_.input) + parts()[p].offset, [this, p] {
+                 push_state_[p] = PushState::kSent;
+                 host()->PushLeft(PushTask(p));
+               }));
 }
 
 std::string PushPull::Mismatch(int peer, const FrameMeta& meta) const {
@@ -80,7 +87,7 @@ PayloadSink PushPull::OnFrame(int peer, const FrameMeta& meta) {
   if (meta.type == FrameType::kResult) {
     const uint32_t p = meta.partition;
     if (p >= parts().size() || parts()[p].owner != peer || parts()[p].offset != meta.offset ||
-        parts()[p].bytes != meta.payload_bytes || push_state_[p] != PushState::kPushed)
+        parts()[p].bytes != meta.payload_bytes || push_state_[p] != PushState::kSent)
       return PayloadSink::Discard();  // not what this worker pushed: drop the bytes
     return PayloadSink::Into(static_cast<char*>(req_.output) + meta.offset, id());
   }
@@ -106,15 +113,8 @@ void PushPull::OnPayloadDone(int peer, const FrameMeta& meta) {
   }
   push_state_[p] = PushState::kDone;
   TransferDone d;
-  d.task.name = req_.name;
-  d.task.round = round();
-  d.task.request_id = id();
-  d.task.partition = static_cast<int>(p);
-  d.task.peer = peer;
-  d.task.priority = req_.priority;
-  d.task.bytes = meta.payload_bytes;
-  d.task.ready_ns = submit_ns();
-  d.sent_ns = push_sent_ns_[p];
+  d.task = PushTask(p);
+  d.sent_ns = push_released_ns_[p];
   d.done_ns = NowNs();
   host()->PushCompleted(d);
   EventDone();
@@ -175,11 +175,9 @@ std::vector<bool> PushPull::WaitingFor() const {
 }
 
 void PushPull::Complete(const Status& status) {
-  // The credit of pushes still waiting for their result.
-  uint64_t in_flight = 0;
+  // Released pushes that will not leave now (the engine dropped their frames): their credit.
   for (size_t p = 0; p < push_state_.size(); ++p)
-    if (push_state_[p] == PushState::kPushed) in_flight += parts()[p].bytes;
-  if (in_flight) host()->ReturnCredit(in_flight);
+    if (push_state_[p] == PushState::kReleased) host()->PushLeft(PushTask(static_cast<uint32_t>(p)));
   Collective::Complete(status);
 }
 

@@ -28,9 +28,13 @@ class PushPull : public Collective {
   void Complete(const Status& status) override;
 
  private:
-  enum class PushState : uint8_t { kQueued, kPushed, kDone };  // partitions owned by others
+  // Partitions owned by others: queued in the scheduler, released (in this worker's out-queue, its
+  // credit held), sent (its last byte is in the kernel), its sum back.
+  enum class PushState : uint8_t { kQueued, kReleased, kSent, kDone };
 
   FrameType frame_type() const override { return FrameType::kPush; }
+  // The scheduler's task for the PUSH of partition `part`.
+  SendTask PushTask(uint32_t part) const;
   // Checks a PUSH against this worker's own request.
   std::string Mismatch(int peer, const FrameMeta& meta) const override;
   // Adds bytes [at, at + len) of a contribution to owned partition `part`.
@@ -40,7 +44,7 @@ class PushPull : public Collective {
   void MaybeFinishPartition(uint32_t part);
 
   std::vector<PushState> push_state_;
-  std::vector<int64_t> push_sent_ns_;
+  std::vector<int64_t> push_released_ns_;
   // Owned partitions.
   std::vector<std::vector<bool>> contributed_;  // by rank
   std::vector<int> contributions_;              // n() + 1 once finished

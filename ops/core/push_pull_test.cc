@@ -41,13 +41,24 @@ class FakeHost : public CollectiveHost {
   }
   void Announce(const TensorReady& ready) override { announced.push_back(*ready.name); }
   void Schedule(SendTask task) override { scheduled.push_back(std::move(task)); }
+  void PushLeft(const SendTask& task) override {
+    left.push_back(task);
+    credit_returned += task.bytes;
+  }
   void PushCompleted(const TransferDone& done) override { completed.push_back(done); }
-  void ReturnCredit(uint64_t bytes) override { credit_returned += bytes; }
 
-  // Runs the on_sent callbacks of the frames sent so far, as the connections would.
-  void CompleteSends() {
+  // Runs the on_sent callbacks of the frames of `type` sent so far (all: kError), as the
+  // connections would once their last byte is in the kernel.
+  void CompleteSends(FrameType type = FrameType::kError) {
     for (auto& [peer, frame] : sent)
-      if (frame.on_sent) std::exchange(frame.on_sent, nullptr)();
+      if (frame.on_sent && (type == FrameType::kError || TypeOf(frame) == type)) std::exchange(frame.on_sent, nullptr)();
+  }
+  static FrameType TypeOf(const OutFrame& frame) {
+    FrameMeta meta;
+    const char* ignored = nullptr;
+    std::string head = frame.head;
+    head.append(frame.payload_len, '\0');  // DecodeFrame wants the payload's bytes to exist
+    return DecodeFrame(head.data(), head.size(), &meta, &ignored).ok() ? meta.type : FrameType::kError;
   }
   // Decoded frames sent to `peer` of `type`.
   std::vector<std::pair<FrameMeta, const char*>> SentTo(int peer, FrameType type) const {
@@ -67,6 +78,7 @@ class FakeHost : public CollectiveHost {
   std::vector<std::pair<int, OutFrame>> sent;
   std::vector<std::string> announced;
   std::vector<SendTask> scheduled;
+  std::vector<SendTask> left;  // PushLeft
   std::vector<TransferDone> completed;
   uint64_t credit_returned = 0;
   int finishes = 0;
@@ -197,8 +209,17 @@ void SumOfThree(bool in_place, bool whole) {
                               meta.payload_bytes) == 0);
     }
   }
-  // This worker's PUSHes go out when the scheduler releases them; their RESULTs come back.
-  for (const SendTask& t : run.host.scheduled) run.op->SendScheduled(t);
+  // This worker's PUSHes go out when the scheduler releases them, leave (their credit returns,
+  // not waiting for any other worker), and their RESULTs come back.
+  uint64_t pushed = 0;
+  for (const SendTask& t : run.host.scheduled) {
+    run.op->SendScheduled(t);
+    pushed += t.bytes;
+  }
+  EXPECT_EQ(run.host.credit_returned, 0u);
+  run.host.CompleteSends(FrameType::kPush);
+  EXPECT_EQ(run.host.credit_returned, pushed);
+  EXPECT_EQ(run.host.left.size(), run.host.scheduled.size());
   for (const SendTask& t : run.host.scheduled) {
     const Partition& p = parts[t.partition];
     const FrameMeta meta = PartMeta(FrameType::kResult, parts, static_cast<uint32_t>(t.partition), elements);
@@ -213,7 +234,7 @@ void SumOfThree(bool in_place, bool whole) {
   run.host.CompleteSends();
   EXPECT_EQ(run.done_calls, 1);
   EXPECT_TRUE(run.status.ok());
-  EXPECT_EQ(run.host.credit_returned, 0u);  // every push came back
+  EXPECT_EQ(run.host.credit_returned, pushed);  // once per push
   EXPECT_TRUE(std::memcmp(run.out(), expected.data(), 4 * elements) == 0);
 }
 
@@ -301,8 +322,15 @@ TEST(WaitingForNamesTheMissingRanksAndCreditReturnsOnFailure) {
     run.op->SendScheduled(t);
     pushed += t.bytes;
   }
+  // Half of the pushes left; the operation fails before the rest do, and their credit returns
+  // then, each push's exactly once.
+  for (size_t i = 0; i < run.host.sent.size() / 2; ++i)
+    std::exchange(run.host.sent[i].second.on_sent, nullptr)();
+  const size_t left_before = run.host.left.size();
+  EXPECT_TRUE(left_before > 0 && left_before < run.host.scheduled.size());
   run.host.Finish(run.op.get(), Status(Code::kDeadlineExceeded, "late"));
   EXPECT_EQ(run.host.credit_returned, pushed);
+  EXPECT_EQ(run.host.left.size(), run.host.scheduled.size());
   EXPECT_TRUE(run.status.code() == Code::kDeadlineExceeded);
 }
 

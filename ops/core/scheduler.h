@@ -49,10 +49,10 @@ struct TensorReady {
   int64_t ready_ns = 0;
 };
 
-// A PUSH whose bytes have left (send completion) and whose RESULT came back (completion).
+// A PUSH whose RESULT came back.
 struct TransferDone {
   SendTask task;
-  int64_t sent_ns = 0;      // first byte handed to the socket
+  int64_t sent_ns = 0;      // released to the connection
   int64_t done_ns = 0;      // last byte of the reply received
 };
 
@@ -108,7 +108,8 @@ class FifoTaskQueue {
 };
 
 // The engine's byte credit for one Dequeue call: the first task goes whenever any credit is left
-// (so that a task larger than the whole credit still moves), later ones only while they fit.
+// (so that a task larger than the whole credit still moves), later ones only while they fit. The
+// credit bounds the released pushes that have not left this worker yet (SchedulerPolicy::OnPushLeft).
 class CreditWindow {
  public:
   explicit CreditWindow(uint64_t credit_bytes) : credit_(credit_bytes) {}
@@ -140,13 +141,19 @@ class SchedulerPolicy {
   // Feedback: a tensor became ready. Called before its partitions are enqueued.
   virtual void OnTensorReady(const TensorReady& /*t*/) {}
   virtual void Enqueue(const SendTask& task) = 0;
-  // Appends to `out` the tasks to put on the wire now, in order. `credit_bytes` is how many bytes
-  // may still go in flight (a policy may exceed it by at most one task, so that a task larger than
-  // the whole credit still moves). Returning nothing while tasks are queued means "wait": the
-  // engine calls again after the next event or at NextWakeupNs().
+  // Appends to `out` the tasks to put on the wire now, in order. `credit_bytes` is how many more
+  // bytes may be released before released pushes have left this worker (a policy may exceed it by
+  // at most one task, so that a task larger than the whole credit still moves). Returning nothing
+  // while tasks are queued means "wait": the engine calls again after the next event (a released
+  // push leaving returns its credit) or at NextWakeupNs().
   virtual void Dequeue(uint64_t credit_bytes, int64_t now_ns, std::vector<SendTask>* out) = 0;
-  // Feedback: a transfer finished (credit is returned by the engine, not by the policy). A policy
-  // that tracks its pushes in flight overrides this and calls it.
+  // Feedback: a released push left this worker (its last byte is in the kernel, which holds only
+  // a little unsent data: transport.h), or will never leave (its operation ended). The engine
+  // returns the push's credit at this moment, never later: waiting for its sum would wait for
+  // every other worker's push of the partition, and workers whose credit is full of pushes that
+  // wait on each other's held-back pushes would wait forever.
+  virtual void OnPushLeft(const SendTask& /*task*/) {}
+  // Feedback: a push's sum came back. A policy that overrides this calls it.
   virtual void OnTransferDone(const TransferDone& d) { bandwidth_.OnTransfer(d.task.bytes, d.sent_ns, d.done_ns); }
   // This worker's link goodput, measured from the completed transfers: the one estimate that both
   // the planner and the timeline's bandwidth counter read.

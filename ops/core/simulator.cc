@@ -99,7 +99,7 @@ struct StepState {
 
 struct Worker {
   std::unique_ptr<SchedulerPolicy> policy;
-  uint64_t in_flight = 0;
+  uint64_t unsent_push_bytes = 0;  // released pushes not yet written to their socket: the credit
   uint64_t enqueue_seq = 0;
   uint64_t next_request = 1;
   std::unordered_map<uint64_t, Op> ops;                  // by OpKey
@@ -179,6 +179,8 @@ class Simulation {
   uint64_t RingBytes(int which) const;
 
   Op& OpAt(int w, uint64_t key);
+  // The scheduler's task for worker `w`'s push `info` to `owner`.
+  SendTask PushTask(int w, int owner, const FrameInfo& info);
   // Worker 0's first measured step: one tensor's milestones, for StepPrediction::tensor_times.
   double* Milestone(int w, int step, int tensor, double TensorTiming::*field) {
     if (w != 0 || step != options_.warmup_steps) return nullptr;
@@ -223,6 +225,21 @@ Op& Simulation::OpAt(int w, uint64_t key) {
   op.results_unwritten.assign(parts.size(), 0);
   op.push_sent_ns.assign(parts.size(), 0);
   return op;
+}
+
+SendTask Simulation::PushTask(int w, int owner, const FrameInfo& info) {
+  const ModelTensor& t = profile_.tensors[info.tensor];
+  const Op& op = OpAt(w, OpKey(info.step, info.tensor));
+  SendTask task;
+  task.name = t.name;
+  task.round = static_cast<uint64_t>(info.step);
+  task.request_id = op.request;
+  task.partition = info.partition;
+  task.peer = owner;
+  task.priority = t.priority;
+  task.bytes = info.bytes;
+  task.ready_ns = op.submit_ns;
+  return task;
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -414,7 +431,7 @@ void Simulation::Pump(int w) {
   if (worker.policy->queued() > 0) {
     const uint64_t credit = runtime_.credit_bytes;
     std::vector<SendTask> tasks;
-    worker.policy->Dequeue(worker.in_flight < credit ? credit - worker.in_flight : 0, now_ns_, &tasks);
+    worker.policy->Dequeue(worker.unsent_push_bytes < credit ? credit - worker.unsent_push_bytes : 0, now_ns_, &tasks);
     for (const PolicySpan& span : worker.policy->TakeSpans()) {
       if (worker.timeline) {
         worker.timeline->Complete("block", span.label, span.start_ns, span.end_ns,
@@ -426,7 +443,7 @@ void Simulation::Pump(int w) {
       const uint64_t key = worker.op_of_request[task.request_id];
       Op& op = OpAt(w, key);
       op.push_sent_ns[task.partition] = now_ns_;
-      worker.in_flight += task.bytes;
+      worker.unsent_push_bytes += task.bytes;
       FrameInfo info;
       info.kind = FrameKind::kPush;
       info.step = KeyStep(key);
@@ -534,15 +551,8 @@ void Simulation::Arrive(int dst, int src, uint64_t frame) {
   // A result: this worker's push of the partition is done.
   Worker& worker = workers_[dst];
   Op& op = OpAt(dst, key);
-  worker.in_flight -= info.bytes;
   TransferDone done;
-  done.task.name = profile_.tensors[info.tensor].name;
-  done.task.round = static_cast<uint64_t>(info.step);
-  done.task.partition = info.partition;
-  done.task.peer = src;
-  done.task.priority = profile_.tensors[info.tensor].priority;
-  done.task.bytes = info.bytes;
-  done.task.ready_ns = op.submit_ns;
+  done.task = PushTask(dst, src, info);
   done.sent_ns = op.push_sent_ns[info.partition];
   done.done_ns = now_ns_;
   worker.policy->OnTransferDone(done);
@@ -657,6 +667,13 @@ void Simulation::HandleLink(const LinkEvent& e) {
       Op& op = OpAt(e.frame.src, key);
       if (--op.results_unwritten[info.partition] == 0) PartitionDone(e.frame.src, key);
     }
+    // A push written to its socket has left this worker: its credit returns.
+    if (info.kind == FrameKind::kPush) {
+      Worker& worker = workers_[e.frame.src];
+      worker.unsent_push_bytes -= info.bytes;
+      worker.policy->OnPushLeft(PushTask(e.frame.src, e.frame.dst, info));
+      Pump(e.frame.src);
+    }
     return;
   }
   const int64_t extra = info.kind == FrameKind::kRing ? runtime_.ring_message_ns : 0;
@@ -742,13 +759,7 @@ Status Simulation::Run(StepPrediction* prediction) {
   bool stalled = false;
   for (const Worker& worker : workers_) stalled = stalled || worker.steps.back().begin_ns < 0;
   if (stalled) {
-    uint64_t in_flight = 0;
-    for (const Worker& worker : workers_) in_flight += worker.in_flight;
     std::string state = "the simulated runtime deadlocked at " + std::to_string(now_ns_ / 1000) + " us";
-    if (in_flight > 0) {
-      state += " (pushes in flight hold the byte credit of " + std::to_string(runtime_.credit_bytes) +
-               " bytes while the sums they wait for need pushes that other workers have not released)";
-    }
     for (int w = 0; w < n_ && w < 4; ++w) {
       const Worker& worker = workers_[w];
       int reached = 0;
@@ -756,8 +767,8 @@ Status Simulation::Run(StepPrediction* prediction) {
       state += "; worker " + std::to_string(w) + ": step " + std::to_string(reached);
       if (worker.waiting_layer >= 0) state += ", forward waiting for layer '" + profile_.layers[worker.waiting_layer].name + "'";
       state += ", " + std::to_string(worker.ops.size()) + " push_pulls open, " +
-               std::to_string(worker.policy->queued()) + " partitions queued, " + std::to_string(worker.in_flight) +
-               " bytes in flight, " + worker.policy->Describe();
+               std::to_string(worker.policy->queued()) + " partitions queued, " +
+               std::to_string(worker.unsent_push_bytes) + " bytes released and unsent, " + worker.policy->Describe();
     }
     return Status(Code::kFailedPrecondition, state);
   }

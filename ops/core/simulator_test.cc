@@ -117,17 +117,18 @@ TEST(OneWorkerIsTheProfile) {
   EXPECT_NEAR(p.comm_s, 0.0, 1e-12);
 }
 
-// Three tensors, all owned by worker 0, so worker 1 pushes them one at a time (credit of one
-// byte): g_last (100,000 bytes, least urgent) first; g_mid and g_first (10,000 bytes each) become
-// ready while it is out and wait. When g_last's sum is back (200 ms after the backward pass
-// starts), FIFO sends g_mid, priority sends g_first: each takes 20 ms there and back.
+// Three tensors of 10,000 bytes, all owned by worker 0, so worker 1 pushes them one at a time
+// (a credit of one byte, returned when a push has left): g_last (least urgent) first, at the
+// backward pass's start b; g_mid and g_first become ready while it is out and wait. At b+10,
+// FIFO sends g_mid, priority sends g_first; each push and each sum takes 10 ms, and the owner's
+// sums follow the pushes' arrivals.
 TEST(PriorityOrderBeatsFifoForTheFirstLayer) {
   const std::string last = NameOwnedBy("g_last", 0, 2), mid = NameOwnedBy("g_mid", 0, 2),
                     first = NameOwnedBy("g_first", 0, 2);
   StepProfile profile;
   profile.layers = {{"only", 10 * kMs, 0}};
   profile.backward_ns = 2 * kMs;
-  profile.tensors = {Tensor(last, 100'000, 0, 0, 0), Tensor(mid, 10'000, 1, 0, 1 * kMs),
+  profile.tensors = {Tensor(last, 10'000, 0, 0, 0), Tensor(mid, 10'000, 1, 0, 1 * kMs),
                      Tensor(first, 10'000, 2, 0, 2 * kMs)};
   RuntimeModel runtime;
   runtime.cross_barrier = false;
@@ -137,15 +138,15 @@ TEST(PriorityOrderBeatsFifoForTheFirstLayer) {
   runtime.schedule = "priority";
   const StepPrediction priority = Run(profile, SlowNetwork(2), runtime);
   // Times from the step's begin: the backward pass starts at 10 ms.
-  EXPECT_NEAR(fifo.tensor_times[0].done_s, 210 * kMsS, 1e-6);
-  EXPECT_NEAR(fifo.tensor_times[1].done_s, 230 * kMsS, 1e-6);
-  EXPECT_NEAR(fifo.tensor_times[2].done_s, 250 * kMsS, 1e-6);
-  EXPECT_NEAR(priority.tensor_times[0].done_s, 210 * kMsS, 1e-6);
-  EXPECT_NEAR(priority.tensor_times[2].done_s, 230 * kMsS, 1e-6);
-  EXPECT_NEAR(priority.tensor_times[1].done_s, 250 * kMsS, 1e-6);
+  EXPECT_NEAR(fifo.tensor_times[0].done_s, 30 * kMsS, 1e-6);
+  EXPECT_NEAR(fifo.tensor_times[1].done_s, 40 * kMsS, 1e-6);
+  EXPECT_NEAR(fifo.tensor_times[2].done_s, 50 * kMsS, 1e-6);
+  EXPECT_NEAR(priority.tensor_times[0].done_s, 30 * kMsS, 1e-6);
+  EXPECT_NEAR(priority.tensor_times[2].done_s, 40 * kMsS, 1e-6);
+  EXPECT_NEAR(priority.tensor_times[1].done_s, 50 * kMsS, 1e-6);
   // Without crossing the step waits for everything: the same step time either way.
-  EXPECT_NEAR(fifo.step_s, 250 * kMsS, 1e-6);
-  EXPECT_NEAR(priority.step_s, 250 * kMsS, 1e-6);
+  EXPECT_NEAR(fifo.step_s, 50 * kMsS, 1e-6);
+  EXPECT_NEAR(priority.step_s, 50 * kMsS, 1e-6);
 }
 
 // The kernel's send buffer: four 10,000-byte pushes to worker 0 (the least urgent) leave worker 1

@@ -1,0 +1,100 @@
+// Every schedule finishes every step at any N: the step simulator (which replays the engine's
+// policies, partitions and credit) over a model of many small tensors and one large first-layer
+// tensor, with the byte credit, the partition size and the socket buffers at their extremes, for
+// 16 to 128 workers. A stalled setting is reported by Simulate as a deadlock with where every
+// worker waits. tests/test_stall_matrix.py runs the same model on real engines at 4 and 8 workers.
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "ops/core/simulator.h"
+#include "ops/core/testing.h"
+
+namespace prophet {
+namespace {
+
+constexpr int64_t kUs = 1'000;
+constexpr uint64_t kKiB = 1024;
+
+// 16 layers. Layer 0 holds a 2 MiB gradient, the most urgent and the last one the backward pass
+// makes (an embedding or a first convolution); layers 1-15 hold small gradients of 1-60 KiB. The
+// backward pass makes them from the last layer backwards in bursts of three, 50 us apart, with
+// 1.5 ms between bursts: stages for Prophet's planner.
+StepProfile ManySmallAndALargeFirst() {
+  constexpr int kLayers = 16;
+  StepProfile profile;
+  int64_t t = 0;
+  std::vector<int64_t> ready(kLayers);
+  for (int i = kLayers - 1; i >= 0; --i) {
+    t += (i % 3 == 2 ? 1500 : 50) * kUs;
+    ready[i] = t;
+  }
+  for (int i = 0; i < kLayers; ++i) {
+    ModelLayer layer;
+    layer.name = "L" + std::to_string(i);
+    layer.forward_ns = (50 + 25 * (i % 3)) * kUs;
+    profile.layers.push_back(layer);
+    ModelTensor tensor;
+    tensor.name = "grad/L" + std::to_string(i);
+    tensor.bytes = i == 0 ? 2048 * kKiB : (1 + (i * 7) % 60) * kKiB;
+    tensor.priority = kLayers - i;
+    tensor.layer = i;
+    tensor.ready_ns = ready[i];
+    tensor.apply_ns = 20 * kUs;
+    profile.tensors.push_back(tensor);
+  }
+  ModelTensor metrics;  // a control collective (the loss) every step
+  metrics.name = "metrics";
+  metrics.bytes = 8;
+  metrics.priority = kControlPriority;
+  metrics.ready_ns = t;
+  profile.tensors.push_back(metrics);
+  profile.backward_ns = t;
+  profile.tail_ns = 100 * kUs;
+  profile.gap_ns = 100 * kUs;
+  return profile;
+}
+
+TEST(EveryScheduleFinishesEveryStepAtAnyN) {
+  const StepProfile profile = ManySmallAndALargeFirst();
+  SimulationOptions options;
+  options.warmup_steps = 3;  // prophet: a profile and a bandwidth estimate, then plans
+  options.steps = 1;
+  int runs = 0, stalls = 0;
+  for (const int workers : {16, 32, 64, 128}) {
+    for (const char* schedule : {"fifo", "priority", "prophet"}) {
+      for (const uint64_t partition : {uint64_t{64} * kKiB, uint64_t{64} << 20}) {
+        // One partition (the smallest credit that moves one push at a time), and no limit.
+        for (const uint64_t credit : {partition, uint64_t{1} << 40}) {
+          for (const uint64_t socket_buffer : {uint64_t{4} * kKiB, uint64_t{0}}) {
+            NetworkModel network;
+            network.workers = workers;
+            network.link_Bps = 1.25e9;  // 10 Gbit/s
+            network.latency_ns = 20 * kUs;
+            network.socket_buffer_bytes = socket_buffer;
+            RuntimeModel runtime;
+            runtime.schedule = schedule;
+            runtime.partition_bytes = partition;
+            runtime.credit_bytes = credit;
+            StepPrediction prediction;
+            const Status s = Simulate(profile, network, runtime, options, &prediction);
+            ++runs;
+            if (s.ok() && prediction.step_s > 0) continue;
+            ++stalls;
+            std::fprintf(stderr, "%d workers, %s, partitions %llu, credit %llu, socket buffer %llu: %s\n", workers,
+                         schedule, static_cast<unsigned long long>(partition),
+                         static_cast<unsigned long long>(credit), static_cast<unsigned long long>(socket_buffer),
+                         s.message().c_str());
+          }
+        }
+      }
+    }
+  }
+  std::printf("%d settings, %d stalled\n", runs, stalls);
+  EXPECT_EQ(stalls, 0);
+}
+
+}  // namespace
+}  // namespace prophet
+
+PROPHET_TEST_MAIN()
