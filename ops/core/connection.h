@@ -112,8 +112,8 @@ class Connection {
   void Flush();
   // Reads and processes frames until the socket is empty or about `budget` bytes were read (each
   // receive still takes as much as the kernel has for the current payload), so that one busy
-  // peer cannot starve the others or the sends.
-  void OnReadable(uint64_t budget = 64ull << 20);
+  // peer cannot starve the others or the sends (the engine's budget: engine.cc, kReadTurnBytes).
+  void OnReadable(uint64_t budget);
 
   // `tag`'s buffers are about to go away: a payload being received into them is read and
   // dropped instead; queued frames that point into them are dropped if not started, and copied

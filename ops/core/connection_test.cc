@@ -18,6 +18,9 @@
 namespace prophet {
 namespace {
 
+// A read budget that never runs out: OnReadable reads until the socket is empty.
+constexpr uint64_t kUntilEmpty = ~uint64_t{0};
+
 bool Contains(const std::string& haystack, const std::string& needle) {
   return haystack.find(needle) != std::string::npos;
 }
@@ -145,12 +148,12 @@ TEST(ReceivesFramesSplitAnywhereIntoEverySink) {
       while (sent < piece) {
         const ssize_t n = ::send(pair.theirs, wire.data() + at + sent, piece - sent, MSG_DONTWAIT);
         if (n > 0) sent += static_cast<size_t>(n);
-        else c.OnReadable();  // the socket buffer is full: let the connection drain it
+        else c.OnReadable(kUntilEmpty);  // the socket buffer is full: let the connection drain it
       }
       at += piece;
-      c.OnReadable();
+      c.OnReadable(kUntilEmpty);
     }
-    c.OnReadable();
+    c.OnReadable(kUntilEmpty);
     EXPECT_TRUE(c.open());
     EXPECT_TRUE(handler.closed.empty());
     EXPECT_TRUE(!handler.out_of_order_);
@@ -180,7 +183,7 @@ TEST(MalformedHeaderClosesWithTheReason) {
   bad[0] ^= 0x55;  // magic
   wire += bad;
   ::send(pair.theirs, wire.data(), wire.size(), 0);
-  c.OnReadable();
+  c.OnReadable(kUntilEmpty);
   EXPECT_EQ(handler.done.size(), 1u);  // the good frame before it still counts
   EXPECT_TRUE(!c.open());
   EXPECT_EQ(handler.closed.size(), 1u);
@@ -194,7 +197,7 @@ TEST(MalformedHeaderClosesWithTheReason) {
   std::string too_long;
   EncodeFrameMeta(m, &too_long);
   ::send(pair2.theirs, too_long.data(), too_long.size(), 0);
-  c2.OnReadable();
+  c2.OnReadable(kUntilEmpty);
   EXPECT_TRUE(!c2.open() && handler2.done.empty());
   if (!handler2.closed.empty()) EXPECT_TRUE(Contains(handler2.closed[0], "outside a tensor"));
 }
@@ -205,8 +208,8 @@ TEST(PeerEofClosesOnce) {
   Connection c(2, pair.ours, -1, &handler);
   ::close(pair.theirs);
   pair.theirs = -1;
-  c.OnReadable();
-  c.OnReadable();
+  c.OnReadable(kUntilEmpty);
+  c.OnReadable(kUntilEmpty);
   EXPECT_TRUE(!c.open());
   EXPECT_EQ(handler.closed.size(), 1u);
   if (!handler.closed.empty()) EXPECT_TRUE(Contains(handler.closed[0], "closed the connection"));
@@ -303,11 +306,11 @@ TEST(AbandonDropsAReceiveAndDetachesQueuedFrames) {
     const std::string wire = Encoded(Meta("into/x", 0, payload.size() / 4), payload);
     const size_t half = wire.size() / 2;
     ::send(pair.theirs, wire.data(), half, 0);
-    c.OnReadable();
+    c.OnReadable(kUntilEmpty);
     c.Abandon(8);  // another tag: no effect
     c.Abandon(7);
     ::send(pair.theirs, wire.data() + half, wire.size() - half, 0);
-    c.OnReadable();
+    c.OnReadable(kUntilEmpty);
     EXPECT_EQ(handler.done.size(), 1u);
     if (!handler.done.empty()) {
       EXPECT_TRUE(handler.done[0].kind == PayloadSink::Kind::kDiscard);
@@ -316,7 +319,7 @@ TEST(AbandonDropsAReceiveAndDetachesQueuedFrames) {
     // The stream stays in step: the next frame is read normally.
     const std::string next = Encoded(Meta("buffer/y", 1, 3), Pattern(12, 4));
     ::send(pair.theirs, next.data(), next.size(), 0);
-    c.OnReadable();
+    c.OnReadable(kUntilEmpty);
     EXPECT_EQ(handler.done.size(), 2u);
     if (handler.done.size() == 2) EXPECT_TRUE(handler.done[1].payload == Pattern(12, 4));
   }
