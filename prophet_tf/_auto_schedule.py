@@ -214,10 +214,19 @@ class AutoSchedule:
                                         gap_s=max(0.0, gap), source="runtime (schedule=auto)")
 
     def _prediction(self, profile: Any, schedule: str, rate_bps: float) -> Any:
-        from prophet_tf.predict import PredictOptions, kernel_socket_buffer_cap, predict
+        from prophet_tf import runtime
+        from prophet_tf.predict import (PredictOptions, kernel_autotuned_socket_buffer,
+                                        kernel_socket_buffer_cap, predict)
         name = schedule if self._extended._cross_barrier else f"{schedule}_nocross"
+        config = runtime.config()
+        # The runtime as it runs here, on this machine's kernel.
         options = PredictOptions(steps=STEPS, warmup_steps=WARMUP_STEPS,
-                                 max_socket_buffer_bytes=kernel_socket_buffer_cap())
+                                 partition_bytes=int(config["partition_bytes"]),
+                                 credit_bytes=int(config["credit_bytes"]),
+                                 socket_buffer_bytes=int(config["socket_buffer_bytes"]),
+                                 socket_unsent_bytes=int(config["socket_unsent_bytes"]),
+                                 max_socket_buffer_bytes=kernel_socket_buffer_cap(),
+                                 autotuned_socket_buffer_bytes=kernel_autotuned_socket_buffer())
         return predict(profile, workers=self._extended._world_size, bandwidth_bps=rate_bps,
                        schedule=name, options=options)
 

@@ -67,6 +67,7 @@ def init(
     connect_timeout_s: Optional[float] = None,
     heartbeat_s: Optional[float] = None,
     socket_buffer_bytes: Optional[int] = None,
+    socket_unsent_bytes: Optional[int] = None,
     max_early_bytes: Optional[int] = None,
     timeline_path: Optional[str] = None,
     allow_no_token: Optional[bool] = None,
@@ -99,7 +100,12 @@ def init(
         process, an unreachable host) is declared lost and pending operations fail, naming it,
         long before ``timeout_s``. A program that is merely slow is not affected (its runtime
         thread keeps answering). Every worker must use the same value. Default 0 (off).
-      socket_buffer_bytes: SO_SNDBUF/SO_RCVBUF of each connection (0: kernel autotuning).
+      socket_buffer_bytes: SO_SNDBUF/SO_RCVBUF of each connection (default 0: the kernel's
+        autotuning, which sizes them for each link's bandwidth-delay product).
+      socket_unsent_bytes: TCP_NOTSENT_LOWAT of each connection: how much data a socket may hold
+        that TCP has not sent yet (0: no limit). The kernel sends what it holds in the order it
+        was written, before any more urgent gradient written later; the runtime keeps the rest
+        in its own priority-ordered queues.
       max_early_bytes: memory for frames that arrive before this worker submits their operation
         (a faster peer's gradients, a broadcast to a worker that starts late), and the largest
         allgather contribution accepted from a peer. Beyond it the operation fails on every worker
@@ -155,6 +161,7 @@ def init(
         connect_timeout_s=float(pick(connect_timeout_s, "connect_timeout_s")),
         heartbeat_s=float(pick(heartbeat_s, "heartbeat_s")),
         socket_buffer_bytes=int(pick(socket_buffer_bytes, "socket_buffer_bytes")),
+        socket_unsent_bytes=int(pick(socket_unsent_bytes, "socket_unsent_bytes")),
         max_early_bytes=int(pick(max_early_bytes, "max_early_bytes")),
         timeline_path=timeline_path or "",
         allow_no_token=int(bool(allow_no_token)),

@@ -131,7 +131,8 @@ def one_tensor_profile() -> Profile:
                    tensors=[ProfiledTensor("grad/dense/kernel", 100_000, 1, 0.0, "dense")])
 
 
-EXACT = PredictOptions(payload_efficiency=1.0, frame_overhead_bytes=0, socket_buffer_bytes=0)
+EXACT = PredictOptions(payload_efficiency=1.0, frame_overhead_bytes=0, socket_buffer_bytes=0,
+                       autotuned_socket_buffer_bytes=0)  # the kernel holds nothing
 
 
 def test_predict_one_tensor_on_two_workers_exactly():

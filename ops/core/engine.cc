@@ -210,6 +210,7 @@ Status Engine::Start(const EngineOptions& options, std::unique_ptr<Engine>* out)
     b.connect_timeout_s = options.connect_timeout_s;
     b.heartbeat_s = options.heartbeat_s;
     b.socket_buffer_bytes = options.socket_buffer_bytes;
+    b.socket_unsent_bytes = options.socket_unsent_bytes;
     int listen_fd = -1;
     Status s = Listen(b, &listen_fd);
     if (s.ok()) s = ConnectAll(b, listen_fd, &fds);

@@ -34,6 +34,7 @@ Status ParseEngineOptions(const std::string& text, EngineOptions* o) {
       else if (key == "connect_timeout_s") o->connect_timeout_s = std::stod(value);
       else if (key == "heartbeat_s") o->heartbeat_s = std::stod(value);
       else if (key == "socket_buffer_bytes") o->socket_buffer_bytes = std::stoi(value);
+      else if (key == "socket_unsent_bytes") o->socket_unsent_bytes = std::stoi(value);
       else if (key == "max_early_bytes") o->max_early_bytes = std::stoull(value);
       else if (key == "timeline_path") o->timeline_path = value;
       else return Status(Code::kInvalidArgument, "unknown runtime option '" + key + "'");
@@ -63,6 +64,15 @@ Status ParseEngineOptions(const std::string& text, EngineOptions* o) {
     return Status(Code::kInvalidArgument, "max_early_bytes (" + std::to_string(o->max_early_bytes) +
                                               ") must be at least partition_bytes (" +
                                               std::to_string(o->partition_bytes) + ")");
+  if (o->socket_buffer_bytes < 0 || (o->socket_buffer_bytes > 0 && o->socket_buffer_bytes < kMinSocketBufferBytes))
+    return Status(Code::kInvalidArgument,
+                  "socket_buffer_bytes must be 0 (the kernel's autotuning, the default) or at least " +
+                      std::to_string(kMinSocketBufferBytes) + ", got " + std::to_string(o->socket_buffer_bytes) +
+                      ": a receive buffer smaller than two TCP segments (64 KiB each over loopback) closes the window "
+                      "below one segment, and the connection then moves a few bytes per retransmission timeout");
+  if (o->socket_unsent_bytes < 0)
+    return Status(Code::kInvalidArgument, "socket_unsent_bytes must be 0 (no limit) or positive, got " +
+                                              std::to_string(o->socket_unsent_bytes));
   if (o->heartbeat_s < 0 || (o->heartbeat_s > 0 && o->heartbeat_s < 0.2))
     return Status(Code::kInvalidArgument, "heartbeat_s must be 0 (off) or at least 0.2 s, got " +
                                               SecondsString(o->heartbeat_s));
@@ -92,7 +102,8 @@ std::string RuntimeConstantsJson() {
      << "\", \"partition_bytes\": " << d.partition_bytes << ", \"credit_bytes\": " << d.credit_bytes
      << ", \"replan_threshold\": " << Number(d.replan_threshold) << ", \"timeout_s\": " << Number(d.timeout_s)
      << ", \"connect_timeout_s\": " << Number(d.connect_timeout_s) << ", \"heartbeat_s\": " << Number(d.heartbeat_s)
-     << ", \"socket_buffer_bytes\": " << d.socket_buffer_bytes << ", \"max_early_bytes\": " << d.max_early_bytes << "}}";
+     << ", \"socket_buffer_bytes\": " << d.socket_buffer_bytes << ", \"socket_unsent_bytes\": "
+     << d.socket_unsent_bytes << ", \"max_early_bytes\": " << d.max_early_bytes << "}}";
   return os.str();
 }
 

@@ -12,6 +12,9 @@
 
 namespace prophet {
 
+// The smallest socket_buffer_bytes accepted (see ParseEngineOptions).
+constexpr int kMinSocketBufferBytes = 128 << 10;
+
 struct EngineOptions {
   int rank = 0;
   int world_size = 1;
@@ -28,7 +31,14 @@ struct EngineOptions {
   // > 0: a peer from which nothing arrived for this long is declared lost (a stopped or frozen
   // process), long before timeout_s. Every worker must use the same value (checked at start-up).
   double heartbeat_s = 0.0;
-  int socket_buffer_bytes = 4 << 20;
+  // SO_SNDBUF / SO_RCVBUF of every connection. 0 leaves both to the kernel's autotuning, which
+  // sizes them for the bandwidth-delay product of each link (a fixed size caps a long fat link).
+  int socket_buffer_bytes = 0;  // 0, or at least kMinSocketBufferBytes
+  // TCP_NOTSENT_LOWAT of every connection: how much a socket holds that TCP has not sent yet
+  // (0: no limit). Bytes handed to the kernel leave in the order written, so everything it holds
+  // goes before a more urgent gradient written later; this keeps that small, while the bytes in
+  // flight (the congestion window) stay TCP's to size.
+  int socket_unsent_bytes = 256 << 10;
   // Memory for frames whose operation this worker has not submitted yet (a faster peer's
   // partitions, a broadcast to a worker that starts late), and the most one allgather
   // contribution may hold. Beyond it the operation fails everywhere and the sender is dropped.

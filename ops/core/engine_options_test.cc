@@ -39,6 +39,15 @@ TEST(RejectsBadInputNamingIt) {
   o = EngineOptions();
   s = ParseEngineOptions("partition_bytes=4096\nmax_early_bytes=1024", &o);
   EXPECT_TRUE(!s.ok() && Contains(s.message(), "max_early_bytes (1024) must be at least partition_bytes (4096)"));
+  o = EngineOptions();
+  s = ParseEngineOptions("socket_unsent_bytes=-1", &o);
+  EXPECT_TRUE(!s.ok() && Contains(s.message(), "socket_unsent_bytes must be 0 (no limit) or positive"));
+  o = EngineOptions();
+  s = ParseEngineOptions("socket_buffer_bytes=4096", &o);
+  EXPECT_TRUE(!s.ok() && Contains(s.message(), "socket_buffer_bytes must be 0 (the kernel's autotuning, the default) "
+                                                "or at least 131072, got 4096"));
+  o = EngineOptions();
+  EXPECT_TRUE(ParseEngineOptions("socket_buffer_bytes=131072\nsocket_unsent_bytes=1", &o).ok());
 }
 
 TEST(AMultiWorkerJobNeedsATokenUnlessAllowed) {
@@ -62,6 +71,8 @@ TEST(ConstantsForPythonComeFromTheCore) {
   EXPECT_TRUE(Contains(json, "\"credit_bytes\": " + std::to_string(EngineOptions().credit_bytes)));
   EXPECT_TRUE(Contains(json, "\"replan_threshold\": 0.2,"));  // shortest form, reads back exactly
   EXPECT_TRUE(Contains(json, "\"max_early_bytes\": " + std::to_string(EngineOptions().max_early_bytes)));
+  EXPECT_TRUE(Contains(json, "\"socket_buffer_bytes\": 0, \"socket_unsent_bytes\": " +
+                                 std::to_string(EngineOptions().socket_unsent_bytes)));
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "ops/core/engine_testing.h"
 #include "ops/core/socket_testing.h"
 #include "ops/core/testing.h"
 
@@ -35,31 +36,17 @@ void Fail(const std::string& what, int line) {
 using testing::SecondsSince;
 
 std::vector<EngineOptions> ClusterOptions(int n, double timeout_s = 20.0) {
-  const std::vector<std::string> addresses = testing::LoopbackAddresses(n);
-  std::vector<EngineOptions> out(n);
-  for (int r = 0; r < n; ++r) {
-    out[r].rank = r;
-    out[r].world_size = n;
-    out[r].addresses = addresses;
-    out[r].token = "engine-test";
-    out[r].partition_bytes = kMB;
-    out[r].timeout_s = timeout_s;
-    out[r].connect_timeout_s = 10.0;
-  }
+  std::vector<EngineOptions> out = testing::ClusterOptions(n, timeout_s, "engine-test");
+  for (EngineOptions& o : out) o.partition_bytes = kMB;
   return out;
 }
 
-// Starts every engine on its own thread (Start blocks until all peers are connected).
+// Every engine started; a rank that failed to start fails the test unless `statuses` is asked for.
 std::vector<std::unique_ptr<Engine>> StartCluster(const std::vector<EngineOptions>& options,
                                                   std::vector<Status>* statuses = nullptr) {
-  const size_t n = options.size();
-  std::vector<std::unique_ptr<Engine>> engines(n);
-  std::vector<Status> status(n);
-  std::vector<std::thread> threads;
-  for (size_t r = 0; r < n; ++r)
-    threads.emplace_back([&, r] { status[r] = Engine::Start(options[r], &engines[r]); });
-  for (std::thread& t : threads) t.join();
-  for (size_t r = 0; r < n; ++r)
+  std::vector<Status> status;
+  std::vector<std::unique_ptr<Engine>> engines = testing::StartCluster(options, &status);
+  for (size_t r = 0; r < status.size(); ++r)
     if (!status[r].ok() && statuses == nullptr) FAIL("rank " + std::to_string(r) + " failed to start: " + status[r].message());
   if (statuses) *statuses = status;
   return engines;

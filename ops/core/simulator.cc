@@ -808,9 +808,15 @@ Status Simulation::Run(StepPrediction* prediction) {
 }  // namespace
 
 uint64_t KernelSendBufferBytes(const NetworkModel& network) {
-  uint64_t requested = network.socket_buffer_bytes;
-  if (network.max_socket_buffer_bytes > 0) requested = std::min(requested, network.max_socket_buffer_bytes);
-  return 2 * requested;
+  uint64_t buffer = network.autotuned_socket_buffer_bytes;
+  if (network.socket_buffer_bytes > 0) {
+    uint64_t requested = network.socket_buffer_bytes;
+    if (network.max_socket_buffer_bytes > 0) requested = std::min(requested, network.max_socket_buffer_bytes);
+    buffer = 2 * requested;
+  }
+  if (network.socket_unsent_bytes == 0) return buffer;
+  const double queued = std::max(0.0, network.link_Bps * network.sender_queue_s);
+  return std::min(buffer, network.socket_unsent_bytes + static_cast<uint64_t>(queued));
 }
 
 Status Simulate(const StepProfile& profile, const NetworkModel& network, const RuntimeModel& runtime,

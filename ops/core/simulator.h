@@ -76,18 +76,30 @@ struct NetworkModel {
   int64_t latency_ns = 0;           // one way, per frame
   double payload_efficiency = 1448.0 / 1538.0;  // TCP payload per Ethernet frame on the wire
   uint64_t frame_overhead_bytes = 96;           // the runtime's frame header + name + shape
-  // The runtime's socket buffer request (SO_SNDBUF), and the kernel's cap on it
-  // (net.core.wmem_max; 0: none). See KernelSendBufferBytes.
+  // What the kernel lets a connection hold (KernelSendBufferBytes): the runtime's socket options
+  // (SO_SNDBUF, 0: autotuned; TCP_NOTSENT_LOWAT, 0: none) and the kernel's limits: an SO_SNDBUF
+  // request is capped at net.core.wmem_max (0: no cap), the autotuning at net.ipv4.tcp_wmem's
+  // maximum (4 MiB by default).
   uint64_t socket_buffer_bytes = static_cast<uint64_t>(EngineOptions().socket_buffer_bytes);
   uint64_t max_socket_buffer_bytes = 0;
+  uint64_t autotuned_socket_buffer_bytes = 4u << 20;
+  uint64_t socket_unsent_bytes = static_cast<uint64_t>(EngineOptions().socket_unsent_bytes);
+  // What TCP keeps queued below the socket (the host's qdisc and NIC), as time at the link rate:
+  // TCP small queues allow about 1 ms of the connection's pacing rate, which runs above the link
+  // rate while TCP probes for bandwidth.
+  double sender_queue_s = 1e-3;
   double sum_Bps = 0;               // an owner's summation rate (0: instant)
 };
 
 // Bytes a connection commits ahead of the NIC, which frames queued later cannot overtake: what
-// the kernel lets the socket hold. Linux caps an SO_SNDBUF request at net.core.wmem_max and then
-// doubles it (socket(7)), and the bytes sent but not yet acknowledged count against it too. A
-// 4 MiB request therefore commits up to 8 MiB: measured on the benchmark's emulated cluster
-// (veth + tbf at 983 Mbit/s), a saturated connection held 6.2-8.3 MB unsent or unacknowledged.
+// the kernel lets the socket hold, unsent or sent and not yet acknowledged.
+//  - Its send buffer bounds both: Linux caps an SO_SNDBUF request at net.core.wmem_max and then
+//    doubles it (socket(7)), so a 4 MiB request commits up to 8 MiB (measured on the benchmark's
+//    emulated cluster, veth + tbf at 983 Mbit/s: a saturated connection held 6.2-8.3 MB);
+//    autotuned, it grows up to net.ipv4.tcp_wmem's maximum (4.2 MB measured at 2 Gbit/s).
+//  - With TCP_NOTSENT_LOWAT the unsent part stays within socket_unsent_bytes, and what is sent
+//    but still queued in the host is about sender_queue_s of the link (measured at 2 Gbit/s with
+//    a 256 KiB limit: 1.1 MB held, 0.3 MB of it unsent).
 uint64_t KernelSendBufferBytes(const NetworkModel& network);
 
 // The runtime's options default to the engine's (engine_options.h).

@@ -34,7 +34,8 @@ NetworkModel SlowNetwork(int workers) {
   network.link_Bps = 1e6;
   network.payload_efficiency = 1.0;
   network.frame_overhead_bytes = 0;
-  network.socket_buffer_bytes = 0;
+  network.socket_buffer_bytes = 0;  // autotuned, up to nothing: the kernel holds no bytes
+  network.autotuned_socket_buffer_bytes = 0;
   network.ingress_limited = true;
   return network;
 }
@@ -149,16 +150,18 @@ TEST(PriorityOrderBeatsFifoForTheFirstLayer) {
   EXPECT_NEAR(priority.step_s, 50 * kMsS, 1e-6);
 }
 
-// The kernel's send buffer: four 10,000-byte pushes to worker 0 (the least urgent) leave worker 1
+// What the kernel holds: four 10,000-byte pushes to worker 0 (the least urgent) leave worker 1
 // when the backward pass starts (b); an urgent 1,000-byte gradient is ready 1 ms later. Queued
-// frames cannot overtake those whose first byte is already in the socket, which holds twice the
-// runtime's SO_SNDBUF request (capped at net.core.wmem_max) beyond what has left the NIC.
-//   buffer 10,000 -> 20,000 bytes: the pushes starting at 0, 10,000 and 20,000 bytes are in the
-//     socket; the urgent push goes out at b+30 ms, arrives at b+31, and its sum waits behind the
-//     result of the third push (b+30..b+40): done at b+41.
+// frames cannot overtake those whose first byte is already in the socket, which holds what the
+// kernel lets it (KernelSendBufferBytes) beyond what has left the NIC.
+//   SO_SNDBUF 10,000 -> 20,000 bytes: the pushes starting at 0, 10,000 and 20,000 bytes are in
+//     the socket; the urgent push goes out at b+30 ms, arrives at b+31, and its sum waits behind
+//     the result of the third push (b+30..b+40): done at b+41.
 //   capped at 5,000 -> 10,000 bytes: it goes out at b+20, its sum at b+30..b+31: done at b+31.
-//   no buffer: behind the first push only, out at b+10, sum at b+20..b+21: done at b+21.
-TEST(UrgentPushesWaitBehindTheKernelsSendBuffer) {
+//   autotuned up to 1 MB, but TCP_NOTSENT_LOWAT 5,000 and 5 ms (5,000 bytes) queued below the
+//     socket: 10,000 bytes, as above.
+//   nothing held: behind the first push only, out at b+10, sum at b+20..b+21: done at b+21.
+TEST(UrgentPushesWaitBehindWhatTheKernelHolds) {
   StepProfile profile;
   profile.layers = {{"only", 10 * kMs, 0}};
   profile.backward_ns = 1 * kMs;
@@ -168,20 +171,25 @@ TEST(UrgentPushesWaitBehindTheKernelsSendBuffer) {
   runtime.schedule = "priority";
   runtime.cross_barrier = false;
   struct Case {
-    uint64_t buffer, cap;
-    double window, urgent_done_ms;
+    uint64_t buffer, cap, autotuned, unsent;
+    double queue_s, window, urgent_done_ms;
   };
-  for (const Case& c : {Case{10'000, 0, 20'000, 41}, Case{10'000, 5'000, 10'000, 31}, Case{0, 0, 0, 21}}) {
+  for (const Case& c : {Case{10'000, 0, 0, 0, 0, 20'000, 41}, Case{10'000, 5'000, 0, 0, 0, 10'000, 31},
+                        Case{0, 0, 1'000'000, 5'000, 0.005, 10'000, 31}, Case{0, 0, 0, 0, 0, 0, 21}}) {
     NetworkModel network = SlowNetwork(2);
     network.socket_buffer_bytes = c.buffer;
     network.max_socket_buffer_bytes = c.cap;
+    network.autotuned_socket_buffer_bytes = c.autotuned;
+    network.socket_unsent_bytes = c.unsent;
+    network.sender_queue_s = c.queue_s;
     EXPECT_EQ(KernelSendBufferBytes(network), static_cast<uint64_t>(c.window));
     const StepPrediction p = Run(profile, network, runtime);
     // From the step's begin: the backward pass starts after the 10 ms forward pass.
     EXPECT_NEAR(p.tensor_times[4].done_s, (10 + c.urgent_done_ms) * kMsS, 1e-6);
   }
-  // The runtime's default request commits twice its socket buffer.
-  EXPECT_EQ(KernelSendBufferBytes(NetworkModel()), 2 * static_cast<uint64_t>(EngineOptions().socket_buffer_bytes));
+  // The runtime's defaults: an autotuned buffer, of which the socket holds its unsent limit plus
+  // what is queued below it (1 ms of 1 Gbit/s).
+  EXPECT_EQ(KernelSendBufferBytes(NetworkModel()), static_cast<uint64_t>(EngineOptions().socket_unsent_bytes) + 125'000);
 }
 
 // Two layers: L0 (50 ms forward) owns g_first (1,000 bytes, owned by worker 1), L1 (10 ms) owns

@@ -2,9 +2,10 @@
 // policies, partitions and credit) over a model of many small tensors and one large first-layer
 // tensor, with the byte credit, the partition size and the socket buffers at their extremes, for
 // 16 to 128 workers. A stalled setting is reported by Simulate as a deadlock with where every
-// worker waits. tests/test_stall_matrix.py runs the same model on real engines at 4 and 8 workers.
+// worker waits. ops/core/engine_stress_test.cc runs the same matrix on 4 and 8 real engines.
 #include <cstdio>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ops/core/simulator.h"
@@ -16,12 +17,12 @@ namespace {
 constexpr int64_t kUs = 1'000;
 constexpr uint64_t kKiB = 1024;
 
-// 16 layers. Layer 0 holds a 2 MiB gradient, the most urgent and the last one the backward pass
-// makes (an embedding or a first convolution); layers 1-15 hold small gradients of 1-60 KiB. The
+// 12 layers. Layer 0 holds a 1 MiB gradient, the most urgent and the last one the backward pass
+// makes (an embedding or a first convolution); layers 1-11 hold small gradients of 1-60 KiB. The
 // backward pass makes them from the last layer backwards in bursts of three, 50 us apart, with
 // 1.5 ms between bursts: stages for Prophet's planner.
 StepProfile ManySmallAndALargeFirst() {
-  constexpr int kLayers = 16;
+  constexpr int kLayers = 12;
   StepProfile profile;
   int64_t t = 0;
   std::vector<int64_t> ready(kLayers);
@@ -36,7 +37,7 @@ StepProfile ManySmallAndALargeFirst() {
     profile.layers.push_back(layer);
     ModelTensor tensor;
     tensor.name = "grad/L" + std::to_string(i);
-    tensor.bytes = i == 0 ? 2048 * kKiB : (1 + (i * 7) % 60) * kKiB;
+    tensor.bytes = i == 0 ? 1024 * kKiB : (1 + (i * 7) % 60) * kKiB;
     tensor.priority = kLayers - i;
     tensor.layer = i;
     tensor.ready_ns = ready[i];
@@ -66,12 +67,17 @@ TEST(EveryScheduleFinishesEveryStepAtAnyN) {
       for (const uint64_t partition : {uint64_t{64} * kKiB, uint64_t{64} << 20}) {
         // One partition (the smallest credit that moves one push at a time), and no limit.
         for (const uint64_t credit : {partition, uint64_t{1} << 40}) {
-          for (const uint64_t socket_buffer : {uint64_t{4} * kKiB, uint64_t{0}}) {
+          // The smallest socket buffers the runtime accepts, holding at most 1 KiB unsent, and the
+          // defaults.
+          for (const auto& [socket_buffer, unsent] :
+               {std::pair<uint64_t, uint64_t>{kMinSocketBufferBytes, 1024},
+                std::pair<uint64_t, uint64_t>{0, EngineOptions().socket_unsent_bytes}}) {
             NetworkModel network;
             network.workers = workers;
             network.link_Bps = 1.25e9;  // 10 Gbit/s
             network.latency_ns = 20 * kUs;
             network.socket_buffer_bytes = socket_buffer;
+            network.socket_unsent_bytes = unsent;
             RuntimeModel runtime;
             runtime.schedule = schedule;
             runtime.partition_bytes = partition;
@@ -81,10 +87,10 @@ TEST(EveryScheduleFinishesEveryStepAtAnyN) {
             ++runs;
             if (s.ok() && prediction.step_s > 0) continue;
             ++stalls;
-            std::fprintf(stderr, "%d workers, %s, partitions %llu, credit %llu, socket buffer %llu: %s\n", workers,
-                         schedule, static_cast<unsigned long long>(partition),
+            std::fprintf(stderr, "%d workers, %s, partitions %llu, credit %llu, socket buffer %llu, unsent %llu: %s\n",
+                         workers, schedule, static_cast<unsigned long long>(partition),
                          static_cast<unsigned long long>(credit), static_cast<unsigned long long>(socket_buffer),
-                         s.message().c_str());
+                         static_cast<unsigned long long>(unsent), s.message().c_str());
           }
         }
       }

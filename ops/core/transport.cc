@@ -808,13 +808,17 @@ Status ParseAddress(const std::string& address, std::string* host, int* port) {
   return Status::OK();
 }
 
-void TuneSocket(int fd, int buffer_bytes) {
+void TuneSocket(int fd, int buffer_bytes, int unsent_bytes) {
   int one = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
   if (buffer_bytes > 0) {
     ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buffer_bytes, sizeof(buffer_bytes));
     ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buffer_bytes, sizeof(buffer_bytes));
   }
+  // Writes stop, and EPOLLOUT waits, while the socket holds this much that TCP has not sent; the
+  // bytes in flight are TCP's to size. What is queued behind stays in the engine's priority-ordered
+  // queue, where a more urgent frame can still overtake it.
+  if (unsent_bytes > 0) ::setsockopt(fd, IPPROTO_TCP, TCP_NOTSENT_LOWAT, &unsent_bytes, sizeof(unsent_bytes));
   // Detect a peer whose host vanished without closing the connection.
   ::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
 }
@@ -889,7 +893,7 @@ Status ConnectAll(const BootstrapOptions& o, int listen_fd, std::vector<int>* fd
     return s;
   }
   for (int fd : *fds)
-    if (fd >= 0) TuneSocket(fd, o.socket_buffer_bytes);
+    if (fd >= 0) TuneSocket(fd, o.socket_buffer_bytes, o.socket_unsent_bytes);
   return Status::OK();
 }
 

@@ -44,7 +44,10 @@ struct BootstrapOptions {
   double connect_timeout_s = 60.0;
   double handshake_timeout_s = 5.0;    // per connection: idle connections are dropped after it
   double heartbeat_s = 0.0;            // the engine's; peers must use the same (checked here)
-  int socket_buffer_bytes = 4 << 20;   // SO_SNDBUF / SO_RCVBUF; 0 keeps the kernel's autotuning
+  // Socket options of the data connections (EngineOptions has the defaults and says why); 0 leaves
+  // each to the kernel.
+  int socket_buffer_bytes = 0;         // SO_SNDBUF / SO_RCVBUF
+  int socket_unsent_bytes = 0;         // TCP_NOTSENT_LOWAT
 };
 
 // Splits "host:port"; accepts "[v6]:port".
@@ -63,7 +66,7 @@ Status Listen(const BootstrapOptions& options, int* listen_fd);
 Status ConnectAll(const BootstrapOptions& options, int listen_fd, std::vector<int>* fds);
 
 // Socket options used on every data connection.
-void TuneSocket(int fd, int buffer_bytes);
+void TuneSocket(int fd, int buffer_bytes, int unsent_bytes);
 
 }  // namespace prophet
 

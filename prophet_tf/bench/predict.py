@@ -70,7 +70,8 @@ def predict_options(opts: "train.SweepOptions", system: Optional["train.System"]
     """How the emulated cluster of ``opts`` is modelled (see the module docstring), with the
     runtime options of ``system`` (a variant's own over ``--prophet_options``)."""
     from prophet_tf.bench.netem import TBF_FRAME_EFFICIENCY
-    from prophet_tf.predict import PredictOptions, kernel_socket_buffer_cap
+    from prophet_tf.predict import (PredictOptions, kernel_autotuned_socket_buffer,
+                                    kernel_socket_buffer_cap)
     runtime = (system.strategy_options(opts.prophet_options) if system is not None
                else dict(opts.prophet_options))
     options = PredictOptions(ingress_limited=False, payload_efficiency=TBF_FRAME_EFFICIENCY,
@@ -79,9 +80,12 @@ def predict_options(opts: "train.SweepOptions", system: Optional["train.System"]
     for key in ("partition_bytes", "credit_bytes", "replan_threshold"):
         if key in runtime:
             setattr(options, key, type(getattr(options, key))(runtime[key]))
-    if "socket_buffer_bytes" in runtime:
-        options.socket_buffer_bytes = int(runtime["socket_buffer_bytes"])
-    options.max_socket_buffer_bytes = kernel_socket_buffer_cap()  # the hosts share this kernel
+    for key in ("socket_buffer_bytes", "socket_unsent_bytes"):
+        if key in runtime:
+            setattr(options, key, int(runtime[key]))
+    # The hosts share this machine's kernel.
+    options.max_socket_buffer_bytes = kernel_socket_buffer_cap()
+    options.autotuned_socket_buffer_bytes = kernel_autotuned_socket_buffer()
     return options
 
 

@@ -11,14 +11,15 @@ summation, and TensorFlow's MultiWorkerMirroredStrategy as the baseline. See
 
 from prophet_tf.predict.model import (FIXED_SCHEDULES, SCHEDULES, IdealBound, PredictError,
                                       Prediction, PredictOptions, SimulatedDeadlock, ideal_bound,
-                                      kernel_socket_buffer_cap, parse_schedule, predict,
-                                      predict_many)
+                                      kernel_autotuned_socket_buffer, kernel_socket_buffer_cap,
+                                      parse_schedule, predict, predict_many)
 from prophet_tf.predict.profile import (Profile, ProfiledLayer, ProfiledTensor, ProfileError,
                                         load_profile, profile_from_ready_times,
                                         profile_from_trace)
 
 __all__ = ["FIXED_SCHEDULES", "SCHEDULES", "IdealBound", "PredictError", "Prediction", "PredictOptions",
-           "Profile", "ProfiledLayer", "ProfiledTensor", "ProfileError", "kernel_socket_buffer_cap",
+           "Profile", "ProfiledLayer", "ProfiledTensor", "ProfileError",
+           "kernel_autotuned_socket_buffer", "kernel_socket_buffer_cap",
            "load_profile",
            "SimulatedDeadlock", "ideal_bound", "parse_schedule", "predict", "predict_many", "profile_from_ready_times",
            "profile_from_trace"]

@@ -148,9 +148,14 @@ def _define_flags() -> None:
     flags.DEFINE_integer("partition_bytes", defaults.partition_bytes, "Runtime option.")
     flags.DEFINE_integer("credit_bytes", defaults.credit_bytes, "Runtime option.")
     flags.DEFINE_integer("socket_buffer_bytes", defaults.socket_buffer_bytes, "Runtime option "
-                         "(SO_SNDBUF; the kernel doubles it; 0 models no socket buffer).")
+                         "(SO_SNDBUF; the kernel doubles it; 0: the kernel's autotuning).")
+    flags.DEFINE_integer("socket_unsent_bytes", defaults.socket_unsent_bytes, "Runtime option "
+                         "(TCP_NOTSENT_LOWAT; 0: none).")
     flags.DEFINE_integer("max_socket_buffer_bytes", 0, "net.core.wmem_max of the workers' hosts, "
                          "which caps socket_buffer_bytes (0: no cap).")
+    flags.DEFINE_integer("autotuned_socket_buffer_bytes", defaults.autotuned_socket_buffer_bytes,
+                         "net.ipv4.tcp_wmem's maximum on the workers' hosts: the autotuning's "
+                         "limit.")
     flags.DEFINE_float("payload_efficiency", defaults.payload_efficiency,
                        "Share of the link rate that carries data (Ethernet + TCP/IP headers).")
     flags.DEFINE_integer("steps", defaults.steps, "Measured simulated steps (median).")
@@ -194,7 +199,9 @@ def main(argv: Sequence[str]) -> int:
                                  partition_bytes=FLAGS.partition_bytes,
                                  credit_bytes=FLAGS.credit_bytes,
                                  socket_buffer_bytes=FLAGS.socket_buffer_bytes,
+                                 socket_unsent_bytes=FLAGS.socket_unsent_bytes,
                                  max_socket_buffer_bytes=FLAGS.max_socket_buffer_bytes,
+                                 autotuned_socket_buffer_bytes=FLAGS.autotuned_socket_buffer_bytes,
                                  payload_efficiency=FLAGS.payload_efficiency,
                                  steps=FLAGS.steps, warmup_steps=FLAGS.warmup)
         if FLAGS.timeline and (len(workers), len(bandwidths), len(schedules)) != (1, 1, 1):

@@ -19,8 +19,8 @@ from prophet_tf.errors import ProphetError
 from prophet_tf.predict.profile import Profile
 
 __all__ = ["SCHEDULES", "FIXED_SCHEDULES", "PredictOptions", "Prediction", "PredictError",
-           "SimulatedDeadlock", "IdealBound", "kernel_socket_buffer_cap", "parse_schedule", "predict",
-           "predict_many", "ideal_bound"]
+           "SimulatedDeadlock", "IdealBound", "kernel_autotuned_socket_buffer",
+           "kernel_socket_buffer_cap", "parse_schedule", "predict", "predict_many", "ideal_bound"]
 
 #: The schedules the predictor knows: the runtime's policies with barrier crossing (their default)
 #: or without (``_nocross``), and TensorFlow's MultiWorkerMirroredStrategy as the baseline.
@@ -49,15 +49,26 @@ def _runtime_default(key: str) -> Any:
     return runtime_constants()["defaults"][key]
 
 
+def _read_sysctl_field(path: str, field: int) -> int:
+    try:
+        with open(path) as f:
+            return int(f.read().split()[field])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def kernel_socket_buffer_cap() -> int:
     """This machine's cap on a socket buffer request (``net.core.wmem_max``), for
     :attr:`PredictOptions.max_socket_buffer_bytes` when the workers run on this machine's kernel;
     0 when it cannot be read."""
-    try:
-        with open("/proc/sys/net/core/wmem_max") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 0
+    return _read_sysctl_field("/proc/sys/net/core/wmem_max", 0)
+
+
+def kernel_autotuned_socket_buffer() -> int:
+    """This machine's limit of the send buffer's autotuning (``net.ipv4.tcp_wmem``'s maximum), for
+    :attr:`PredictOptions.autotuned_socket_buffer_bytes`; Linux's default (4 MiB) when it cannot be
+    read."""
+    return _read_sysctl_field("/proc/sys/net/ipv4/tcp_wmem", 2) or (4 << 20)
 
 
 def parse_schedule(schedule: str) -> tuple[str, bool]:
@@ -82,15 +93,20 @@ class PredictOptions:
       payload_efficiency: share of the link rate left for data: TCP over Ethernet carries 1448
         payload bytes per 1538 on the wire (preamble, headers, inter-frame gap).
       frame_overhead_bytes: the runtime's frame header, tensor name and shape.
-      socket_buffer_bytes: the runtime's socket buffer request (SO_SNDBUF). A connection
-        commits what the kernel lets its socket hold ahead of the NIC, and frames queued later
-        cannot overtake those bytes: Linux doubles the request (socket(7)), so a 4 MiB buffer
-        commits up to 8 MiB (``KernelSendBufferBytes`` in ops/core/simulator.h).
-        0 models no socket buffer at all (not the kernel's autotuning, which the runtime's
-        ``socket_buffer_bytes=0`` selects).
-      max_socket_buffer_bytes: the kernel's cap on that request on the workers' hosts
+      socket_buffer_bytes, socket_unsent_bytes: the runtime's socket options (SO_SNDBUF, 0: the
+        kernel's autotuning; TCP_NOTSENT_LOWAT, 0: none). A connection commits what the kernel
+        lets its socket hold ahead of the NIC, and frames queued later cannot overtake those
+        bytes (``KernelSendBufferBytes`` in ops/core/simulator.h): Linux doubles an SO_SNDBUF
+        request (socket(7)), so a 4 MiB buffer commits up to 8 MiB; with TCP_NOTSENT_LOWAT the
+        socket holds that much unsent plus what TCP keeps queued below it (``sender_queue_s``).
+      max_socket_buffer_bytes: the kernel's cap on an SO_SNDBUF request on the workers' hosts
         (``net.core.wmem_max``, :func:`kernel_socket_buffer_cap` for this machine); 0: none (the
         runtime gets what it asks for).
+      autotuned_socket_buffer_bytes: the send buffer's autotuning limit on the workers' hosts
+        (``net.ipv4.tcp_wmem``'s maximum, :func:`kernel_autotuned_socket_buffer` for this
+        machine); 0 with ``socket_buffer_bytes=0`` models a kernel that holds nothing.
+      sender_queue_s: what TCP keeps queued below the socket (qdisc, NIC), as time at the link
+        rate (TCP small queues: about 1 ms of the pacing rate).
       sum_bps: an owner's summation rate in bytes per second (0: instant).
       partition_bytes, credit_bytes, replan_threshold: the runtime's options (default: the
         runtime's defaults).
@@ -106,6 +122,10 @@ class PredictOptions:
     socket_buffer_bytes: int = dataclasses.field(
         default_factory=lambda: int(_runtime_default("socket_buffer_bytes")))
     max_socket_buffer_bytes: int = 0
+    autotuned_socket_buffer_bytes: int = 4 << 20
+    socket_unsent_bytes: int = dataclasses.field(
+        default_factory=lambda: int(_runtime_default("socket_unsent_bytes")))
+    sender_queue_s: float = 1e-3
     sum_bps: float = 0.0
     partition_bytes: int = dataclasses.field(
         default_factory=lambda: int(_runtime_default("partition_bytes")))
@@ -202,6 +222,9 @@ def _request(profile: Profile, workers: int, bandwidth_bps: float, schedule: str
         f"option frame_overhead_bytes={int(options.frame_overhead_bytes)}",
         f"option socket_buffer_bytes={int(options.socket_buffer_bytes)}",
         f"option max_socket_buffer_bytes={int(options.max_socket_buffer_bytes)}",
+        f"option autotuned_socket_buffer_bytes={int(options.autotuned_socket_buffer_bytes)}",
+        f"option socket_unsent_bytes={int(options.socket_unsent_bytes)}",
+        f"option sender_queue_s={float(options.sender_queue_s)!r}",
         f"option sum_Bps={float(options.sum_bps)!r}",
         f"option schedule={base}",
         f"option cross_barrier={int(cross)}",
