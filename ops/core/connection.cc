@@ -90,6 +90,7 @@ void Connection::Flush() {
   while (open_ && !out_.empty()) {
     iovec iov[64];
     int n_iov = 0;
+    uint64_t offered = 0;
     for (auto it = out_.begin(); it != out_.end() && n_iov < 62; ++it) {
       uint64_t skip = it->written;
       if (skip < it->head.size()) {
@@ -102,6 +103,7 @@ void Connection::Flush() {
       // with the frame), so point at it afresh on every send.
       const char* payload = it->owned.empty() ? it->payload : it->owned.data();
       if (it->payload_len > skip) iov[n_iov++] = {const_cast<char*>(payload) + skip, it->payload_len - skip};
+      offered += it->total() - it->written;
     }
     const ssize_t n = ::writev(fd_, iov, n_iov);
     if (n < 0) {
@@ -125,6 +127,9 @@ void Connection::Flush() {
       out_.pop_front();
     }
     for (auto& callback : sent) callback();
+    // A short write means the socket is full (it holds its unsent limit, transport.h): trying
+    // again now would only return EAGAIN. EPOLLOUT says when it has room.
+    if (static_cast<uint64_t>(n) < offered) break;
   }
   UpdateWriteInterest();
 }
