@@ -33,7 +33,7 @@ import dataclasses
 import logging
 import math
 import statistics
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 logger = logging.getLogger("prophet_tf")
 
@@ -95,14 +95,25 @@ def link_rate_matching(value_at: Any, target: float, low_bps: float, high_bps: f
     return math.exp((low + high) / 2)
 
 
+#: The runtime options that the predictions take from the running runtime.
+PREDICTED_RUNTIME_OPTIONS = ("partition_bytes", "credit_bytes", "socket_buffer_bytes",
+                             "socket_unsent_bytes")
+
+
 class AutoSchedule:
     """Per-worker state of ``schedule="auto"``; the strategy calls :meth:`before_step` and
-    :meth:`after_step` around every call of the train function."""
+    :meth:`after_step` around every call of the train function.
+
+    ``runtime_options`` are the runtime's settings (``runtime.config()``); predictions simulate
+    the runtime with those of :data:`PREDICTED_RUNTIME_OPTIONS` it has, the defaults otherwise."""
 
     def __init__(self, extended: Any, replan_threshold: float,
-                 candidates: Sequence[str] = CANDIDATES) -> None:
+                 candidates: Sequence[str] = CANDIDATES,
+                 runtime_options: Optional[Mapping[str, Any]] = None) -> None:
         self._extended = extended
         self._threshold = float(replan_threshold)
+        self._runtime_options = {k: int(v) for k, v in (runtime_options or {}).items()
+                                 if k in PREDICTED_RUNTIME_OPTIONS}
         self._candidates = tuple(candidates)
         self.current = "prophet"
         self.decisions: list[Decision] = []
@@ -214,19 +225,14 @@ class AutoSchedule:
                                         gap_s=max(0.0, gap), source="runtime (schedule=auto)")
 
     def _prediction(self, profile: Any, schedule: str, rate_bps: float) -> Any:
-        from prophet_tf import runtime
         from prophet_tf.predict import (PredictOptions, kernel_autotuned_socket_buffer,
                                         kernel_socket_buffer_cap, predict)
         name = schedule if self._extended._cross_barrier else f"{schedule}_nocross"
-        config = runtime.config()
         # The runtime as it runs here, on this machine's kernel.
         options = PredictOptions(steps=STEPS, warmup_steps=WARMUP_STEPS,
-                                 partition_bytes=int(config["partition_bytes"]),
-                                 credit_bytes=int(config["credit_bytes"]),
-                                 socket_buffer_bytes=int(config["socket_buffer_bytes"]),
-                                 socket_unsent_bytes=int(config["socket_unsent_bytes"]),
                                  max_socket_buffer_bytes=kernel_socket_buffer_cap(),
-                                 autotuned_socket_buffer_bytes=kernel_autotuned_socket_buffer())
+                                 autotuned_socket_buffer_bytes=kernel_autotuned_socket_buffer(),
+                                 **self._runtime_options)
         return predict(profile, workers=self._extended._world_size, bandwidth_bps=rate_bps,
                        schedule=name, options=options)
 

@@ -821,7 +821,8 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
                 else report_every_epoch)
         if auto and info.world_size > 1:
             extended._auto_schedule = _auto_schedule.AutoSchedule(
-                extended, replan_threshold=runtime.config()["replan_threshold"])
+                extended, replan_threshold=runtime.config()["replan_threshold"],
+                runtime_options=runtime.config())
         distribute_lib.Strategy.__init__(self, extended)
         distribute_lib.distribution_strategy_gauge.get_cell("V2").set("ProphetStrategy")
         if info.world_size > 1 and sync_random_seed:

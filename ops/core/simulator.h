@@ -98,8 +98,9 @@ struct NetworkModel {
 //    emulated cluster, veth + tbf at 983 Mbit/s: a saturated connection held 6.2-8.3 MB);
 //    autotuned, it grows up to net.ipv4.tcp_wmem's maximum (4.2 MB measured at 2 Gbit/s).
 //  - With TCP_NOTSENT_LOWAT the unsent part stays within socket_unsent_bytes, and what is sent
-//    but still queued in the host is about sender_queue_s of the link (measured at 2 Gbit/s with
-//    a 256 KiB limit: 1.1 MB held, 0.3 MB of it unsent).
+//    but still queued in the host is about sender_queue_s of the link. (Measured on the emulated
+//    cluster with a 256 KiB limit, at 1 and 2 Gbit/s: 0.3 MB unsent, and 0.3 and 0.8 MB sent and
+//    not yet acknowledged, which includes what has arrived but whose acknowledgement is late.)
 uint64_t KernelSendBufferBytes(const NetworkModel& network);
 
 // The runtime's options default to the engine's (engine_options.h).

@@ -211,6 +211,36 @@ TEST(ThreeWorkersForm) {
   ExpectConnectedPairwise(w);
 }
 
+// The data connections' options (TuneSocket): a limit on unsent data and autotuned buffers by
+// default; an explicit buffer size when asked (Linux doubles it).
+TEST(DataConnectionsHoldLittleUnsentData) {
+  for (const bool explicit_buffer : {false, true}) {
+    std::vector<BootstrapOptions> o = Job(2);
+    for (BootstrapOptions& x : o) {
+      x.socket_unsent_bytes = explicit_buffer ? 0 : 123456;
+      x.socket_buffer_bytes = explicit_buffer ? 256 << 10 : 0;
+    }
+    std::vector<Worker> w(2);
+    for (int r = 0; r < 2; ++r) w[r].Start(o[r]);
+    for (auto& x : w) x.Join();
+    EXPECT_TRUE(w[0].status.ok() && w[1].status.ok());
+    if (!w[0].status.ok() || !w[1].status.ok()) return;
+    const int fd = w[0].fds[1];
+    int lowat = 0, sndbuf = 0;
+    socklen_t len = sizeof(lowat);
+    ::getsockopt(fd, IPPROTO_TCP, TCP_NOTSENT_LOWAT, &lowat, &len);
+    len = sizeof(sndbuf);
+    ::getsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sndbuf, &len);
+    if (explicit_buffer) {
+      EXPECT_EQ(sndbuf, 512 << 10);
+      EXPECT_EQ(lowat, 0);  // not set: the kernel's default (net.ipv4.tcp_notsent_lowat)
+    } else {
+      EXPECT_EQ(lowat, 123456);
+      EXPECT_TRUE(sndbuf != 512 << 10 && sndbuf > 0);  // what autotuning gives
+    }
+  }
+}
+
 TEST(ListensOnTheConfiguredHostOnly) {
   std::vector<BootstrapOptions> o = Job(2, 3.0);
   int fd = -1;

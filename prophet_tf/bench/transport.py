@@ -8,9 +8,10 @@ Starts 2 workers on loopback. For each tensor size, each worker measures alterna
   * ``raw_tcp``: a second, plain TCP connection between the same two processes that moves the
     same bytes in the same pattern: each worker sends and receives as many bytes as push_pull
     sends and receives (2(N-1)/N of the tensor, i.e. the whole tensor for N = 2), both directions
-    at once, no scheduling, no summation. It uses the same socket options as the runtime
-    (TCP_NODELAY, 4 MiB buffers) and sends straight from, and receives straight into, numpy
-    buffers from two threads, so it is close to what the kernel can do.
+    at once, no scheduling, no summation. It uses the runtime's socket options before issue 18
+    (TCP_NODELAY, 4 MiB buffers, no limit on unsent data) and sends straight from, and receives
+    straight into, numpy buffers from two threads, so it is close to what the kernel can do.
+    ``--runtime_options`` passes options to push_pull's runtime (e.g. those socket options).
 The table gives median time per operation, throughput (tensor bytes / time), the ratio
 raw_tcp time / push_pull time (1.0 = as fast as raw TCP), and the CPU both processes spent per
 operation (process CPU time of every thread, median over iterations on each rank, summed over
@@ -42,6 +43,9 @@ flags.DEFINE_list("sizes", None, "Tensor sizes, e.g. 4KiB,1MiB,256MiB (default: 
 flags.DEFINE_integer("iters", None, "Timed iterations per size and system (default depends on size).")
 flags.DEFINE_string("worker", None, "Internal: run as a worker with this JSON configuration.")
 flags.DEFINE_string("json", None, "Also write the results to this JSON file.")
+flags.DEFINE_string("runtime_options", "{}", "JSON object of prophet_tf.runtime.init keyword "
+                    "arguments for push_pull, e.g. '{\"socket_buffer_bytes\": 4194304, "
+                    "\"socket_unsent_bytes\": 0}' (the socket options before issue 18).")
 
 _UNITS = {"B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
 DEFAULT_SIZES = ["4KiB", "64KiB", "1MiB", "4MiB", "16MiB", "64MiB", "256MiB"]
@@ -118,7 +122,8 @@ def run_worker(config: dict) -> None:
     from prophet_tf import cluster, ops, runtime
 
     info = cluster.resolve_cluster()
-    runtime.init(info.rank, info.world_size, info.addresses, info.token, schedule=config["schedule"])
+    runtime.init(info.rank, info.world_size, info.addresses, info.token, schedule=config["schedule"],
+                 **config["runtime_options"])
     n = info.world_size
     conn = _raw_connection(info.rank, ops, tf)
     barrier = tf.zeros([1])
@@ -195,7 +200,8 @@ def main(argv: Sequence[str]) -> int:
         run_worker(json.loads(FLAGS.worker))
         return 0
     sizes = [parse_size(s) for s in (FLAGS.sizes or (QUICK_SIZES if FLAGS.quick else DEFAULT_SIZES))]
-    config = {"sizes": sizes, "iters": FLAGS.iters, "quick": FLAGS.quick, "schedule": "priority"}
+    config = {"sizes": sizes, "iters": FLAGS.iters, "quick": FLAGS.quick, "schedule": "priority",
+              "runtime_options": json.loads(FLAGS.runtime_options)}
     cmd = [sys.executable, "-m", "prophet_tf.launch", "-n", "2", "--threads", "1", "--timeout", "900", "--",
            "-m", "prophet_tf.bench.transport", "--worker", json.dumps(config)]
     print(f"push_pull vs raw TCP, 2 workers on loopback, sizes {', '.join(human(s) for s in sizes)}", flush=True)
