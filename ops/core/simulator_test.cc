@@ -1,5 +1,6 @@
 // The step simulator against cases computed by hand: one tensor on two workers (exact step time,
-// link efficiency and latency), priority vs FIFO order under a one-partition credit, crossing the
+// link efficiency and latency), priority vs FIFO order under a one-partition credit, what the
+// kernel's socket holds ahead of an urgent push, the credit returning when a push leaves, crossing the
 // barrier (the next step's first layer waits only for its own update), an owner's incast with and
 // without ingress limits, and MultiWorkerMirroredStrategy's ring all-reduce.
 #include "ops/core/simulator.h"
@@ -190,6 +191,25 @@ TEST(UrgentPushesWaitBehindWhatTheKernelHolds) {
   // The runtime's defaults: an autotuned buffer, of which the socket holds its unsent limit plus
   // what is queued below it (1 ms of 1 Gbit/s).
   EXPECT_EQ(KernelSendBufferBytes(NetworkModel()), static_cast<uint64_t>(EngineOptions().socket_unsent_bytes) + 125'000);
+}
+
+// The byte credit returns when a push has left this worker (the engine's OnPushLeft), not when its
+// sum is back. Worker 0 pushes two 10,000-byte tensors to worker 1 with a credit of one of them,
+// when the backward pass starts (b); the kernel holds nothing, so a push leaves with its last byte:
+//   push A b+0..b+10, A's sum b+10..b+20; push B b+10..b+20, B's sum b+20..b+30.
+// A credit held until the sum came back would release B only at b+20: B done at b+40.
+TEST(CreditReturnsWhenAPushLeavesNotWhenItsSumIsBack) {
+  StepProfile profile;
+  profile.layers = {{"only", 10 * kMs, 0}};
+  profile.tensors = {Tensor(NameOwnedBy("A", 1, 2), 10'000, 2, 0, 0), Tensor(NameOwnedBy("B", 1, 2), 10'000, 1, 0, 0)};
+  RuntimeModel runtime;
+  runtime.schedule = "priority";
+  runtime.cross_barrier = false;
+  runtime.credit_bytes = 10'000;
+  const StepPrediction p = Run(profile, SlowNetwork(2), runtime);
+  // From the step's begin: the backward pass starts after the 10 ms forward pass.
+  EXPECT_NEAR(p.tensor_times[0].done_s, (10 + 20) * kMsS, 1e-6);
+  EXPECT_NEAR(p.tensor_times[1].done_s, (10 + 30) * kMsS, 1e-6);
 }
 
 // Two layers: L0 (50 ms forward) owns g_first (1,000 bytes, owned by worker 1), L1 (10 ms) owns
