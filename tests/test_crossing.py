@@ -78,7 +78,17 @@ def overlapping_steps(trace: dict) -> tuple[int, int]:
 
 
 def test_next_step_starts_before_previous_gradients_are_summed(tmp_path: Path) -> None:
-    """2 workers over a slowed link (network namespaces + tc), timeline read back."""
+    """2 workers over a slowed link (network namespaces + tc), timeline read back.
+
+    Step t+1 crosses when its first layer's gate opens before round t's last gradient is summed:
+    the race between the CPU (round t's first-layer update, the train function's return, step
+    t+1's forward pass up to the gate) and the link (the wide layers' bytes still to move). How
+    many steps win it depends on this machine's load (7 to 21 of 23 at 200 Mbit/s, where the link
+    part was 11-25 ms), so the test asserts what no speed can produce without crossing: a step
+    that ran before the previous step's gradients were summed, which the synchronous runtime never
+    does (test_overlap_detector_rejects_a_synchronous_trace). At 50 Mbit/s the link part is about
+    4x what a loaded 2-core machine took for the CPU part (up to 30 ms), so every step can cross.
+    """
     from prophet_tf.bench import netem
 
     try:
@@ -90,7 +100,7 @@ def test_next_step_starts_before_previous_gradients_are_summed(tmp_path: Path) -
     trace_pattern = str(tmp_path / "trace.{rank}.json")
     env = dict(PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2")
     # A prefix of its own: another checkout may run this test on the same machine at the same time.
-    with netem.EmulatedCluster(2, bandwidth_bps=200e6, prefix=f"ptfx{os.getpid()}") as cluster:
+    with netem.EmulatedCluster(2, bandwidth_bps=50e6, prefix=f"ptfx{os.getpid()}") as cluster:
         code = launch.launch([sys.executable, str(ROOT / "tests" / "workers" / "crossing_overlap.py"), trace_pattern],
                              2, hosts=[cluster.host_address(i) for i in range(2)], wrap_argv=cluster.exec_argv,
                              env=env, threads=1, timeout=240, handle_signals=False)
@@ -102,8 +112,7 @@ def test_next_step_starts_before_previous_gradients_are_summed(tmp_path: Path) -
         assert steps >= 20, steps
         step_spans = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["name"].startswith("step ")]
         assert len(step_spans) == 24, f"expected one step span per train step, got {len(step_spans)}"
-        # Most steps should cross; a loaded CI machine may serialise a few.
-        assert crossed >= steps // 3, f"rank {rank}: only {crossed} of {steps} steps crossed the barrier"
+        assert crossed >= 1, f"rank {rank}: none of {steps} steps crossed the barrier"
 
 
 def test_overlap_detector_rejects_a_synchronous_trace() -> None:
