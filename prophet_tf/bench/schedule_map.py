@@ -262,7 +262,8 @@ def _define_flags() -> None:
     flags.DEFINE_float("accelerator_tflops", 100.0, "The emulated accelerator's TFLOP/s.")
     flags.DEFINE_integer("batch", None, "Per-worker batch (default: the training benchmark's).")
     flags.DEFINE_string("prophet_options", "{}", "JSON of runtime options for both schedules "
-                        "(partition_bytes, credit_bytes, socket_buffer_bytes).")
+                        "(partition_bytes, credit_bytes, socket_buffer_bytes, "
+                        "socket_unsent_bytes, replan_threshold).")
     flags.DEFINE_integer("steps", 10, "Measured simulated steps per setting (median).")
     flags.DEFINE_integer("warmup", 5, "Simulated steps before those.")
     flags.DEFINE_integer("threads", 0, "Simulations at once (0: one per core).")
@@ -295,7 +296,7 @@ def main(argv: Sequence[str]) -> int:
         options = PredictOptions(steps=FLAGS.steps, warmup_steps=FLAGS.warmup)
         for key, value in runtime.items():
             if key not in ("partition_bytes", "credit_bytes", "socket_buffer_bytes",
-                           "replan_threshold"):
+                           "socket_unsent_bytes", "replan_threshold"):
                 raise ValueError(f"--prophet_options: {key!r} is not modelled by the predictor")
             setattr(options, key, type(getattr(options, key))(value))
     except ValueError as e:
