@@ -31,9 +31,10 @@ namespace {
 constexpr int64_t kTimeoutCheckNs = 100 * 1000 * 1000;
 constexpr uint64_t kWakeTag = ~0ull;  // epoll tag of the eventfd; connections use their peer rank
 // What one connection may read per turn of the I/O thread before the thread starts what was
-// submitted meanwhile and sends what the bytes read completed (sums). Draining the socket first (it may hold a peer's whole tensor) kept an operation
-// submitted meanwhile waiting, its frames held as early frames, and its sums unsent until the
-// last byte was read. Each receive still takes as much of a payload as the kernel has.
+// submitted meanwhile and sends what the bytes read completed (sums). Draining the socket first
+// (it may hold a peer's whole tensor) kept an operation submitted meanwhile waiting, its frames
+// held as early frames, and its sums unsent until the last byte was read. Each receive still
+// takes as much of a payload as the kernel has.
 constexpr uint64_t kReadTurnBytes = 1 << 20;
 
 }  // namespace
