@@ -26,6 +26,11 @@ idempotent.
   already global are averaged across workers, as ``MultiWorkerMirroredStrategy`` does, so a
   custom ``train_step`` logs the same numbers on every worker. (The default steps return metric
   results computed from reduced state: those are left as they are.)
+* ``make_train_function``/``make_test_function``: the step functions run in a wrapper (timeline
+  marks, ``schedule="auto"``, and the preemption request carried in the step's metric reduction).
+* ``TensorFlowTrainer.fit``, ``TFEpochIterator``, ``EpochIterator._enumerate_iterator``: a fit
+  knows its position, resumes step-exactly from a backup and stops for a preemption
+  (``prophet_tf/_fit_session.py``).
 * ``Trainer._symbolic_build``: a model that defines ``train_step`` but no ``call()`` (a GAN, a
   VAE) is not traced symbolically (Keras would fail with "Unable to automatically build the
   model" under any strategy); like without a strategy, it builds in its first step.
@@ -93,20 +98,24 @@ def install() -> None:
         _patch_clipping()
         _patch_loss_scale()
         _patch_predict()
-        _patch_step_markers()
+        _patch_step_functions()
+        _patch_fit()
         _patch_step_outputs()
         _patch_build_without_call()
-        _patch_step_report()
         _loss_normalization.install()
         _installed = True
 
 
-# ---- timeline step markers ----------------------------------------------------------------
+# ---- step functions ------------------------------------------------------------------------
 
-def _patch_step_markers():
-    """Each call of the train function becomes a "step" span on the timeline (when one is written),
-    a measured step of the step report (prophet_tf/_step_report) and, with ``schedule="auto"``, an
-    occasion to choose the schedule (prophet_tf/_auto_schedule).
+def _patch_step_functions():
+    """Each call of the train (and test) function runs in a wrapper that
+
+    * marks it as a "step" span on the timeline (train, when one is written);
+    * measures it for the step report (train; prophet_tf/_step_report);
+    * gives ``schedule="auto"`` its occasion to choose the schedule (prophet_tf/_auto_schedule);
+    * carries this worker's preemption request in the step's reductions and acts on the agreed
+      one (prophet_tf/preemption.py, prophet_tf/_fit_session.py).
 
     Forward and backward progress inside a step are already on the trace: a layer's forward pass
     starts when its "gate" span ends, and the backward pass emits a "ready" instant per gradient.
@@ -115,62 +124,101 @@ def _patch_step_markers():
 
     def make_train_function(original, self, force=False):
         result = original(self, force)
-        from prophet_tf import _step_report, runtime
+        self.train_function = _wrap_step_function(self, self.train_function, training=True)
+        return result
 
-        function = self.train_function
-        if function is None or getattr(function, "_prophet_marked", False):
-            return result
-        ext = _model_extended(self)
-        reporter = _step_report.reporter_of(self)
-        auto = ext._auto_schedule if ext is not None else None
-        marking = ext is not None and runtime.timeline_enabled()
-        if not marking and auto is None and reporter is None:
-            return result
-        steps = itertools.count()
-
-        def marked(*args, **kwargs):
-            step = next(steps)
-            if auto is not None:
-                auto.before_step(step)
-            start = time.monotonic_ns()
-            if reporter is not None:
-                reporter.begin_step()
-            try:
-                out = function(*args, **kwargs)
-            finally:
-                if reporter is not None:
-                    reporter.end_step()
-                if marking:
-                    runtime.timeline_event("step", f"step {step}", start, time.monotonic_ns())
-            if auto is not None:
-                auto.after_step(step, start, time.monotonic_ns())
-            return out
-
-        marked._prophet_marked = True
-        self.train_function = marked
+    def make_test_function(original, self, force=False):
+        result = original(self, force)
+        self.test_function = _wrap_step_function(self, self.test_function, training=False)
         return result
 
     _patch(tf_trainer.TensorFlowTrainer, "make_train_function", make_train_function)
+    _patch(tf_trainer.TensorFlowTrainer, "make_test_function", make_test_function)
 
 
-# ---- the step report ------------------------------------------------------------------------
+def _wrap_step_function(model, function, training: bool):
+    from prophet_tf import _fit_session, _step_report, preemption, runtime
 
-def _patch_step_report():
-    """fit gets the step report's callback first (its keys reach every other callback); its
-    line is printed once every callback ran, after Keras's progress bar."""
+    if function is None or getattr(function, "_prophet_wrapped", False):
+        return function
+    ext = _model_extended(model)
+    reporter = _step_report.reporter_of(model) if training else None  # one worker included
+    auto = ext._auto_schedule if training and ext is not None else None
+    marking = training and ext is not None and runtime.timeline_enabled()
+    coordinating = ext is not None and ext._multi and preemption.armed()
+    if not (marking or auto is not None or reporter is not None or coordinating):
+        return function
+    steps = itertools.count()
+    per_call = max(1, int(getattr(model, "steps_per_execution", 1) or 1))
+
+    def wrapped(*args, **kwargs):
+        step = next(steps)
+        if auto is not None:
+            auto.before_step(step)
+        if coordinating:
+            preemption.before_step()
+        start = time.monotonic_ns()
+        if reporter is not None:
+            reporter.begin_step()
+        try:
+            if coordinating:
+                out = preemption.run_carrying(function, *args, **kwargs)
+            else:
+                out = function(*args, **kwargs)
+        finally:
+            if reporter is not None:
+                reporter.end_step()
+            if marking:
+                runtime.timeline_event("step", f"step {step}", start, time.monotonic_ns())
+        if auto is not None:
+            auto.after_step(step, start, time.monotonic_ns())
+        if coordinating:
+            _fit_session.after_step(out, training, per_call)
+        return out
+
+    wrapped._prophet_wrapped = True
+    return wrapped
+
+
+# ---- fit: the step report, position, step-exact resume, preemption stop ----------------------
+
+def _patch_fit():
+    """``fit`` (one patch: ``_patch`` wraps a method once) runs, on several workers, in a session
+    (prophet_tf/_fit_session.py: its position, a step-exact resume from a restored backup, the
+    preemption stop), and inside it gets the step report's callback first among its callbacks
+    (its keys reach every other callback). The training epoch iterator resumes step-exactly.
+    The report's line is printed once every callback's ``on_epoch_end`` ran, after Keras's
+    progress bar."""
     from keras.src.backend.tensorflow import trainer as tf_trainer
     from keras.src.callbacks import callback_list
+    from keras.src.trainers import epoch_iterator
+
+    from prophet_tf import _fit_session, _step_report
 
     def fit(original, self, *args, **kwargs):
-        from prophet_tf import _step_report
-        return _step_report.fit_with_report(original, self, args, kwargs)
+        @functools.wraps(original)
+        def with_report(model, *a, **k):
+            return _step_report.fit_with_report(original, model, a, k)
+
+        ext = _model_extended(self)
+        if ext is None or not ext._multi:
+            return with_report(self, *args, **kwargs)
+        return _fit_session.run_fit(with_report, self, ext, args, kwargs)
+
+    def epoch_iterator_init(original, self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        _fit_session.claim_iterator(self)
+
+    def enumerate_iterator(original, self):
+        return _fit_session.enumerate_epoch(original, self)
 
     def on_epoch_end(original, self, epoch, logs=None):
         original(self, epoch, logs)
-        from prophet_tf import _step_report
         _step_report.after_epoch_end(self)
 
     _patch(tf_trainer.TensorFlowTrainer, "fit", fit)
+    _patch(tf_trainer.TFEpochIterator, "__init__", epoch_iterator_init)
+    _patch(epoch_iterator.EpochIterator, "_enumerate_iterator", enumerate_iterator)
     _patch(callback_list.CallbackList, "on_epoch_end", on_epoch_end)
 
 
@@ -186,7 +234,11 @@ def _patch_metrics():
         metrics = list(self.metrics)
         per_metric = [list(m.variables) for m in metrics]
         flat = [v for vs in per_metric for v in vs]
-        reduced = ext._reduce_metric_state(flat)
+        from prophet_tf import preemption
+        from prophet_tf._fit_session import STOP_KEY
+
+        stop_flag = preemption.flag_to_carry() if ext._multi else None
+        reduced, agreed_stop = ext._reduce_metric_state(flat, stop_flag)
         return_metrics = {}
         k = 0
         for metric, vs in zip(metrics, per_metric):
@@ -197,6 +249,8 @@ def _patch_metrics():
                 return_metrics.update(result)
             else:
                 return_metrics[metric.name] = result
+        if agreed_stop is not None:
+            return_metrics[STOP_KEY] = agreed_stop  # taken out by the step function's wrapper
         for value in return_metrics.values():
             _mark_global(value)
         return return_metrics
@@ -352,7 +406,8 @@ def _patch_step_outputs():
         ext = _prophet_extended(strategy)
         if ext is None or reduction not in ("auto", "mean"):
             return original(values, strategy, reduction)  # "concat" (predict) is gathered
-        return _average_step_outputs(ext, values)
+        from prophet_tf import _fit_session
+        return _fit_session.carry_stop_flag(ext, _average_step_outputs(ext, values))
 
     _patch(tf_trainer, "reduce_per_replica", reduce_per_replica)
 

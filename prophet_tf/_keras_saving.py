@@ -340,6 +340,17 @@ def _next_metadata_path(callback: Any) -> str:
     return callback._training_metadata_path + ".next"
 
 
+def backup_position(callback: Any) -> tuple[int, int]:
+    """``(epoch, steps)``: the weights of ``callback``'s next save contain the updates of every
+    epoch before ``epoch`` and of the first ``steps`` training steps of ``epoch``.
+
+    Kept by the callback's own hooks (see ``_patch_callbacks``); Keras keeps only the epoch, and
+    that one only from the end of the first epoch of a fit on (a mid-epoch save of a resumed fit's
+    first epoch records epoch 0)."""
+    position = getattr(callback, "_prophet_position", None)
+    return position if position is not None else (callback._current_epoch, 0)
+
+
 def _backup_save(callback: Any) -> None:
     """``BackupAndRestore._save_model`` with weights and metadata that always match.
 
@@ -349,7 +360,12 @@ def _backup_save(callback: Any) -> None:
     ``training_metadata.json.next``; (3) the weights are renamed into place; (4) the ``.next``
     file is renamed over the metadata. After a kill between (3) and (4), ``.next`` names the inode
     of the weights in place and is the valid metadata (see :func:`_backup_metadata_path`).
+
+    The metadata holds the position (:func:`backup_position`: ``epoch`` and ``steps_done``, with
+    Keras' ``batch``) and what decides the order of the training input (``input_order``), from
+    which a resumed fit continues step-exactly (``prophet_tf/_fit_session.py``).
     """
+    from prophet_tf import _fit_session
     from keras.src.utils import file_utils
 
     os.makedirs(callback.backup_dir, exist_ok=True)
@@ -364,8 +380,13 @@ def _backup_save(callback: Any) -> None:
     try:
         callback.model.save_weights(temporary, overwrite=True)
         _fsync_path(temporary)
-        state = {"epoch": callback._current_epoch, "batch": callback._last_batch_seen,
+        epoch, steps = backup_position(callback)
+        state = {"epoch": epoch, "batch": max(steps - 1, 0), "steps_done": steps,
                  "weights_inode": os.stat(temporary).st_ino}
+        session = _fit_session.current()
+        order = session.input_order() if session is not None else None
+        if order is not None:
+            state["input_order"] = order.to_json()
         next_metadata = _next_metadata_path(callback)
         replace_atomically(lambda tmp: _write_text(tmp, json.dumps(state)), next_metadata)
         os.replace(temporary, weights)
@@ -375,6 +396,7 @@ def _backup_save(callback: Any) -> None:
         raise
     os.replace(next_metadata, metadata)
     _fsync_path(callback.backup_dir, directory=True)
+    callback._prophet_saved = (epoch, steps)
 
 
 def _write_text(path: str, text: str) -> None:
@@ -394,6 +416,22 @@ def _backup_metadata_path(callback: Any) -> str:
     except (OSError, ValueError):
         pass
     return callback._training_metadata_path
+
+
+def _register_resume(callback: Any, metadata_path: str) -> None:
+    """Tells the running fit where the backup just loaded continues (step-exactly)."""
+    from prophet_tf import _fit_session
+
+    session = _fit_session.current()
+    if session is None or not os.path.exists(callback._weights_path):
+        return
+    try:
+        with open(metadata_path) as f:
+            state = json.load(f)
+    except (OSError, ValueError):
+        return  # Keras' own loader decided what a missing or broken metadata file means
+    session.resume_at(int(state.get("epoch", 0)), int(state.get("steps_done", 0)),
+                      state.get("input_order"))
 
 
 def _backup_restore(callback: Any) -> None:
@@ -453,11 +491,13 @@ def _patch_callbacks() -> None:
     def load_model(original, self):
         # Every worker reads rank 0's files, through the metadata matching the weights.
         metadata = self._training_metadata_path
-        self._training_metadata_path = _backup_metadata_path(self)
+        self._training_metadata_path = valid = _backup_metadata_path(self)
         try:
-            return original(self)
+            result = original(self)
         finally:
             self._training_metadata_path = metadata
+        _register_resume(self, valid)
+        return result
 
     @agreed
     def on_train_end(original, self, logs=None):
@@ -470,7 +510,23 @@ def _patch_callbacks() -> None:
             return original(self, logs)
         _backup_restore(self)
 
+    # The position of the next save (backup_position), kept by the callback's own hooks.
+    def on_epoch_begin(original, self, epoch, logs=None):
+        self._prophet_position = (epoch, 0)
+        return original(self, epoch, logs)
+
+    def on_train_batch_end(original, self, batch, logs=None):
+        self._prophet_position = (backup_position(self)[0], batch + 1)
+        return original(self, batch, logs)
+
+    def on_epoch_end(original, self, epoch, logs=None):
+        self._prophet_position = (epoch + 1, 0)
+        return original(self, epoch, logs)
+
     backup = backup_and_restore.BackupAndRestore
+    _patch(backup, "on_epoch_begin", on_epoch_begin)
+    _patch(backup, "on_train_batch_end", on_train_batch_end)
+    _patch(backup, "on_epoch_end", on_epoch_end)
     _patch(backup, "_save_model", save_model)
     _patch(backup, "_load_model", load_model)
     _patch(backup, "on_train_end", on_train_end)

@@ -6,7 +6,7 @@ can catch one type. Messages name the problem and, where there is one, the fix.
 
 from __future__ import annotations
 
-__all__ = ["ProphetError", "ClusterConfigError", "SaveError", "GradientReductionError"]
+__all__ = ["ProphetError", "ClusterConfigError", "SaveError", "GradientReductionError", "ResumeError"]
 
 
 class ProphetError(RuntimeError):
@@ -35,3 +35,9 @@ class GradientReductionError(ProphetError):
     # Raised while a tf.function is traced: autograph re-raises an error from user code as its own
     # type only when the type's __init__ is Exception.__init__ (otherwise as a StagingError).
     __init__ = Exception.__init__
+
+
+class ResumeError(ProphetError):
+    """A ``fit`` resumed from a mid-epoch checkpoint cannot continue where the interrupted run
+    stopped: its input would not give the batches that run had not applied yet (the message names
+    the cause in the input pipeline and the fix)."""

@@ -201,6 +201,10 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
         self._var_lock = threading.Lock()
         self._local = threading.local()
         self._cluster_resolver = None
+        # Preemption (prophet_tf/_fit_session.py): where the strategy's own checkpoint of a fit
+        # without BackupAndRestore goes (None: none), and how many fits this worker started.
+        self._checkpoint_dir: Optional[str] = None
+        self._fit_count = 0
 
     # ---- identity -----------------------------------------------------------------------
     @property
@@ -343,13 +347,17 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
         if not self._multi:
             return _without_multi_device_iterator(super()._experimental_distribute_dataset(dataset, options))
         _check_replication_mode(options)
-        return _without_multi_device_iterator(input_util.get_distributed_dataset(
+        distributed = _without_multi_device_iterator(input_util.get_distributed_dataset(
             _data_sharded(dataset),
             self._input_workers_with_options(options),
             self._container_strategy(),
             num_replicas_in_sync=self._world_size,
             input_context=self._input_context(),
             options=options))
+        # What a resumed fit inspects to know whether its input repeats the interrupted order
+        # (prophet_tf/_input_order.py).
+        distributed._prophet_source = dataset
+        return distributed
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
         _check_replication_mode(options)
@@ -587,34 +595,49 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
         total = self._push_pull(bad, self._namer.site("loss_scale_finite"), CONTROL_PRIORITY, False)
         return tf.equal(total, 0.0)
 
-    def _reduce_metric_state(self, variables):
-        """Reduces metric state variables across workers; returns one tensor per variable.
+    def _reduce_metric_state(self, variables, stop_flag=None):
+        """Reduces metric state variables across workers: ``(one tensor per variable, the
+        summed ``stop_flag`` or None)``.
 
-        All variables of one (dtype, aggregation) group travel in one push_pull.
+        All variables of one (dtype, aggregation) group travel in one push_pull. ``stop_flag`` (a
+        float32 ``[1]`` tensor: this worker's preemption request, see ``prophet_tf.preemption``)
+        rides as one more element of the float32 sum group, so that the step's coordination
+        costs no collective of its own; without such a group it goes alone.
         """
         values = [tf.convert_to_tensor(v) for v in variables]
-        if not self._communicates or not values:
-            return values
+        if not self._communicates or not (values or stop_flag is not None):
+            return values, None
         groups: dict = {}
         for i, (v, t) in enumerate(zip(variables, values)):
             agg = _aggregation_name(v)
             groups.setdefault((t.dtype, agg), []).append(i)
+        carrier = (tf.float32, "sum")
+        if stop_flag is not None:
+            groups.setdefault(carrier, [])
         out = list(values)
+        agreed_stop = None
         site = self._namer.site("metrics")
         for (dtype, agg), idx in groups.items():
             if agg == "none":
                 continue
-            flat = tf.concat([tf.reshape(values[i], [-1]) for i in idx], axis=0)
-            size = sum(int(values[i].shape.num_elements() or 0) for i in idx)
-            name = f"{site}/{dtype.name}/{agg}/{size}"
+            parts = [tf.reshape(values[i], [-1]) for i in idx]
+            sizes = [int(values[i].shape.num_elements()) for i in idx]
+            carries = stop_flag is not None and (dtype, agg) == carrier
+            if carries:
+                parts.append(stop_flag)
+                sizes.append(1)
+            flat = tf.concat(parts, axis=0)
+            name = f"{site}/{dtype.name}/{agg}/{sum(sizes)}" + ("/stop" if carries else "")
             if agg == "only_first_replica":
                 red = self._broadcast(flat, name, root_rank=0)
             else:
                 red = self._push_pull(flat, name, CONTROL_PRIORITY, agg == "mean")
-            sizes = [int(values[i].shape.num_elements()) for i in idx]
-            for i, part in zip(idx, tf.split(red, sizes)):
+            pieces = tf.split(red, sizes)
+            if carries:
+                agreed_stop = tf.reshape(pieces.pop(), [])
+            for i, part in zip(idx, pieces):
                 out[i] = tf.reshape(part, tf.shape(values[i]))
-        return out
+        return out, agreed_stop
 
     def _barrier(self):
         if self._multi:
@@ -766,12 +789,25 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
         worker, so that unseeded shuffles (``fit(shuffle=True)`` on arrays, ``Dataset.shuffle``)
         produce the same order everywhere and the shards of every global batch stay disjoint.
         Keras layers (dropout, initializers) draw their seeds elsewhere and stay independent.
+        With ``$PROPHET_JOB_SEED`` (the launcher sets it once per job) that seed is used, so a
+        restarted job's input has the order of the interrupted one.
       step_report: measure where the time of every ``fit`` step goes (its wall time, the time it
         waited for gradients, the link rate, the schedule) and add it to the epoch logs under
         ``prophet/...`` keys, the same on every worker (see :meth:`step_report` and
         ``prophet_tf/_step_report.py``).
       report_every_epoch: with ``step_report``, rank 0 prints one line per epoch of ``fit``
         (not with ``verbose=0``); default ``$PROPHET_REPORT_EVERY_EPOCH``, on unless 0.
+      preemption_signals: signals that make every worker stop at the same step of ``fit``, write
+        a checkpoint and exit with status 75 (``prophet_tf.preemption``): a name, a number or a
+        list of them; default ``$PROPHET_PREEMPTION_SIGNALS``, else SIGTERM; ``()`` or
+        ``"none"``: none (a signal then acts as without the strategy).
+      preemption_grace_s: a worker still alive this long after such a signal (no step of
+        ``fit`` came) leaves as the signal would have made it (default
+        ``$PROPHET_PREEMPTION_GRACE_S``, else 30).
+      checkpoint_dir: where a ``fit`` without ``BackupAndRestore`` keeps the checkpoint written
+        at a preemption (model and optimizer state, position) and resumes from it (default
+        ``$PROPHET_CHECKPOINT_DIR``, which the launcher sets when it may restart the job; none:
+        such a fit stops without a checkpoint).
       **runtime_options: passed to ``prophet_tf.runtime.init`` (``partition_bytes``,
         ``credit_bytes``, ``timeout_s``, ``timeline_path``...).
 
@@ -789,6 +825,9 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
                  profile_path: Optional[str] = None,
                  step_report: bool = True,
                  report_every_epoch: Optional[bool] = None,
+                 preemption_signals: Any = None,
+                 preemption_grace_s: Optional[float] = None,
+                 checkpoint_dir: Optional[str] = None,
                  **runtime_options):
         from prophet_tf import _auto_schedule
         runtime = _runtime()
@@ -827,6 +866,13 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
         distribute_lib.distribution_strategy_gauge.get_cell("V2").set("ProphetStrategy")
         if info.world_size > 1 and sync_random_seed:
             _sync_global_seed(extended)
+        if info.world_size > 1:
+            from prophet_tf import preemption
+            if preemption_signals is None:
+                preemption_signals = os.environ.get(preemption.SIGNALS_ENV, "SIGTERM")
+            preemption.arm(preemption_signals, preemption_grace_s, info.rank)
+            extended._checkpoint_dir = (checkpoint_dir
+                                        or os.environ.get(preemption.CHECKPOINT_DIR_ENV) or None)
         from prophet_tf import _keras_patches
         _keras_patches.install()  # each hook acts only for the strategies it concerns
         if extended._communicates:
@@ -894,12 +940,24 @@ def _resolver_for(info):
     return SimpleClusterResolver(spec, task_type="worker", task_id=info.rank)
 
 
+#: A job's seed (an integer) that the launcher keeps across restarts: without a seed of the
+#: program's own, every worker (and every restarted attempt) uses it, so that a resumed run's
+#: input has the interrupted run's order.
+JOB_SEED_ENV = "PROPHET_JOB_SEED"
+
+
 def _sync_global_seed(extended) -> None:
-    """Sets the same TF global seed on every worker unless the program already set one."""
+    """Sets the same TF global seed on every worker unless the program already set one: rank 0's
+    ``$PROPHET_JOB_SEED``, else a number rank 0 draws."""
     if not eager_context.executing_eagerly() or eager_context.global_seed() is not None:
         return
     import random
-    local = tf.constant([random.SystemRandom().randrange(1, 2**31 - 1)], tf.int64)
+    job_seed = os.environ.get(JOB_SEED_ENV, "").strip()
+    try:
+        chosen = int(job_seed) if job_seed else random.SystemRandom().randrange(1, 2**31 - 1)
+    except ValueError:
+        raise ValueError(f"${JOB_SEED_ENV} must be an integer, got {job_seed!r}") from None
+    local = tf.constant([chosen], tf.int64)
     seed = int(extended._broadcast(local, "init/random_seed", root_rank=0).numpy()[0])
     tf.random.set_seed(seed)
 

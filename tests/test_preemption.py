@@ -1,0 +1,152 @@
+"""Coordinated preemption (SIGTERM on one worker: every worker stops at the same step, one
+checkpoint, status 75) and step-exact resume (the resumed fit ends with the uninterrupted run's
+weights, bitwise, without redoing a step)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import parse_results
+from prophet_tf import preemption
+
+STEPS_PER_EPOCH, EPOCHS = 6, 2
+TOTAL_STEPS = STEPS_PER_EPOCH * EPOCHS
+
+
+def _fits(run, rank, label):
+    found = [r for r in run.results(rank, section="fit") if r["label"] == label]
+    assert found, f"rank {rank}: no fit {label}\n{run.tail()}"
+    return found
+
+
+def _applied(position):
+    """Training steps applied before a stop at [epoch, step]."""
+    return position[0] * STEPS_PER_EPOCH + position[1]
+
+
+@pytest.fixture(scope="module")
+def scenarios(run_workers, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("preemption")
+    return run_workers("preemption.py", 2, "scenarios", str(workdir), timeout=400).check_ok()
+
+
+@pytest.mark.parametrize("name,expected_stop", [
+    ("during_save", None),                # BackupAndRestore(save_freq=2), tf.data reshuffled per epoch
+    ("before_first_step", [0, 1]),        # the strategy's own checkpoint (no BackupAndRestore)
+    ("during_validation", [1, STEPS_PER_EPOCH]),  # BackupAndRestore per epoch
+])
+def test_every_worker_stops_at_one_step_and_the_resumed_fit_ends_bitwise_as_uninterrupted(
+        scenarios, name, expected_stop):
+    for rank in range(2):
+        stopped, resumed = _fits(scenarios, rank, name)
+        kind = stopped["kind"]
+        (reference,) = _fits(scenarios, rank, f"reference-{kind}")
+        other = _fits(scenarios, 1 - rank, name)[0]
+        # Both workers stopped after the same step, knowing that one worker asked.
+        assert stopped["stopped"] == other["stopped"] and stopped["signals"] == 1, (stopped, other)
+        if expected_stop is not None:
+            assert stopped["stopped"] == expected_stop, stopped
+        else:
+            assert stopped["stopped"][0] == 1 and 3 <= stopped["stopped"][1] <= STEPS_PER_EPOCH
+        assert stopped["checkpoint"] and stopped["backup_left"], stopped
+        # Resumed: the uninterrupted weights, bitwise, and no step trained twice.
+        assert resumed["stopped"] is None and not resumed["backup_left"], resumed
+        assert resumed["digest"] == reference["digest"], (name, rank, resumed, reference)
+        assert _applied(stopped["stopped"]) + resumed["steps"] == TOTAL_STEPS, (stopped, resumed)
+
+
+def test_a_preempted_job_exits_75_on_every_worker_and_a_new_launch_resumes_it(
+        scenarios, spawn_workers, run_workers, tmp_path):
+    spawned = spawn_workers("preemption.py", 2, "interrupted", str(tmp_path),
+                            env={"PROPHET_TIMEOUT_S": "60"})
+    outcomes = spawned.wait(timeout=300)
+    reports = []
+    for rank, (code, _, output) in enumerate(outcomes):
+        assert code == preemption.EXIT_PREEMPTED, f"rank {rank} exited {code}:\n{output[-3000:]}"
+        found = [r for line in output.splitlines() if (r := preemption.parse_report(line))]
+        assert len(found) == 1 and found[0].rank == rank, output[-3000:]
+        reports.append(found[0])
+    assert "rank 1 received SIGTERM" in outcomes[1][2] and "received" not in outcomes[0][2]
+    assert reports[0].epoch == reports[1].epoch == 1 and reports[0].step == reports[1].step
+    assert reports[0].checkpoint == reports[1].checkpoint == str(tmp_path / "restart" / "backup")
+
+    resumed = run_workers("preemption.py", 2, "resume", str(tmp_path), timeout=300).check_ok()
+    for rank in range(2):
+        (again,) = _fits(resumed, rank, "restart")
+        # Another launch, the same program and seed: the same uninterrupted weights.
+        (reference,) = _fits(scenarios, rank, "reference-arrays")
+        assert again["digest"] == reference["digest"], (again, reference)
+        assert _applied([reports[0].epoch, reports[0].step]) + again["steps"] == TOTAL_STEPS
+
+
+def test_a_program_handler_replaces_the_strategys_or_is_chained_to_it(scenarios):
+    run = scenarios
+    # Installed after the strategy: the program's handler alone runs, training goes on, and fit
+    # said so when it began.
+    assert run.output.count("the program installed its own handler for SIGTERM") == 2, run.tail()
+    (replaced,) = _fits(run, 1, "replaced")
+    assert replaced["stopped"] is None and replaced["steps"] == TOTAL_STEPS, replaced
+    # Installed before: the request is recorded, then the program's handler runs; every worker
+    # stops, without a checkpoint (no BackupAndRestore, no checkpoint_dir).
+    assert run.output.count("[rank 1] PROGRAM HANDLER got SIGTERM") == 2, run.tail()
+    for rank in range(2):
+        (chained,) = _fits(run, rank, "chained")
+        assert chained["signals"] == 1 and chained["checkpoint"] is None, chained
+        assert chained["stopped"][0] == 1, chained
+    assert "checkpoint: none" in run.output
+
+
+# ---- the pieces, without workers ---------------------------------------------------------------
+
+def test_the_report_line_round_trips_and_reads_through_the_launchers_prefix():
+    report = preemption.Report(rank=1, signals=2, epoch=3, step=17, checkpoint="/ck/backup")
+    assert preemption.parse_report("[rank 1] " + report.line()) == report
+    outside = preemption.Report(rank=0, signals=1)
+    assert preemption.parse_report(outside.line()) == outside
+    assert preemption.parse_report("prophet_tf: rank 1 received SIGTERM: ...") is None
+
+
+def test_preemption_signals_are_read_by_name_or_number_and_uncatchable_ones_refused():
+    import signal
+
+    assert preemption.signals_from("SIGTERM,usr1") == (signal.SIGTERM, signal.SIGUSR1)
+    assert preemption.signals_from([15, "SIGTERM"]) == (signal.SIGTERM,)
+    assert preemption.signals_from("none") == () and preemption.signals_from(None) == ()
+    with pytest.raises(ValueError, match="SIGKILL cannot be handled"):
+        preemption.signals_from("SIGKILL")
+    with pytest.raises(ValueError, match="not a signal name"):
+        preemption.signals_from("SIGNOPE")
+
+
+def test_the_input_order_check_names_what_would_change_the_order():
+    import numpy as np
+    import tensorflow as tf
+    from keras.src.trainers.data_adapters import array_data_adapter
+
+    from prophet_tf import _input_order
+
+    def arrays(shuffle):
+        x = np.arange(20, dtype="float32")
+        return array_data_adapter.ArrayDataAdapter(x, batch_size=5, shuffle=shuffle).get_tf_dataset()
+
+    tf.random.set_seed(7)
+    seeded = _input_order.describe(arrays(True))
+    assert seeded.seeded and not seeded.unseeded and _input_order.problems(seeded, seeded) == []
+    assert _input_order.describe(arrays(False)) == _input_order.InputOrder()
+    tf.random.set_seed(8)
+    other_seed = _input_order.describe(arrays(True))
+    assert "random seeds of the input differ" in " ".join(_input_order.problems(seeded, other_seed))
+    # Round trip through the backup's metadata.
+    assert _input_order.InputOrder.from_json(seeded.to_json()) == seeded
+    tf.random.set_seed(None)
+    try:
+        unseeded = _input_order.describe(arrays(True))
+    finally:
+        tf.random.set_seed(7)
+    assert "without a seed" in " ".join(_input_order.problems(seeded, unseeded))
+
+    ds = tf.data.Dataset.range(8).map(lambda v: v + 1, num_parallel_calls=2, deterministic=False)
+    assert "deterministic=False" in " ".join(_input_order.problems(None, _input_order.describe(ds)))
+    gen = tf.data.Dataset.from_generator(lambda: iter(range(3)), output_signature=tf.TensorSpec([], tf.int64))
+    described = _input_order.describe(gen)
+    assert described.unverifiable and _input_order.problems(None, described) == []
