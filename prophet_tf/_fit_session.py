@@ -236,6 +236,14 @@ def run_fit(original: Any, model: Any, extended: Any, args: tuple, kwargs: dict)
     stack.append(session)
     try:
         return original(*bound.args, **bound.kwargs)
+    except preemption.Preempted:
+        raise
+    except Exception as error:
+        if session.began:  # where, for the launcher (a failure repeating there is not a fault)
+            preemption._write_stderr(preemption.Failure(
+                extended._rank, session.epoch, session.steps_done,
+                preemption.describe_error(error)).line())
+        raise
     finally:
         stack.pop()
         listed.remove(tracker)

@@ -30,7 +30,8 @@ the request is recorded (chained); one installed after the strategy replaces thi
 signal runs only the program's handler, which may call :func:`request` to keep the coordinated
 checkpoint. ``fit`` logs a warning when it finds the handler replaced.
 
-This module does not import TensorFlow (the launcher reads :class:`Report` lines).
+A ``fit`` that ends with an error says where on stderr too (:class:`Failure`), for the launcher's
+restarts. This module does not import TensorFlow (the launcher reads these lines).
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence, Union
 
-__all__ = ["EXIT_PREEMPTED", "DEFAULT_GRACE_S", "Preempted", "Report", "parse_report", "request",
-           "requested", "SIGNALS_ENV", "GRACE_ENV", "CHECKPOINT_DIR_ENV"]
+__all__ = ["EXIT_PREEMPTED", "DEFAULT_GRACE_S", "Preempted", "Report", "parse_report", "Failure",
+           "parse_failure", "request", "requested", "SIGNALS_ENV", "GRACE_ENV", "CHECKPOINT_DIR_ENV"]
 
 #: Exit status of a worker that stopped for a preemption (sysexits' EX_TEMPFAIL, "try again"):
 #: its stderr says where the checkpoint is and at which epoch and step (:class:`Report`).
@@ -107,6 +108,40 @@ def parse_report(line: str) -> Optional[Report]:
                   epoch=None if epoch is None else int(epoch),
                   step=None if epoch is None else int(m.group("step")),
                   checkpoint=None if checkpoint == "none" else checkpoint)
+
+
+_FAILURE_PREFIX = "prophet_tf: failed:"
+_FAILURE = re.compile(r"prophet_tf: failed: rank (?P<rank>\d+) at epoch (?P<epoch>\d+) step "
+                      r"(?P<step>\d+): (?P<error>.*)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """What a worker says on stderr when ``fit`` ends with an error: where (the launcher stops
+    restarting a job that fails twice at the same step with the same error)."""
+
+    rank: int
+    epoch: int
+    step: int   # training steps of ``epoch`` applied before the error
+    error: str  # "Type: first line of the message"
+
+    def line(self) -> str:
+        return f"{_FAILURE_PREFIX} rank {self.rank} at epoch {self.epoch} step {self.step}: {self.error}"
+
+
+def parse_failure(line: str) -> Optional[Failure]:
+    """The :class:`Failure` a line holds (with or without the launcher's ``[rank i]`` prefix)."""
+    m = _FAILURE.search(line.rstrip("\r\n"))
+    if m is None:
+        return None
+    return Failure(int(m.group("rank")), int(m.group("epoch")), int(m.group("step")), m.group("error"))
+
+
+def describe_error(error: BaseException) -> str:
+    """``Type: first line of the message`` (TensorFlow's graph traceback left out)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()
+             and not line.startswith(("Graph execution error", "Detected at node", "  File "))]
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
 
 
 def signals_from(spec: SignalSpec) -> tuple[int, ...]:

@@ -96,6 +96,15 @@ def test_a_program_handler_replaces_the_strategys_or_is_chained_to_it(scenarios)
     assert "checkpoint: none" in run.output
 
 
+def test_a_fit_that_fails_says_where(scenarios):
+    for rank in range(2):
+        assert scenarios.one(rank, section="failed")["error"] == "a bug at epoch 1 batch 3"
+        lines = [f for line in scenarios.stderr.splitlines() if (f := preemption.parse_failure(line))
+                 and f.rank == rank]
+        # Steps 0..3 of epoch 1 were applied when the callback of step 3 raised.
+        assert lines == [preemption.Failure(rank, 1, 4, "ValueError: a bug at epoch 1 batch 3")], lines
+
+
 # ---- the pieces, without workers ---------------------------------------------------------------
 
 def test_the_report_line_round_trips_and_reads_through_the_launchers_prefix():
@@ -104,6 +113,10 @@ def test_the_report_line_round_trips_and_reads_through_the_launchers_prefix():
     outside = preemption.Report(rank=0, signals=1)
     assert preemption.parse_report(outside.line()) == outside
     assert preemption.parse_report("prophet_tf: rank 1 received SIGTERM: ...") is None
+    failure = preemption.Failure(rank=2, epoch=0, step=5, error="ValueError: bad input")
+    assert preemption.parse_failure("[rank 2] " + failure.line()) == failure
+    assert preemption.describe_error(ValueError("Graph execution error:\n\nDetected at node x\n"
+                                                "  File \"a.py\"\nthe cause\nmore")) == "ValueError: the cause"
 
 
 def test_preemption_signals_are_read_by_name_or_number_and_uncatchable_ones_refused():

@@ -5,7 +5,8 @@
                                        worker at its moment, stops (Preempted, caught), and the
                                        same fit run again in the same processes, which resumes;
                                        then a program with its own SIGTERM handler, installed
-                                       after the strategy, then before it (no checkpoint)
+                                       after the strategy, then before it (no checkpoint); then
+                                       a fit that fails in a callback
   preemption.py interrupted WORKDIR    a fit with BackupAndRestore(save_freq=2); rank 1 gets
                                        SIGTERM in the middle of a step of epoch 1: every worker
                                        exits with status 75
@@ -205,6 +206,28 @@ def scenarios(strategy, workdir):
         strategy.extended._fit_count = fits  # the same fit of the program, run again
         run_fit(strategy, workdir, name, holder, kind, make=fresh)
     own_handler(strategy, workdir, fresh)
+    rearm(strategy)
+    fails(strategy, fresh)
+
+
+class FailAt(keras.callbacks.Callback):
+    epoch = -1
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == (1, 3):
+            raise ValueError("a bug at epoch 1 batch 3")
+
+
+def fails(strategy, fresh):
+    """A fit that raises in a callback: the worker says where (for the launcher's restarts)."""
+    model = fresh(strategy)
+    try:
+        model.fit(**train_input("arrays"), epochs=EPOCHS, verbose=0, callbacks=[FailAt()])
+    except ValueError as e:
+        common.result(section="failed", error=str(e))
 
 
 def own_handler(strategy, workdir, fresh):
