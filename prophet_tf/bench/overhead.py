@@ -1,11 +1,14 @@
-"""What crossing the global barrier and the step report cost per step.
+"""What crossing the global barrier, the step report and the coordinated preemption check cost
+per step.
 
     python -m prophet_tf.bench.overhead [--variables 200] [--steps 60] [--rounds 3] [--fits 3]
+    python -m prophet_tf.bench.overhead --compare preemption [--variables 4] [--steps 300]
 
-Two workers on loopback (a fast link: communication is not the bottleneck) train a model made of
-many small variables (a stack of tiny Dense layers, 2 variables each) with ProphetStrategy, once
-with barrier crossing on and once with it off, alternating in the same run (``--rounds`` pairs of
-launches). Per-step times are medians after warm-up.
+``--compare crossing`` (the default): two workers on loopback (a fast link: communication is not
+the bottleneck) train a model made of many small variables (a stack of tiny Dense layers, 2
+variables each) with ProphetStrategy, once with barrier crossing on and once with it off,
+alternating in the same run (``--rounds`` pairs of launches). Per-step times are medians after
+warm-up.
 
 * Crossing: the difference between the launches divided by the number of variables is the
   crossing overhead per variable per step (gates, asynchronous hand-off and deferred apply),
@@ -20,6 +23,13 @@ launches). Per-step times are medians after warm-up.
 The last lines read ``crossing overhead per variable per step: X us`` and ``step report overhead
 per step: crossing on X us (P% of the step), crossing off ...; its per-step calls alone Y us of
 CPU; per epoch Z ms``.
+
+``--compare preemption``: the coordinated preemption check on and off. With it on, every step
+carries one more float in its metric reduction and the step function's wrapper reads it back.
+Both are measured in the same two worker processes (one launch): a model whose train function
+was traced with the check and one traced without it, their steps alternating (``train_on_batch``,
+``--steps`` x ``--rounds`` pairs), so that each pair sees the same load. The last line reads
+``preemption check per step: X us``: the median of the pairs' differences.
 """
 
 from __future__ import annotations
@@ -43,6 +53,9 @@ flags.DEFINE_integer("warmup", 10, "Steps of every fit before timing starts.")
 flags.DEFINE_integer("rounds", 3, "Alternating crossing off/on pairs of launches.")
 flags.DEFINE_integer("fits", 3, "Alternating step report off/on pairs of fits in every launch.")
 flags.DEFINE_integer("batch", 32, "Global batch size.")
+flags.DEFINE_enum("compare", "crossing", ["crossing", "preemption"],
+                  "What is turned on and off: barrier crossing (and the step report), or the "
+                  "coordinated preemption check.")
 flags.DEFINE_string("worker", None, "Internal: run as a worker with this JSON configuration.")
 
 
@@ -120,6 +133,51 @@ def run_worker(config: dict) -> None:
             "epoch_end_s": statistics.median(epoch_end_s)}), flush=True)
 
 
+def run_preemption_worker(config: dict) -> None:
+    """One model traced with the preemption check, one without (the handling disarmed while its
+    train function is made); then their steps alternate (``train_on_batch``, which runs the same
+    train function and wrapper as ``fit``), so each pair of steps sees the same load."""
+    import keras
+    import numpy as np
+
+    import prophet_tf
+    from prophet_tf import preemption
+
+    strategy = prophet_tf.ProphetStrategy(schedule="prophet", preemption_signals="SIGTERM",
+                                          step_report=False)
+
+    def model():
+        with strategy.scope():
+            m = keras.Sequential([keras.Input((8,))] +
+                                 [keras.layers.Dense(8) for _ in range(config["variables"] // 2)])
+            m.compile(optimizer=keras.optimizers.SGD(0.001), loss="mse")
+        return m
+
+    batch = np.random.default_rng(0).normal(size=(config["batch"], 8)).astype("float32")
+    checked = model()
+    checked.train_on_batch(batch, batch)  # traced with the check
+    preemption._reset()
+    unchecked = model()
+    unchecked.train_on_batch(batch, batch)  # traced without it
+    for _ in range(config["warmup"]):
+        checked.train_on_batch(batch, batch)
+        unchecked.train_on_batch(batch, batch)
+    times: dict = {True: [], False: []}
+    for step in range(config["steps"] * config["rounds"]):
+        order = ((True, checked), (False, unchecked)) if step % 2 else ((False, unchecked), (True, checked))
+        for on, m in order:
+            start = time.perf_counter()
+            m.train_on_batch(batch, batch)
+            times[on].append(time.perf_counter() - start)
+    if strategy.rank == 0:
+        differences = [a - b for a, b in zip(times[True], times[False])]
+        print("RESULT " + json.dumps({"on_s": statistics.median(times[True]),
+                                      "off_s": statistics.median(times[False]),
+                                      "difference_s": statistics.median(differences),
+                                      "pairs": len(differences),
+                                      "variables": len(checked.trainable_variables)}), flush=True)
+
+
 def measure(config: dict) -> dict:
     cmd = [sys.executable, "-m", "prophet_tf.launch", "-n", "2", "--threads", "1", "--timeout", "900", "--",
            "-m", "prophet_tf.bench.overhead", "--worker", json.dumps(config)]
@@ -128,17 +186,31 @@ def measure(config: dict) -> dict:
     match = re.search(r"RESULT (\{.*\})", proc.stdout)
     if proc.returncode != 0 or not match:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
-        raise SystemExit(f"run with cross_barrier={config['cross']} failed (exit code {proc.returncode})")
+        what = ("the preemption run" if config.get("compare") == "preemption" else
+                f"run with cross_barrier={config['cross']}")
+        raise SystemExit(f"{what} failed (exit code {proc.returncode})")
     return json.loads(match.group(1))
 
 
 def main(argv: Sequence[str]) -> int:
     del argv
     if FLAGS.worker:
-        run_worker(json.loads(FLAGS.worker))
+        config = json.loads(FLAGS.worker)
+        if config.get("compare") == "preemption":
+            run_preemption_worker(config)
+        else:
+            run_worker(config)
         return 0
     base = {"variables": FLAGS.variables, "steps": FLAGS.steps, "warmup": FLAGS.warmup,
             "batch": FLAGS.batch, "fits": FLAGS.fits}
+    if FLAGS.compare == "preemption":
+        result = measure(dict(base, compare="preemption", rounds=FLAGS.rounds))
+        print(f"{result['pairs']} pairs of steps (train_on_batch), {result['variables']} variables, "
+              f"2 workers on loopback: median step with the check {result['on_s'] * 1e3:.3f} ms, "
+              f"without {result['off_s'] * 1e3:.3f} ms")
+        print(f"preemption check per step: {result['difference_s'] * 1e6:.1f} us (median of the "
+              "pairs' differences)")
+        return 0
     results: dict[bool, list[dict]] = {False: [], True: []}
     n_vars = None
     for round_index in range(FLAGS.rounds):
