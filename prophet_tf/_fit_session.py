@@ -112,9 +112,8 @@ class FitSession:
         if not issues:
             return
         fix = ("Fix: give the input a fixed order: set a seed (keras.utils.set_random_seed(S) or "
-               "tf.random.set_seed(S) before building the input, or run under "
-               "python -m prophet_tf.launch, which keeps one seed per job, $PROPHET_JOB_SEED), and "
-               "use deterministic=True.")
+               "tf.random.set_seed(S) before building the input, or $PROPHET_JOB_SEED=S, the same "
+               "for every attempt of the job), and use deterministic=True.")
         if plan.steps == 0:
             logger.warning("prophet_tf: resuming at the start of epoch %d; the epochs from here "
                            "on will not see the batches of the uninterrupted run: %s. %s",

@@ -9,7 +9,7 @@ decides the order:
 * random operations (``shuffle``, ``Dataset.random``, ``tf.random.*`` in a ``map``, Keras'
   shuffling of arrays) with their seeds: the same seeds give the same order. Seeds are derived from
   TensorFlow's global seed, so a restart keeps the order when that seed is the same (a program
-  that sets it, or the launcher's job seed, ``PROPHET_JOB_SEED``);
+  that sets it, or ``$PROPHET_JOB_SEED``, the same for every attempt of a job);
 * random operations without a seed (TensorFlow draws one per process): another order every time;
 * ``deterministic=False`` (parallel ``map``/``interleave``/``batch``, or the dataset option):
   elements in the order they are ready, another one every time;

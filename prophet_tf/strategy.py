@@ -789,8 +789,8 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
         worker, so that unseeded shuffles (``fit(shuffle=True)`` on arrays, ``Dataset.shuffle``)
         produce the same order everywhere and the shards of every global batch stay disjoint.
         Keras layers (dropout, initializers) draw their seeds elsewhere and stay independent.
-        With ``$PROPHET_JOB_SEED`` (the launcher sets it once per job) that seed is used, so a
-        restarted job's input has the order of the interrupted one.
+        With ``$PROPHET_JOB_SEED`` that seed is used (the same for every attempt of a job: a
+        restarted job's input then has the order of the interrupted one).
       step_report: measure where the time of every ``fit`` step goes (its wall time, the time it
         waited for gradients, the link rate, the schedule) and add it to the epoch logs under
         ``prophet/...`` keys, the same on every worker (see :meth:`step_report` and
