@@ -27,7 +27,12 @@ def _applied(position):
 @pytest.fixture(scope="module")
 def scenarios(run_workers, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("preemption")
-    return run_workers("preemption.py", 2, "scenarios", str(workdir), timeout=400).check_ok()
+    return run_workers("preemption.py", 2, "scenarios", str(workdir), timeout=400,
+                       env={"PROPHET_JOB_SEED": "1234"}).check_ok()
+
+
+def test_the_job_seed_is_every_workers_global_seed(scenarios):
+    assert [scenarios.one(rank, section="seed")["seed"] for rank in range(2)] == [1234, 1234]
 
 
 @pytest.mark.parametrize("name,expected_stop", [

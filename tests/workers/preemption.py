@@ -257,6 +257,8 @@ def main():
     from prophet_tf.strategy import ProphetStrategy
 
     strategy = ProphetStrategy(preemption_grace_s=60.0)
+    from tensorflow.python.eager import context
+    common.result(section="seed", seed=context.global_seed())  # before the program sets its own
     {"scenarios": scenarios, "interrupted": interrupted, "resume": resume}[mode](strategy, workdir)
     print("WORKER DONE", flush=True)
 
