@@ -153,6 +153,7 @@ def leave(report: preemption.Report) -> None:
     preemption.mark_checkpoint_written()
     preemption._write_stderr(report.line())
     runtime.timeline_flush()
+    preemption.leaving()
     raise preemption.Preempted(report)
 
 

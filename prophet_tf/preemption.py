@@ -18,7 +18,10 @@ SIGTERM and a short grace period before they are killed. Under a multi-worker
    (see ``prophet_tf/_fit_session.py``);
 4. each worker writes one line to stderr (:class:`Report`, parsed by the launcher) and exits with
    :data:`EXIT_PREEMPTED` by raising :class:`Preempted` (a ``SystemExit``: ``finally`` blocks of
-   the program run).
+   the program run). When that exception ends the program, the process leaves right after its
+   exit handlers (``atexit``) ran and its open files are flushed, without the interpreter's final
+   garbage collection, which takes seconds with TensorFlow loaded and would delay a restart
+   (:data:`FAST_EXIT_ENV` = 0 turns this off).
 
 A worker still alive ``grace_s`` after the signal (no step came: the program was outside
 ``fit``, or a step hangs) leaves with status 128 + the signal's number, as a shell reports a
@@ -36,16 +39,21 @@ restarts. This module does not import TensorFlow (the launcher reads these lines
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import gc
+import io
 import os
 import re
 import signal
+import sys
 import threading
 import time
 from typing import Any, Callable, Optional, Sequence, Union
 
 __all__ = ["EXIT_PREEMPTED", "DEFAULT_GRACE_S", "Preempted", "Report", "parse_report", "Failure",
-           "parse_failure", "request", "requested", "SIGNALS_ENV", "GRACE_ENV", "CHECKPOINT_DIR_ENV"]
+           "parse_failure", "parse_received", "request", "requested", "SIGNALS_ENV", "GRACE_ENV",
+           "CHECKPOINT_DIR_ENV", "FAST_EXIT_ENV"]
 
 #: Exit status of a worker that stopped for a preemption (sysexits' EX_TEMPFAIL, "try again"):
 #: its stderr says where the checkpoint is and at which epoch and step (:class:`Report`).
@@ -59,8 +67,11 @@ SIGNALS_ENV = "PROPHET_PREEMPTION_SIGNALS"
 #: The grace period in seconds (the strategy's ``preemption_grace_s`` wins).
 GRACE_ENV = "PROPHET_PREEMPTION_GRACE_S"
 #: Where the strategy keeps its own checkpoint for a ``fit`` without ``BackupAndRestore`` (the
-#: strategy's ``checkpoint_dir`` wins; the launcher sets it when it may restart the job).
+#: strategy's ``checkpoint_dir`` wins; ``prophetrun --checkpoint-dir`` sets it).
 CHECKPOINT_DIR_ENV = "PROPHET_CHECKPOINT_DIR"
+#: "0": a worker that ``Preempted`` ends leaves through the interpreter's ordinary exit (its final
+#: garbage collection and module teardown) instead of right after its exit handlers.
+FAST_EXIT_ENV = "PROPHET_PREEMPTION_FAST_EXIT"
 
 SignalSpec = Union[None, int, str, Sequence[Union[int, str]]]
 
@@ -78,6 +89,14 @@ class Preempted(SystemExit):
     def __init__(self, report: "Report") -> None:
         super().__init__(EXIT_PREEMPTED)
         self.report = report
+
+    @property
+    def code(self) -> int:
+        # The interpreter reads the status here when this exception ends the program (and so
+        # does a framework that catches SystemExit to exit with its code): from then on the
+        # process leaves right after its exit handlers (see _at_exit).
+        _state.exiting = True
+        return EXIT_PREEMPTED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +146,15 @@ class Failure:
 
     def line(self) -> str:
         return f"{_FAILURE_PREFIX} rank {self.rank} at epoch {self.epoch} step {self.step}: {self.error}"
+
+
+_RECEIVED = re.compile(r"prophet_tf: rank (?P<rank>\d+) received (?P<what>\S+): every worker stops")
+
+
+def parse_received(line: str) -> Optional[tuple[int, str]]:
+    """(rank, signal name) from the line a worker writes when it receives a preemption signal."""
+    m = _RECEIVED.search(line)
+    return None if m is None else (int(m.group("rank")), m.group("what"))
 
 
 def parse_failure(line: str) -> Optional[Failure]:
@@ -198,6 +226,8 @@ class _State:
         self.checkpoint_done = False
         self.watchdog: Optional[threading.Thread] = None
         self.retired = threading.Event()  # set by _reset: this state's watchdog stands down
+        self.leaving = False         # Preempted was raised (the fast exit is registered)
+        self.exiting = False         # ... and it is ending the program (its code was read)
 
 
 _state = _State()
@@ -350,6 +380,58 @@ def flag_to_carry():
 
 def mark_checkpoint_written() -> None:
     _state.checkpoint_done = True
+
+
+def leaving() -> None:
+    """``Preempted`` is about to be raised: if it ends the program, the process leaves right after
+    its exit handlers (unless ``$PROPHET_PREEMPTION_FAST_EXIT`` is 0)."""
+    with _state.lock:
+        if _state.leaving:
+            return
+        _state.leaving = True
+    if os.environ.get(FAST_EXIT_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return
+    atexit.register(_at_exit, _state)
+
+
+def _at_exit(state: _State) -> None:
+    """An exit handler (registered last, so it runs first): when ``Preempted`` is ending the
+    program, arranges to leave at the interpreter's first garbage collection after the exit
+    handlers (see :func:`_leave_before_teardown`)."""
+    if state is not _state or not state.exiting:
+        return  # the program caught Preempted and went on: an ordinary exit
+    gc.callbacks.append(_leave_before_teardown)
+    gc.enable()
+
+
+def _leave_before_teardown(phase: str, info: dict) -> None:
+    """A garbage-collector callback. The interpreter's final teardown starts with a collection,
+    once every exit handler ran (the runtime's shutdown, logging's, the program's) and the
+    interpreter is marked finalizing: there, every open file is flushed and the process leaves with
+    :data:`EXIT_PREEMPTED`. What is skipped is that collection and the module teardown (seconds
+    with TensorFlow loaded); nothing of the checkpoint waits for them (it was written, fsync'ed and
+    agreed on by every worker before ``Preempted`` was raised). A collection during the exit
+    handlers does nothing here (not finalizing yet)."""
+    if phase != "start" or not sys.is_finalizing():
+        return
+    _flush_open_files()
+    os._exit(EXIT_PREEMPTED)
+
+
+def _flush_open_files() -> None:
+    """What the interpreter's teardown would have done for files the program left open."""
+    for obj in gc.get_objects():
+        if isinstance(obj, io.IOBase):
+            try:
+                if not obj.closed and obj.writable():
+                    obj.flush()
+            except Exception:  # noqa: BLE001 - a broken file must not keep the process alive
+                pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def grace_s() -> float:

@@ -110,6 +110,43 @@ def test_a_fit_that_fails_says_where(scenarios):
         assert lines == [preemption.Failure(rank, 1, 4, "ValueError: a bug at epoch 1 batch 3")], lines
 
 
+# Ends with the Preempted exception (argv: OUT CATCH): its exit handlers run once each, in their
+# order, an open file is flushed, and the status is 75; caught, the program exits as it chooses.
+PREEMPTED_PROGRAM = """
+import atexit, os, sys
+from prophet_tf import preemption
+out, catch = sys.argv[1], sys.argv[2] == "catch"
+atexit.register(print, "handler registered first", flush=True)
+left_open = open(os.path.join(out, "left-open.txt"), "w")
+left_open.write("buffered, never closed")
+preemption.leaving()
+atexit.register(print, "handler registered after the preemption", flush=True)
+try:
+    raise preemption.Preempted(preemption.Report(rank=0, signals=1, epoch=0, step=3))
+except preemption.Preempted:
+    if not catch:
+        raise
+print("caught; going on", flush=True)
+"""
+
+
+@pytest.mark.parametrize("catch", [False, True])
+def test_a_preempted_program_leaves_after_its_exit_handlers(tmp_path, catch):
+    import subprocess
+    import sys
+
+    from conftest import ROOT, _worker_env
+
+    script = tmp_path / "preempted.py"
+    script.write_text(PREEMPTED_PROGRAM)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path), "catch" if catch else "raise"],
+                          env=_worker_env(), cwd=ROOT, capture_output=True, text=True, timeout=60)
+    expected = ["handler registered after the preemption", "handler registered first"]
+    assert done.returncode == (0 if catch else preemption.EXIT_PREEMPTED), done.stderr
+    assert done.stdout.splitlines() == (["caught; going on"] if catch else []) + expected
+    assert (tmp_path / "left-open.txt").read_text() == "buffered, never closed"
+
+
 # ---- the pieces, without workers ---------------------------------------------------------------
 
 def test_the_report_line_round_trips_and_reads_through_the_launchers_prefix():
