@@ -28,10 +28,14 @@ from typing import Any, Mapping, Optional, Sequence
 from prophet_tf.errors import ClusterConfigError
 
 __all__ = ["ClusterInfo", "resolve_cluster", "check_distinct_addresses", "TOKEN_ENV", "TF_CONFIG_ENV",
-           "SUPPORTED_JOBS"]
+           "JOB_SEED_ENV", "SUPPORTED_JOBS"]
 
 TF_CONFIG_ENV = "TF_CONFIG"
 TOKEN_ENV = "PROPHET_JOB_TOKEN"
+#: A job's seed (an integer), the same for every attempt of the job (the launcher draws one per
+#: job unless it is set): without a seed of the program's own, every worker uses it as
+#: TensorFlow's global seed, so that a resumed run's input has the interrupted run's order.
+JOB_SEED_ENV = "PROPHET_JOB_SEED"
 #: Job names prophet_tf understands, in rank order.
 SUPPORTED_JOBS = ("chief", "worker")
 

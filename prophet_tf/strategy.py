@@ -64,7 +64,7 @@ from tensorflow.python.util import nest
 
 from prophet_tf import _gradients, _sparse
 from prophet_tf._library import runtime_constants
-from prophet_tf.cluster import resolve_cluster
+from prophet_tf.cluster import JOB_SEED_ENV, resolve_cluster
 
 if TYPE_CHECKING:
     from prophet_tf._step_report import StepReport
@@ -806,7 +806,7 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
         ``$PROPHET_PREEMPTION_GRACE_S``, else 30).
       checkpoint_dir: where a ``fit`` without ``BackupAndRestore`` keeps the checkpoint written
         at a preemption (model and optimizer state, position) and resumes from it (default
-        ``$PROPHET_CHECKPOINT_DIR``, which the launcher sets when it may restart the job; none:
+        ``$PROPHET_CHECKPOINT_DIR``, which ``prophetrun --checkpoint-dir`` sets; none:
         such a fit stops without a checkpoint).
       **runtime_options: passed to ``prophet_tf.runtime.init`` (``partition_bytes``,
         ``credit_bytes``, ``timeout_s``, ``timeline_path``...).
@@ -938,12 +938,6 @@ def _resolver_for(info):
     from tensorflow.python.distribute.cluster_resolver import SimpleClusterResolver
     spec = tf.train.ClusterSpec({"worker": list(info.addresses)} if info.addresses else {})
     return SimpleClusterResolver(spec, task_type="worker", task_id=info.rank)
-
-
-#: A job's seed (an integer) that the launcher keeps across restarts: without a seed of the
-#: program's own, every worker (and every restarted attempt) uses it, so that a resumed run's
-#: input has the interrupted run's order.
-JOB_SEED_ENV = "PROPHET_JOB_SEED"
 
 
 def _sync_global_seed(extended) -> None:

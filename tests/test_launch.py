@@ -6,6 +6,7 @@ import io
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -256,3 +257,177 @@ def test_blames_the_worker_that_failed_first(tmp_path: Path, text: str, status: 
     assert report.startswith(" worker rank 1 ") and status in report, err.getvalue()
     if text is FAILS_SLOWLY:
         assert "the real problem, on rank 1" in report
+
+
+# ------------------------------------------------------------------------------------------------
+# Restarts (--max-restarts)
+
+# argv: OUT PLAN. Each start of a worker records itself in OUT/start.<rank>.<attempt> (attempt =
+# how many times this rank started before); once every rank of the attempt started, it does what
+# PLAN[attempt][rank] says (default "ok"): "preempt" (the lines a preempted worker writes, exit
+# 75), "kill" (SIGKILL to itself), "bug" (a fit failing at the same place every time, exit 1),
+# "fail" (a failure that differs per attempt, exit 3), "wait" (until a SIGTERM, which it answers
+# as a preempted worker).
+ATTEMPTS = textwrap.dedent("""\
+    import json, os, signal, sys, time
+    cfg = json.loads(os.environ["TF_CONFIG"])
+    rank, world = cfg["task"]["index"], len(cfg["cluster"]["worker"])
+    out, plan = sys.argv[1], json.loads(sys.argv[2])
+    attempt = len([f for f in os.listdir(out) if f.startswith(f"start.{rank}.")])
+    record = {"workers": cfg["cluster"]["worker"], "token": os.environ["PROPHET_JOB_TOKEN"],
+              "seed": os.environ.get("PROPHET_JOB_SEED"), "pid": os.getpid()}
+    with open(os.path.join(out, f"tmp.{rank}"), "w") as f:
+        json.dump(record, f)
+    os.rename(os.path.join(out, f"tmp.{rank}"), os.path.join(out, f"start.{rank}.{attempt}"))
+    deadline = time.monotonic() + 30
+    while not all(os.path.exists(os.path.join(out, f"start.{r}.{attempt}")) for r in range(world)):
+        assert time.monotonic() < deadline, "the other workers of this attempt never started"
+        time.sleep(0.01)
+    def preempted(*_):
+        print(f"prophet_tf: preempted: rank {rank}, 1 worker(s) asked to stop; stopped at epoch 1 "
+              f"step 3; checkpoint: {out}/backup", file=sys.stderr, flush=True)
+        os._exit(75)
+    action = plan.get(str(attempt), {}).get(str(rank), "ok")
+    if action == "preempt":
+        print(f"prophet_tf: rank {rank} received SIGTERM: every worker stops after the next "
+              "training step of model.fit and writes a checkpoint (grace period 30 s)",
+              file=sys.stderr, flush=True)
+        preempted()
+    elif action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "bug":
+        print(f"prophet_tf: failed: rank {rank} at epoch 1 step 4: ValueError: a bug",
+              file=sys.stderr, flush=True)
+        sys.exit(1)
+    elif action == "fail":
+        print(f"something different went wrong in attempt {attempt}", file=sys.stderr)
+        sys.exit(3)
+    elif action == "wait":
+        signal.signal(signal.SIGTERM, preempted)
+        time.sleep(60)
+    elif action != "ok":
+        time.sleep(60)  # the others stop this one
+    """)
+
+
+def _starts(out: Path) -> dict[tuple[int, int], dict]:
+    """{(rank, attempt): what the worker recorded at its start}."""
+    found = {}
+    for p in out.glob("start.*.*"):
+        _, rank, attempt = p.name.split(".")
+        found[(int(rank), int(attempt))] = json.loads(p.read_text())
+    return found
+
+
+def _attempts(tmp_path: Path, plan: dict, n: int = 2, **kwargs) -> tuple[int, str, Path]:
+    out = tmp_path / "out"
+    out.mkdir()
+    err = io.StringIO()
+    rc = launch([_script(tmp_path, "attempts.py", ATTEMPTS), str(out), json.dumps(plan)], n,
+                grace=1.0, timeout=120, stdout=io.StringIO(), stderr=err, **kwargs)
+    return rc, err.getvalue(), out
+
+
+@pytest.mark.parametrize("fault", ["preempt", "kill"])
+def test_a_preempted_or_killed_worker_restarts_every_worker_on_fresh_ports(
+        tmp_path: Path, fault: str) -> None:
+    rc, err, out = _attempts(tmp_path, {"0": {"1": fault}}, max_restarts=2)
+    assert rc == 0, err
+    starts = _starts(out)
+    assert sorted(starts) == [(0, 0), (0, 1), (1, 0), (1, 1)], err
+    first, second = starts[(0, 0)], starts[(0, 1)]
+    assert first["workers"] != second["workers"] and first["token"] != second["token"]
+    # The job's seed, the same in every attempt (the program resumes with the same input order).
+    assert first["seed"] and {s["seed"] for s in starts.values()} == {first["seed"]}
+    restarted = [line for line in err.splitlines() if "Restarting every worker" in line]
+    assert len(restarted) == 1 and "(restart 1 of at most 2)" in restarted[0], err
+    if fault == "preempt":
+        assert ("the job was preempted (rank 1 received SIGTERM); every worker stopped at epoch 1 "
+                f"step 3 (checkpoint: {out}/backup)") in restarted[0]
+    else:
+        assert "worker rank 1" in restarted[0] and "was killed by SIGKILL" in restarted[0]
+
+
+def test_the_same_failure_at_the_same_step_twice_is_a_bug_not_a_fault(tmp_path: Path) -> None:
+    rc, err, out = _attempts(tmp_path, {"0": {"1": "bug"}, "1": {"0": "bug"}}, max_restarts=5)
+    assert rc == 1, err
+    assert sorted(_starts(out)) == [(0, 0), (0, 1), (1, 0), (1, 1)]  # two attempts, no third
+    last = err.strip().splitlines()[-1]
+    assert "model.fit failed at epoch 1 step 4: ValueError: a bug" in last, err
+    assert "attempt 1 failed the same way at the same place (a bug, not a fault)" in last
+    assert "exiting with status 1" in last
+
+
+def test_used_up_restarts_end_the_job_with_the_failing_status(tmp_path: Path) -> None:
+    plan = {str(a): {"0": "fail"} for a in range(3)}
+    rc, err, out = _attempts(tmp_path, plan, max_restarts=2)
+    assert rc == 3, err
+    assert len([k for k in _starts(out) if k[0] == 0]) == 3
+    assert err.count("Restarting every worker") == 2
+    assert err.strip().splitlines()[-1].endswith(
+        "Not restarting: the 2 restart(s) of --max-restarts are used up; exiting with status 3")
+
+
+def test_without_restarts_a_failure_ends_the_job_as_before(tmp_path: Path) -> None:
+    rc, err, out = _attempts(tmp_path, {"0": {"1": "preempt"}})
+    assert rc == 75 and sorted(_starts(out)) == [(0, 0), (1, 0)]
+    assert "Restarting" not in err and "exited with status 75" in err
+    # How to resume by hand: the job's seed.
+    seed = _starts(out)[(0, 0)]["seed"]
+    assert f"run it again to resume it from its checkpoint, with PROPHET_JOB_SEED={seed}" in err
+
+
+def test_a_sigterm_to_the_launcher_is_a_preemption_of_every_worker_not_a_restart(
+        tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    script = _script(tmp_path, "attempts.py", ATTEMPTS)
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    plan = {"0": {"0": "wait", "1": "wait"}}
+    proc = subprocess.Popen([sys.executable, "-m", "prophet_tf.launch", "-n", "2",
+                             "--max-restarts", "3", "--", script, str(out), json.dumps(plan)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while len(_starts(out)) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 75, err
+    assert "got SIGTERM; forwarding it to the workers: every worker stops at the same step" in err
+    assert ("the launcher got SIGTERM; every worker stopped at epoch 1 step 3 (checkpoint: "
+            f"{out}/backup)") in err and "not restarting" in err
+    assert sorted(_starts(out)) == [(0, 0), (1, 0)]
+
+
+def test_restart_policy_signatures_and_messages() -> None:
+    from prophet_tf.launch.restarts import RestartPolicy, signature
+    from prophet_tf.launch.workers import CAUSE_TIMEOUT, CAUSE_WORKER, Failure
+
+    def bug(rank: int, step: int = 4) -> Failure:
+        return Failure(1, f"worker rank {rank} (pid 9) exited with status 1", tail=["x"], rank=rank,
+                       cause=CAUSE_WORKER,
+                       fit_failure=f"[rank {rank}] prophet_tf: failed: rank {rank} at epoch 0 step "
+                                   f"{step}: ValueError: bad")
+
+    # The same place and error on another rank is the same bug; another step is not.
+    assert signature(bug(0)) == signature(bug(1)) != signature(bug(1, step=5))
+    killed = Failure(137, "worker rank 1 was killed by SIGKILL", tail=["x"], rank=1, cause=CAUSE_WORKER)
+    assert signature(killed) is None
+    segv = Failure(139, "worker rank 1 was killed by SIGSEGV", tail=["Fatal Python error"], rank=1,
+                   cause=CAUSE_WORKER)
+    assert signature(segv) == ("worker", 1, 139, "Fatal Python error")
+    policy = RestartPolicy(3)
+    assert policy.decide([killed]).restart and policy.decide([killed]).restart
+    assert policy.decide([bug(0)]).restart
+    assert not policy.decide([bug(1)]).restart  # the second time
+    timeout = Failure(124, "the job's --timeout passed", cause=CAUSE_TIMEOUT)
+    decision = RestartPolicy(3).decide([timeout])
+    assert not decision.restart and "--timeout passed; not restarting" in decision.message
+    assert RestartPolicy(0).decide([killed]).message == ""
+    with pytest.raises(ValueError, match="--max-restarts"):
+        RestartPolicy(-1)

@@ -279,6 +279,53 @@ def test_signals_are_forwarded_to_every_nodes_workers(tmp_path: Path, nodes: lis
     assert "got SIGTERM" in nodes[1].output
 
 
+def _attempts_script(tmp: Path, plan: dict) -> list[str]:
+    from test_launch import ATTEMPTS
+
+    script = tmp / "attempts.py"
+    script.write_text(ATTEMPTS)
+    (tmp / "out").mkdir()
+    return [str(script), str(tmp / "out"), json.dumps(plan)]
+
+
+def test_every_node_restarts_together_when_the_master_says_so(tmp_path: Path, nodes: list) -> None:
+    from test_launch import _starts
+
+    # Attempt 1: rank 1 (node 1) is preempted; attempt 2: rank 0 (node 0) is killed; then done.
+    script = _attempts_script(tmp_path, {"0": {"1": "preempt"}, "1": {"0": "kill"}})
+    master = _master()
+    nodes += [Node(tmp_path, r, 2, master, 1, script, ["--max-restarts", "3"]) for r in (0, 1)]
+    assert [n.wait() for n in nodes] == [0, 0], "\n".join(n.output for n in nodes)
+    starts = _starts(tmp_path / "out")
+    assert sorted(starts) == [(r, a) for r in (0, 1) for a in range(3)]
+    for attempt in range(3):  # one job per attempt: the same addresses and token on both nodes
+        assert starts[(0, attempt)]["workers"] == starts[(1, attempt)]["workers"]
+        assert starts[(0, attempt)]["token"] == starts[(1, attempt)]["token"]
+    assert len({starts[(0, a)]["token"] for a in range(3)}) == 3  # fresh per attempt
+    assert len({s["seed"] for s in starts.values()}) == 1  # the master's job seed, kept
+    for n in nodes:  # every node says what the master decided
+        said = [line for line in n.output.splitlines() if "Restarting every worker" in line]
+        assert len(said) == 2, n.output
+        assert "the job was preempted" in said[0] and "(restart 1 of at most 3)" in said[0]
+        assert "worker rank 0" in said[1] and "SIGKILL" in said[1] and "(restart 2 of" in said[1]
+
+
+def test_a_sigterm_to_one_nodes_launcher_preempts_the_job_without_restart(
+        tmp_path: Path, nodes: list) -> None:
+    from test_launch import _starts
+
+    script = _attempts_script(tmp_path, {"0": {"0": "wait", "1": "wait"}})
+    master = _master()
+    nodes += [Node(tmp_path, r, 2, master, 1, script, ["--max-restarts", "3"]) for r in (0, 1)]
+    _wait_for(lambda: len(_starts(tmp_path / "out")) == 2)
+    os.kill(nodes[1].proc.pid, signal.SIGTERM)
+    assert [n.wait() for n in nodes] == [75, 75], "\n".join(n.output for n in nodes)
+    assert sorted(_starts(tmp_path / "out")) == [(0, 0), (1, 0)]
+    for n in nodes:
+        assert "the launcher of node 1 got SIGTERM; every worker stopped at epoch 1 step 3" in n.output, n.output
+        assert "not restarting" in n.output and "Restarting" not in n.output
+
+
 def test_dash_H_with_local_hosts(tmp_path: Path) -> None:
     script = _probe(tmp_path)
     r = subprocess.run([sys.executable, "-m", "prophet_tf.launch", "-H", "localhost:2,127.0.0.1:1",

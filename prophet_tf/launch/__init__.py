@@ -8,6 +8,7 @@ Usage::
     prophetrun -n 2 -- /path/to/executable [args]                  # anything else
     prophetrun --nnodes 2 --node-rank R --master HOST:PORT -n 4 train.py   # on every node
     prophetrun -H node1:4,node2:4 train.py                          # over ssh, from one machine
+    prophetrun -n 4 --max-restarts 3 train.py                      # restart after a preemption/failure
 
 Each worker gets ``TF_CONFIG`` (``{"cluster": {"worker": [...]}, "task": {"type": "worker",
 "index": rank}}``), the job token ``PROPHET_JOB_TOKEN`` (fresh for each job), ``PYTHONUNBUFFERED=1``,
@@ -20,7 +21,14 @@ output to ``D/rank.i.log``. When a worker exits non-zero the others are stopped 
 SIGKILL after ``--grace`` seconds), and the launcher reports the worker that failed FIRST (the one
 whose Python traceback, or death, came earliest: the others usually fail because it died) with the
 tail of its stderr. SIGINT and SIGTERM are forwarded to the workers (SIGKILL after the grace, or
-at once on a second signal).
+at once on a second signal); SIGTERM asks them for the coordinated preemption checkpoint, and they
+get their preemption grace period for it.
+
+Restarts (``--max-restarts N``, see ``restarts``): after a worker ended an attempt (a preemption or
+a failure) every worker is restarted, on fresh ports with a fresh token, and the unchanged program
+resumes from its checkpoint; not after the same failure at the same place twice, a timeout or a
+signal to the launcher. The launcher sets ``PROPHET_JOB_SEED`` once per job (unless it is set),
+the same in every attempt, and ``PROPHET_CHECKPOINT_DIR`` with ``--checkpoint-dir``.
 
 Several machines: every node's launcher meets the master's (node 0's, at ``--master``), which
 assigns the ranks node by node (node 0 gets ranks 0..K-1), collects each node's worker addresses
@@ -30,13 +38,14 @@ it over ssh). A failure on any node stops every node's workers, and every launch
 first failure and exits with its status. See ``rendezvous`` for the protocol and its rules.
 
 Exit status: 0 success; the failing worker's status (128+signal if it was killed) on a worker
-failure; 124 on ``--timeout``; 128+signal when a launcher was interrupted; 1 when the job failed
+failure (the last one when restarts are used up or refused); 75 when a launcher got SIGTERM and
+every worker wrote its preemption checkpoint (run the job again to resume it); 124 on ``--timeout``; 128+signal when a launcher was interrupted; 1 when the job failed
 outside any worker (the rendezvous did not complete, a node or the master was lost); 127 when a
 worker could not be started; 2 on usage errors.
 
-Programmatic use (tests, benchmarks): :func:`launch` (one machine). The pieces a restart loop
-needs are :func:`prophet_tf.launch.workers.run_workers` (one attempt of one node's workers) and
-:func:`prophet_tf.launch.node.run_node` (one attempt of one node of a multi-node job).
+Programmatic use (tests, benchmarks): :func:`launch` (one machine, every attempt). One attempt of
+one node's workers is :func:`prophet_tf.launch.workers.run_workers`; one node of a multi-node job,
+every attempt, :func:`prophet_tf.launch.node.run_node`.
 """
 
 from prophet_tf.launch.cli import launch, main

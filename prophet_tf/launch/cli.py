@@ -12,12 +12,14 @@ import threading
 import time
 from typing import Callable, Iterator, Mapping, Optional, Sequence, TextIO
 
-from prophet_tf.cluster import TOKEN_ENV
+from prophet_tf.cluster import JOB_SEED_ENV, TOKEN_ENV
 from prophet_tf.launch import hosts as hosts_mod
 from prophet_tf.launch.node import run_node
-from prophet_tf.launch.rendezvous import RendezvousError, parse_master
-from prophet_tf.launch.workers import (Controls, JobSpec, Placement, format_address, free_ports,
-                                       run_workers)
+from prophet_tf.launch.rendezvous import RendezvousError, parse_master, worker_token
+from prophet_tf.launch.restarts import RestartPolicy
+from prophet_tf.launch.workers import (EXIT_TIMEOUT, Controls, JobSpec, Placement, draw_job_seed,
+                                       format_address, free_ports, run_workers, with_job_seed)
+from prophet_tf.preemption import CHECKPOINT_DIR_ENV, EXIT_PREEMPTED
 
 __all__ = ["launch", "main", "parser"]
 
@@ -57,7 +59,8 @@ def launch(script_argv: Sequence[str], n: int, *, host: str = "127.0.0.1",
            wrap_argv: Optional[Callable[[int, list[str]], list[str]]] = None,
            stdout: Optional[TextIO] = None, stderr: Optional[TextIO] = None,
            token: Optional[str] = None, handle_signals: bool = True,
-           log_dir: Optional[str] = None) -> int:
+           log_dir: Optional[str] = None, max_restarts: int = 0, restart_backoff: float = 0.0,
+           checkpoint_dir: Optional[str] = None) -> int:
     """Runs ``script_argv`` as ``n`` workers on this machine; returns the launcher's exit status.
 
     Args:
@@ -66,22 +69,31 @@ def launch(script_argv: Sequence[str], n: int, *, host: str = "127.0.0.1",
       host: address every worker listens on (all workers on this machine).
       hosts: one address per rank instead of ``host`` (e.g. ``EmulatedCluster.host_address(i)``).
       base_port: worker i listens on ``base_port + i``; default: free ports found by binding to
-        port 0 (released just before the workers start).
-      timeout: seconds after which every worker is killed and 124 is returned; None = no limit.
+        port 0 (released just before the workers start), new ones for every attempt.
+      timeout: seconds after which every worker is killed and 124 is returned (the whole job,
+        restarts included); None = no limit.
       env: extra environment for every worker (wins over everything else).
       threads: sets ``TF_NUM_INTRAOP_THREADS`` and ``TF_NUM_INTEROP_THREADS`` for every worker.
-      grace: seconds between SIGTERM (or the forwarded signal) and SIGKILL when stopping workers.
+      grace: seconds between SIGTERM (or the forwarded signal) and SIGKILL when stopping workers;
+        a forwarded preemption signal (SIGTERM) gives them their preemption grace period on top.
       wrap_argv: ``f(rank, argv) -> argv`` applied to each worker's command line, e.g.
         ``EmulatedCluster.exec_argv`` to start worker i inside network namespace i.
       stdout, stderr: where prefixed output goes (default: ``sys.stdout``/``sys.stderr`` at call
         time).
-      token: the job token (default: a fresh random one).
+      token: the job token (default: a fresh random one); restarted attempts get one derived
+        from it.
       handle_signals: forward SIGINT/SIGTERM to the workers (main thread only).
       log_dir: also write rank i's output to ``LOG_DIR/rank.i.log``.
+      max_restarts: restart every worker up to this many times after a worker ended the attempt
+        (a preemption or a failure; see ``prophet_tf.launch.restarts``).
+      restart_backoff: seconds between an ended attempt and the next one.
+      checkpoint_dir: ``$PROPHET_CHECKPOINT_DIR`` of the workers: where a ``fit`` without
+        ``BackupAndRestore`` keeps its preemption checkpoint.
 
     Returns:
       0 when all workers exit 0; the first failing worker's status (128+signal if killed by a
-      signal) otherwise; 124 on timeout; 128+signal if the launcher got SIGINT/SIGTERM.
+      signal) otherwise; 124 on timeout; 75 when the launcher got SIGTERM and every worker wrote
+      its preemption checkpoint, else 128+signal if the launcher got SIGINT/SIGTERM.
     """
     if n < 1:
         raise ValueError(f"need at least one worker, got n={n}")
@@ -89,17 +101,65 @@ def launch(script_argv: Sequence[str], n: int, *, host: str = "127.0.0.1",
     err = stderr if stderr is not None else sys.stderr
     if not list(script_argv):
         raise ValueError("no script given: prophetrun -n N [--] script.py [args]")
-    addresses = _local_addresses(n, host, hosts, base_port)
-    spec = JobSpec(list(script_argv), dict(env or {}), threads, grace, log_dir, wrap_argv)
-    placement = Placement(addresses, list(range(n)),
-                          secrets.token_hex(16) if token is None else token)
+    policy = RestartPolicy(max_restarts, restart_backoff)
+    job_env = dict(env or {})
+    if checkpoint_dir:
+        job_env[CHECKPOINT_DIR_ENV] = os.path.abspath(checkpoint_dir)
+    job_env, drawn_seed = with_job_seed(job_env, draw_job_seed())
+    spec = JobSpec(list(script_argv), job_env, threads, grace, log_dir, wrap_argv)
     say = _sayer(err)
     controls = Controls(deadline=None if timeout is None else time.monotonic() + timeout)
     with _forwarding_signals(controls, handle_signals):
-        outcome = run_workers(spec, placement, controls, stdout=out, stderr=err, say=say)
-    if outcome.failure is not None and outcome.failure.rank is not None:
-        say(outcome.failure.report("; stopped the other workers"))
-    return outcome.status
+        while True:
+            placement = Placement(_local_addresses(n, host, hosts, base_port), list(range(n)),
+                                  _attempt_token(token, policy.restarts))
+            header = None
+            if policy.restarts:
+                header = (f"[launch] attempt {policy.attempt} (restart {policy.restarts} of at "
+                          f"most {policy.max_restarts})")
+            outcome = run_workers(spec, placement, controls, stdout=out, stderr=err, say=say,
+                                  log_header=header)
+            if outcome.ok:
+                return 0
+            failure = outcome.failure
+            decision = policy.decide([failure] if failure is not None else [])
+            if failure is not None and failure.rank is not None and not (
+                    decision.restart and failure.preempted):
+                say(failure.report("; stopped the other workers"))
+            if decision.message:
+                say(decision.message)
+            if not decision.restart:
+                if outcome.status == EXIT_PREEMPTED and drawn_seed is not None:
+                    say(f"the job was preempted: run it again to resume it from its checkpoint, "
+                        f"with {JOB_SEED_ENV}={drawn_seed} (this job's seed: an input without a "
+                        "seed of its own then repeats its order)")
+                return outcome.status
+            paused = _pause(policy.backoff_s, controls)
+            if paused is not None:
+                return paused
+
+
+def _attempt_token(token: Optional[str], restarts: int) -> str:
+    """The workers' token of an attempt: the given one first, then one derived from it (a
+    worker of an earlier attempt cannot join a later one); random without one."""
+    if token is None:
+        return secrets.token_hex(16)
+    return token if restarts == 0 else worker_token(token, f"attempt {restarts}")
+
+
+def _pause(seconds: float, controls: Controls) -> Optional[int]:
+    """Waits ``seconds`` between attempts; the exit status when the launcher got a signal or the
+    job's deadline passed meanwhile, else None."""
+    end = time.monotonic() + seconds
+    while True:
+        if controls.signals:
+            return 128 + controls.signals[0]
+        now = time.monotonic()
+        if controls.deadline is not None and now >= controls.deadline:
+            return EXIT_TIMEOUT
+        if now >= end:
+            return None
+        time.sleep(min(0.05, end - now))
 
 
 def _local_addresses(n: int, host: str, hosts: Optional[Sequence[str]],
@@ -160,6 +220,19 @@ def parser() -> argparse.ArgumentParser:
                         "(default 5)")
     p.add_argument("--log-dir", default=None, metavar="DIR",
                    help="also write each rank's output to DIR/rank.<rank>.log (appended)")
+    r = p.add_argument_group("restarts")
+    r.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="after a worker ends an attempt (a preemption, exit status 75, or a "
+                        "failure), restart every worker, up to N times; the program resumes from "
+                        "its checkpoint. Not after the same failure at the same place twice, a "
+                        "--timeout, or a signal to the launcher (default 0; with several nodes "
+                        "node 0's, or the -H launcher's, counts)")
+    r.add_argument("--restart-backoff", type=float, default=0.0, metavar="SECONDS",
+                   help="pause between an ended attempt and the next (default 0)")
+    r.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help="PROPHET_CHECKPOINT_DIR of the workers: where a model.fit without "
+                        "BackupAndRestore keeps its preemption checkpoint (shared storage with "
+                        "several nodes)")
     m = p.add_argument_group("several nodes")
     m.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
     m.add_argument("--node-rank", type=int, default=None,
@@ -205,8 +278,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error("--threads must be at least 1")
     try:
         env = _parse_env(args.env)
-    except argparse.ArgumentTypeError as e:
+        policy = RestartPolicy(args.max_restarts, args.restart_backoff)
+    except (argparse.ArgumentTypeError, ValueError) as e:
         p.error(str(e))
+    if args.checkpoint_dir:
+        env[CHECKPOINT_DIR_ENV] = os.path.abspath(args.checkpoint_dir)
     spec = JobSpec(list(script), env, args.threads, args.grace, args.log_dir)
     controls = Controls(deadline=None if args.timeout is None else time.monotonic() + args.timeout)
 
@@ -223,7 +299,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return hosts_mod.run_hosts(script, nodes, controls, forwarded=forwarded,
                                        ssh_command=args.ssh_command, master=args.master,
                                        rdzv_timeout=args.rdzv_timeout,
-                                       node_timeout=args.node_timeout, grace=args.grace, say=say)
+                                       node_timeout=args.node_timeout, grace=args.grace, say=say,
+                                       policy=policy)
     if args.n is None:
         p.error("-n N is required (the number of workers on this node)")
     if args.n < 1:
@@ -252,13 +329,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                 node_rank=args.node_rank, nproc=args.n, token=token,
                                 host=args.host, base_port=args.base_port,
                                 rdzv_timeout=args.rdzv_timeout, node_timeout=args.node_timeout,
-                                run_master=args.node_rank == 0 and not args.join_only, say=say)
+                                run_master=args.node_rank == 0 and not args.join_only, say=say,
+                                policy=policy)
             except RendezvousError as e:
                 say(str(e))
                 return 2
     return launch(script, args.n, host=args.host or "127.0.0.1", base_port=args.base_port,
                   timeout=args.timeout, env=env, threads=args.threads, grace=args.grace,
-                  log_dir=args.log_dir)
+                  log_dir=args.log_dir, max_restarts=args.max_restarts,
+                  restart_backoff=args.restart_backoff)
 
 
 def _forwarded_flags(args: argparse.Namespace) -> list[str]:
@@ -266,6 +345,7 @@ def _forwarded_flags(args: argparse.Namespace) -> list[str]:
     out: list[str] = []
     for flag, value in (("--threads", args.threads), ("--timeout", args.timeout),
                         ("--grace", args.grace), ("--log-dir", args.log_dir),
+                        ("--checkpoint-dir", args.checkpoint_dir),
                         ("--base-port", args.base_port),
                         ("--rdzv-timeout", args.rdzv_timeout),
                         ("--node-timeout", args.node_timeout)):

@@ -23,8 +23,9 @@ from typing import Callable, Optional, Sequence, TextIO
 
 from prophet_tf.cluster import TOKEN_ENV
 from prophet_tf.launch.rendezvous import Master, RendezvousError
-from prophet_tf.launch.workers import (EXIT_JOB_FAILED, Controls, Failure, format_address,
-                                       free_ports, package_root)
+from prophet_tf.launch.restarts import RestartPolicy
+from prophet_tf.launch.workers import (CAUSE_INTERRUPTED, EXIT_JOB_FAILED, Controls, Failure,
+                                       format_address, free_ports, package_root)
 
 __all__ = ["parse_hosts", "assign_slots", "node_argv", "remote_command", "is_local_host",
            "run_hosts", "DEFAULT_SSH"]
@@ -111,7 +112,8 @@ def run_hosts(script: Sequence[str], hosts: Sequence[tuple[str, int]], controls:
               forwarded: Sequence[str], ssh_command: str = DEFAULT_SSH,
               master: Optional[str] = None, rdzv_timeout: float = 300.0,
               node_timeout: float = 10.0, grace: float = 5.0, say: Callable[[str], None],
-              stdout: Optional[TextIO] = None, stderr: Optional[TextIO] = None) -> int:
+              stdout: Optional[TextIO] = None, stderr: Optional[TextIO] = None,
+              policy: Optional[RestartPolicy] = None) -> int:
     """Starts a node launcher per host and referees the job; returns its exit status.
 
     Args:
@@ -122,6 +124,7 @@ def run_hosts(script: Sequence[str], hosts: Sequence[tuple[str, int]], controls:
       ssh_command: the ssh client and its options; the host and the command are appended.
       master: ``HOST:PORT`` the nodes reach this launcher at; default: this machine's address
         towards the first remote host, a free port.
+      policy: the restarts of the job (this launcher's master decides them for every node).
     """
     out = stdout if stdout is not None else sys.stdout
     err = stderr if stderr is not None else sys.stderr
@@ -132,7 +135,7 @@ def run_hosts(script: Sequence[str], hosts: Sequence[tuple[str, int]], controls:
     token = os.environ.get(TOKEN_ENV) or secrets.token_hex(16)
     try:
         server = Master(master, len(hosts), token, rdzv_timeout=rdzv_timeout,
-                        node_timeout=node_timeout, stop_wait=grace + 5.0, say=say)
+                        node_timeout=node_timeout, stop_wait=grace + 5.0, say=say, policy=policy)
     except RendezvousError as e:
         say(str(e))
         return 2
@@ -188,7 +191,8 @@ def run_hosts(script: Sequence[str], hosts: Sequence[tuple[str, int]], controls:
                 interrupted = True
                 sig = controls.signals[0]
                 server.inject_failure(Failure(128 + sig, f"the -H launcher got "
-                                              f"{signal.Signals(sig).name}", at=time.time()))
+                                              f"{signal.Signals(sig).name}", at=time.time(),
+                                              cause=CAUSE_INTERRUPTED))
             for rank, proc in enumerate(procs):
                 code = proc.poll()
                 if code is not None and rank not in reported:

@@ -19,9 +19,15 @@ Protocol (TCP; each message is a 4-byte big-endian length and a JSON object):
 - once every node joined: master -> node ``plan`` (world size, every worker's address, the first
   rank of this node, a fresh nonce from which every node derives the same worker token);
 - while the workers run: ``ping`` both ways every second; node -> master ``outcome`` when its
-  workers ended; master -> node ``stop`` when another node failed; master -> node ``verdict``
-  (status and the failure named, the same for every node) at the end; ``abort`` when the
-  rendezvous itself failed.
+  workers ended; master -> node ``stop`` when another node failed (with the signal to forward to
+  the workers when a launcher was interrupted); master -> node ``verdict`` (status and the failure
+  named, the same for every node, and whether the job restarts) at the end of the attempt;
+  ``abort`` when the rendezvous itself failed;
+- restarts (``--max-restarts``, decided by the master with ``restarts.RestartPolicy``): a verdict
+  with ``restart`` names the next round; every node stops its workers, and joins that round over
+  its open connection (a ``join`` with fresh ports, MAC'ed as the first); the master sends a new
+  plan (a fresh nonce, hence a fresh worker token) once every node rejoined. A node that leaves
+  meanwhile ends the job.
 
 MACs are HMAC-SHA256 under ``PROPHET_JOB_TOKEN`` (every node's launcher needs the same secret;
 it never travels), so a stranger cannot join. Before a connection has proven the token nothing it
@@ -29,10 +35,9 @@ sends ends or stalls the rendezvous: it is rejected with the reason (a misconfig
 at once), and the master keeps waiting for the real node, naming what it rejected if that node
 never comes. The workers get ``HMAC(token, nonce)`` as their job token: a fresh one per attempt.
 
-The join and the plan carry the attempt's round number (always 0 today: one attempt per job).
-A restarting launcher would run ``Master._rendezvous(deadline, round)`` again over the open
-connections, each node joining the new round with fresh ports, and derive a fresh worker token
-from the new plan's nonce.
+The join and the plan carry the attempt's round number (0, then one more per restart); a
+launcher that is not part of the job cannot join a later round. The plan also carries the job's
+seed (``$PROPHET_JOB_SEED``, drawn by the master once per job unless a node's user set it).
 """
 
 from __future__ import annotations
@@ -52,7 +57,10 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from prophet_tf.launch.workers import EXIT_JOB_FAILED, Failure, format_address
+from prophet_tf.launch.restarts import RestartPolicy
+from prophet_tf.launch.workers import (CAUSE_INTERRUPTED, EXIT_JOB_FAILED, Failure,
+                                       draw_job_seed, format_address)
+from prophet_tf.preemption import EXIT_PREEMPTED
 
 __all__ = ["Master", "NodeLink", "Plan", "RendezvousError", "worker_token", "parse_master",
            "PROTOCOL", "VERSION"]
@@ -147,6 +155,7 @@ class _Conn:
     opened: float
     inbox: _Inbox
     stage: str = "hello"  # hello -> join -> joined
+    round: int = 0        # the last round it joined
     nonce_n: str = ""
     nonce_m: str = ""
     node: Optional[int] = None
@@ -172,10 +181,13 @@ class Master:
       node_timeout: a node not heard from for this long is lost.
       stop_wait: after a failure, how long to wait for every node's outcome before naming one.
       say: writes one launcher message.
+      policy: decides whether an attempt a worker ended is restarted (default: never).
+      job_seed: the job's seed every plan carries (default: a fresh one).
     """
 
     def __init__(self, address: str, nnodes: int, token: str, *, rdzv_timeout: float,
-                 node_timeout: float, stop_wait: float, say: Callable[[str], None]) -> None:
+                 node_timeout: float, stop_wait: float, say: Callable[[str], None],
+                 policy: Optional[RestartPolicy] = None, job_seed: Optional[int] = None) -> None:
         self.host, self.port = parse_master(address)
         self.nnodes = nnodes
         self.token = token
@@ -183,6 +195,9 @@ class Master:
         self.node_timeout = node_timeout
         self.stop_wait = stop_wait
         self.say = say
+        self.policy = policy if policy is not None else RestartPolicy(0)
+        self.job_seed = job_seed if job_seed is not None else draw_job_seed()
+        self._round = 0
         self.verdict: Optional[dict] = None
         self.done = threading.Event()
         self._conns: list[_Conn] = []
@@ -267,17 +282,41 @@ class Master:
 
     def _serve(self) -> dict:
         deadline = time.monotonic() + self.rdzv_timeout
-        plan = self._rendezvous(deadline, round_=0)
-        if isinstance(plan, dict) and plan.get("t") == "verdict":
-            return plan
-        return self._supervise()
+        round_ = 0
+        while True:
+            formed = self._rendezvous(deadline, round_)
+            if formed.get("t") != "formed":
+                return formed
+            failures = self._supervise()
+            if not failures:
+                return self._end(None)
+            decision = self.policy.decide(failures)
+            if not decision.restart:
+                return self._end(failures[0], message=decision.message,
+                                 status=self._final_status(failures))
+            round_ += 1
+            self._end(failures[0], message=decision.message, restart_round=round_)
+            for c in self._joined():
+                c.outcome = None
+            deadline = time.monotonic() + self.policy.backoff_s + self.rdzv_timeout
+
+    def _final_status(self, failures: Sequence[Failure]) -> int:
+        """The named failure's status, or 75 when a launcher was interrupted and every node's
+        workers then stopped for the preemption (the job can be resumed)."""
+        first = failures[0]
+        outcomes = [c.outcome for c in self._joined() if c.outcome is not None]
+        if first.cause == CAUSE_INTERRUPTED and outcomes and all(
+                int(o.get("status", 1)) == EXIT_PREEMPTED for o in outcomes):
+            return EXIT_PREEMPTED
+        return first.status
 
     def _rendezvous(self, deadline: float, round_: int) -> dict:
+        self._round = round_
         while True:
             injected = self._take_injected()
             if injected:
                 return self._end(injected[0], abort=True)
-            joined = self._joined()
+            joined = [c for c in self._joined() if c.round == round_]
             if len(joined) == self.nnodes:
                 clash = self._address_clash(joined)
                 if clash:
@@ -290,7 +329,9 @@ class Master:
                                          at=time.time()), abort=True)
             self._poll(min(0.1, deadline - now), forming=True)
 
-    def _supervise(self) -> dict:
+    def _supervise(self) -> list[Failure]:
+        """Watches one attempt until every node's outcome came (or the wait after a failure
+        ended); returns the failures, the first (the one named) first, none on success."""
         stopping_until: Optional[float] = None
         failures: list[Failure] = []
         next_ping = 0.0
@@ -320,19 +361,24 @@ class Master:
             if failures and stopping_until is None:
                 first = min(failures, key=lambda f: f.at)
                 where = f" on node {first.node}" if first.rank is not None else ""
+                stop = {"t": "stop", "reason": first.description + where}
+                if first.cause == CAUSE_INTERRUPTED and first.status > 128:
+                    # A launcher was interrupted (the -H launcher, say): every node forwards the
+                    # signal, a preemption for the workers, so that they checkpoint.
+                    stop["forward"] = first.status - 128
                 for c in nodes:
                     if not c.closed and c.outcome is None:
-                        _send(c.sock, {"t": "stop", "reason": first.description + where})
+                        _send(c.sock, stop)
                 stopping_until = time.monotonic() + self.stop_wait
             settled = all(c.outcome is not None or c.closed for c in nodes)
             if settled or (stopping_until is not None and time.monotonic() >= stopping_until):
                 if not failures and all(c.outcome is not None and int(c.outcome.get("status", 1)) == 0
                                         for c in nodes):
-                    return self._end(None)
+                    return []
                 if not failures:
                     failures.append(Failure(EXIT_JOB_FAILED, "a node's launcher ended without an "
                                             "outcome", at=time.time()))
-                return self._end(min(failures, key=lambda f: f.at))
+                return sorted(failures, key=lambda f: f.at)
 
     def _lose(self, c: _Conn, why: str) -> None:
         if c.closed:
@@ -351,13 +397,20 @@ class Master:
             out, self._injected = self._injected, []
         return out
 
-    def _end(self, failure: Optional[Failure], abort: bool = False) -> dict:
-        """Tells every node how the job ended (``abort``: the rendezvous failed)."""
+    def _end(self, failure: Optional[Failure], abort: bool = False, message: str = "",
+             status: Optional[int] = None, restart_round: Optional[int] = None) -> dict:
+        """Tells every node how the attempt ended (``abort``: the rendezvous failed;
+        ``restart_round``: the job goes on with that round; ``message``: the restart decision)."""
         if failure is None:
             verdict = {"t": "verdict", "status": 0, "failure": None}
         else:
-            verdict = {"t": "abort" if abort else "verdict", "status": failure.status,
+            verdict = {"t": "abort" if abort else "verdict",
+                       "status": failure.status if status is None else status,
                        "failure": failure.to_json()}
+        if message:
+            verdict["message"] = message
+        if restart_round is not None:
+            verdict.update(restart=True, round=restart_round, backoff=self.policy.backoff_s)
         for c in self._conns:
             if c.node is not None and c.stage == "joined" and not c.closed:
                 _send(c.sock, verdict)
@@ -392,7 +445,7 @@ class Master:
             c.last_heard = time.monotonic()
             _send(c.sock, {"t": "plan", "round": round_, "world_size": len(addresses),
                            "addresses": addresses, "first_rank": first[c.node], "nonce": nonce,
-                           "nodes": nodes})
+                           "nodes": nodes, "job_seed": self.job_seed})
         self.say("master: every node joined; " + ", ".join(
             f"node {n['node']} ({n['host']}): ranks {n['first_rank']}..{n['first_rank'] + n['nproc'] - 1}"
             for n in nodes))
@@ -472,7 +525,9 @@ class Master:
             data = b""
         if not data:
             if c.stage == "joined":
-                if forming:
+                if forming and self._round > 0:
+                    self._lose(c, "its launcher's connection closed while the job restarted")
+                elif forming:
                     self.say(f"master: {c.describe()} left before every node joined")
                     self._drop(c, counted=False)
                     c.stage = "left"
@@ -529,6 +584,7 @@ class Master:
                 return self._reject(c, problem[0], problem[1])
             c.node = fields["node_rank"]
             c.stage = "joined"
+            c.round = fields["round"]
             c.last_heard = time.monotonic()
             c.inbox.limit = _MAX_MESSAGE_BYTES
             present = {x.node for x in self._joined()}
@@ -541,10 +597,30 @@ class Master:
         c.last_heard = time.monotonic()
         if kind == "outcome" and not forming and c.outcome is None:
             c.outcome = {"status": int(m.get("status", 1)), "failure": m.get("failure")}
+        elif kind == "join" and forming:
+            self._rejoin(c, m)
         return None
 
-    def _join_problem(self, f: dict) -> Optional[tuple[str, str]]:
-        """(what the node is told, what the master remembers) when the join cannot be accepted."""
+    def _rejoin(self, c: _Conn, m: dict) -> None:
+        """A node of the job joins the round of a restart (its new ports) over its connection."""
+        fields = m.get("fields")
+        if not isinstance(fields, dict) or not isinstance(m.get("mac"), str) or \
+                not hmac.compare_digest(_mac(self.token, "node", c.nonce_n, c.nonce_m,
+                                             _canonical(fields)), m["mac"]):
+            return self._lose(c, "its join of the restarted round could not be verified")
+        problem = self._join_problem(fields, rejoining=c)
+        if problem:
+            _send(c.sock, {"t": "reject", "reason": problem[0]})
+            return self._lose(c, f"its join of the restarted round was refused: {problem[1]}")
+        c.fields = fields
+        c.round = fields["round"]
+        present = {x.node for x in self._joined() if x.round == self._round}
+        waiting = [r for r in range(self.nnodes) if r not in present]
+        _send(c.sock, {"t": "joined", "waiting_for": waiting})
+
+    def _join_problem(self, f: dict, rejoining: Optional[_Conn] = None) -> Optional[tuple[str, str]]:
+        """(what the node is told, what the master remembers) when the join cannot be accepted
+        (``rejoining``: the connection of a node of the job joining a restarted round)."""
         node = f.get("node_rank")
         if f.get("nnodes") != self.nnodes:
             return (f"you were started with --nnodes {f.get('nnodes')}, the master with "
@@ -557,10 +633,15 @@ class Master:
         if (not isinstance(f.get("host"), str) or not f["host"] or not isinstance(ports, list)
                 or not ports or not all(isinstance(p, int) and 0 < p < 65536 for p in ports)):
             return ("your join lacks its host or ports", "a malformed join")
-        if f.get("round") != 0:
-            return (f"the master is at round 0, you at {f.get('round')}",
-                    f"round {f.get('round')}, expected 0")
-        taken = [c for c in self._joined() if c.node == node]
+        if f.get("round") != self._round:
+            return (f"the master is at round {self._round} (restarts of the job), you at "
+                    f"{f.get('round')}" + (": this launcher is not part of the job" if
+                                           rejoining is None and self._round else ""),
+                    f"round {f.get('round')}, expected {self._round}")
+        if rejoining is not None and node != rejoining.node:
+            return (f"you joined as node {rejoining.node}, not {node}",
+                    f"node {rejoining.node} rejoining as {node}")
+        taken = [c for c in self._joined() if c.node == node and c is not rejoining]
         if taken:
             return (f"node rank {node} is already taken by {taken[0].peer}: did two nodes get the "
                     "same --node-rank?", f"node rank {node} already taken by {taken[0].peer}")
@@ -581,6 +662,7 @@ class Plan:
     first_rank: int
     token: str
     nodes: list[dict]
+    job_seed: Optional[int] = None
 
 
 class NodeLink:
@@ -659,15 +741,16 @@ class NodeLink:
         self._master_proved = master_proved
         return sock.getsockname()[0], deadline
 
-    def join(self, nproc_ports: Sequence[int], host: str, deadline: float) -> Plan:
-        """Joins round 0 with the given ports and waits until every node joined (or the
-        rendezvous failed)."""
+    def join(self, nproc_ports: Sequence[int], host: str, deadline: float, round_: int = 0) -> Plan:
+        """Joins round ``round_`` (0, then the round a restart verdict names) with the given
+        ports and waits until every node joined (or the rendezvous failed)."""
         assert self.sock is not None
-        fields = {"node_rank": self.node_rank, "nnodes": self.nnodes, "round": 0, "host": host,
+        fields = {"node_rank": self.node_rank, "nnodes": self.nnodes, "round": round_, "host": host,
                   "ports": list(nproc_ports), "hostname": socket.gethostname(), "pid": os.getpid()}
         _send(self.sock, {"t": "join", "fields": fields,
                           "mac": _mac(self.token, "node", *self._nonces, _canonical(fields))})
-        reply = self._receive(min(deadline, time.monotonic() + HANDSHAKE_TIMEOUT_S), "its answer to the join")
+        reply = self._receive(min(deadline, time.monotonic() + HANDSHAKE_TIMEOUT_S),
+                              "its answer to the join", allow_ping=True)
         if not self._master_proved:
             raise _Failed(f"job token mismatch: the master at {self.master} could not prove that it "
                           "holds this job's token: PROPHET_JOB_TOKEN must be identical on every node"
@@ -685,11 +768,13 @@ class NodeLink:
             # its message (naming the missing nodes and what it rejected) says more than ours.
             message = self._receive(deadline + HANDSHAKE_TIMEOUT_S, "the other nodes", allow_ping=True)
             if message.get("t") == "plan":
+                seed = message.get("job_seed")
                 return Plan(round=int(message["round"]), world_size=int(message["world_size"]),
                             addresses=[str(a) for a in message["addresses"]],
                             first_rank=int(message["first_rank"]),
                             token=worker_token(self.token, str(message["nonce"])),
-                            nodes=list(message.get("nodes", [])))
+                            nodes=list(message.get("nodes", [])),
+                            job_seed=int(seed) if isinstance(seed, int) else None)
             if message.get("t") in ("abort", "verdict"):
                 failure = message.get("failure") or {}
                 raise _Failed(f"the rendezvous failed at the master: {failure.get('description')}",
@@ -701,7 +786,7 @@ class NodeLink:
             name = signal.Signals(sig).name
             raise _Failed(f"the launcher got {name} during the rendezvous",
                           Failure(128 + sig, f"the launcher of node {self.node_rank} got {name}",
-                                  node=self.node_rank, at=time.time()))
+                                  node=self.node_rank, at=time.time(), cause=CAUSE_INTERRUPTED))
 
     def _receive(self, deadline: float, what: str, allow_ping: bool = False) -> dict:
         assert self.sock is not None
@@ -735,16 +820,19 @@ class NodeLink:
                 raise _Failed(f"the master at {self.master} sent a malformed message ({e})") from None
 
     # -- while the workers run ----------------------------------------------------------------
-    def watch(self, on_stop: Callable[[str], None]) -> None:
-        """Pings the master and listens to it on a thread; ``on_stop(reason)`` when the job must
-        stop here (another node failed, or the master was lost)."""
+    def watch(self, on_stop: Callable[[str, Optional[int]], None]) -> None:
+        """Pings the master and listens to it on a thread until the verdict of the attempt;
+        ``on_stop(reason, signal)`` when the job must stop here (another node failed, or the
+        master was lost; ``signal``: forward it to the workers, a launcher was interrupted)."""
         assert self.sock is not None
 
         def handle(messages: list[dict], state: dict) -> None:
             for m in messages:
                 if m.get("t") == "stop" and not state["stopped"]:
                     state["stopped"] = True
-                    on_stop(f"another node failed: {m.get('reason')}")
+                    forward = m.get("forward")
+                    on_stop(f"another node failed: {m.get('reason')}",
+                            int(forward) if isinstance(forward, int) and 0 < forward < 65 else None)
                 elif m.get("t") in ("verdict", "abort"):
                     self.verdict = m
                     self.got_verdict.set()
@@ -789,7 +877,7 @@ class NodeLink:
                 return
             if not self._closing:
                 self.lost = reason
-                on_stop(reason)
+                on_stop(reason, None)
             self.got_verdict.set()
 
         self._thread = threading.Thread(target=loop, name="prophet-node-link", daemon=True)
@@ -805,6 +893,15 @@ class NodeLink:
         """The master's verdict (None if the master was lost or did not answer in time)."""
         self.got_verdict.wait(timeout)
         return self.verdict
+
+    def next_round(self) -> None:
+        """After a verdict that restarts the job: the connection is ours again (the watching
+        thread has ended) for the join of the next round."""
+        if self._thread is not None:
+            self._thread.join(5.0)
+            self._thread = None
+        self.verdict = None
+        self.got_verdict.clear()
 
     def close(self) -> None:
         self._closing = True

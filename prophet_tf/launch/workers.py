@@ -24,9 +24,13 @@ import threading
 import time
 from typing import Callable, Deque, Mapping, Optional, Sequence, TextIO
 
+from prophet_tf import preemption
+from prophet_tf.cluster import JOB_SEED_ENV
+
 __all__ = ["EXIT_TIMEOUT", "EXIT_JOB_FAILED", "EXIT_NO_START", "Failure", "Outcome", "JobSpec",
            "Placement", "Controls", "run_workers", "free_ports", "reserve_ports", "format_address",
-           "worker_envs", "package_root", "command", "describe_status", "status_of"]
+           "worker_envs", "package_root", "command", "describe_status", "status_of", "draw_job_seed",
+           "with_job_seed", "preemption_wait"]
 
 EXIT_TIMEOUT = 124
 #: The job failed outside any worker: a rendezvous that did not complete, a node or the master
@@ -59,6 +63,13 @@ _PDEATHSIG_STUB = (
 # What an attempt is given and what it returns
 
 
+#: What ended an attempt (``Failure.cause``): a worker exited non-zero (a restart may follow); a
+#: launcher got a signal; the job's --timeout passed; a worker could not be started; the job
+#: failed outside any worker (rendezvous, a node or the master lost).
+CAUSE_WORKER, CAUSE_INTERRUPTED, CAUSE_TIMEOUT, CAUSE_NO_START, CAUSE_JOB = (
+    "worker", "interrupted", "timeout", "no start", "job")
+
+
 @dataclasses.dataclass
 class Failure:
     """Why an attempt failed, as every launcher of the job reports it.
@@ -71,6 +82,12 @@ class Failure:
       rank: the failing worker's global rank, or None.
       node: the node whose launcher saw it (multi-node jobs), or None.
       at: when it failed (``time.time()``; the earliest failure of a job is the one named).
+      cause: what ended the attempt (one of the ``CAUSE_*`` constants).
+      preempted: the failing worker's ``prophet_tf: preempted: ...`` line (it stopped for a
+        preemption and says where its checkpoint is), or None.
+      fit_failure: its ``prophet_tf: failed: ...`` line (where its ``fit`` failed), or None.
+      received: ``rank R received SIGNAL`` when a worker of this node said it received the
+        preemption signal, or None.
     """
 
     status: int
@@ -79,6 +96,10 @@ class Failure:
     rank: Optional[int] = None
     node: Optional[int] = None
     at: float = 0.0
+    cause: str = CAUSE_JOB
+    preempted: Optional[str] = None
+    fit_failure: Optional[str] = None
+    received: Optional[str] = None
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -89,7 +110,10 @@ class Failure:
                    tail=[str(x) for x in data.get("tail", [])][-_STDERR_TAIL_LINES:],
                    rank=None if data.get("rank") is None else int(data["rank"]),
                    node=None if data.get("node") is None else int(data["node"]),
-                   at=float(data.get("at", 0.0)))
+                   at=float(data.get("at", 0.0)), cause=str(data.get("cause", CAUSE_JOB)),
+                   preempted=_optional_str(data.get("preempted")),
+                   fit_failure=_optional_str(data.get("fit_failure")),
+                   received=_optional_str(data.get("received")))
 
     def report(self, where: str = "") -> str:
         """The launcher's message: what failed, then the tail of its stderr if it is a worker."""
@@ -98,6 +122,10 @@ class Failure:
             tail = "\n".join(f"    {line}" for line in self.tail) or "    (no stderr output)"
             text += f". Last lines of its stderr:\n{tail}"
         return text
+
+
+def _optional_str(value: object) -> Optional[str]:
+    return None if value is None else str(value)[:1000]
 
 
 @dataclasses.dataclass
@@ -161,12 +189,15 @@ class Controls:
         to every worker.
       deadline: ``time.monotonic()`` after which every worker is killed (status 124), or None.
       stop: set by another party (the rendezvous: another node failed); ``stop_reason`` says why.
+      launcher: how messages name the launcher that got the signals.
     """
 
     signals: list[int] = dataclasses.field(default_factory=list)
     deadline: Optional[float] = None
     stop: threading.Event = dataclasses.field(default_factory=threading.Event)
     stop_reason: str = ""
+    #: Who gets the signals, in messages ("the launcher of node 1").
+    launcher: str = "the launcher"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -269,6 +300,22 @@ def worker_envs(n: int, addresses: Sequence[str], token: str,
     return envs
 
 
+def draw_job_seed() -> int:
+    """A fresh job seed (``$PROPHET_JOB_SEED``), drawn once per job."""
+    import random
+    return random.SystemRandom().randrange(1, 2**31 - 1)
+
+
+def with_job_seed(env: Mapping[str, str], seed: int) -> tuple[dict[str, str], Optional[int]]:
+    """``env`` with ``$PROPHET_JOB_SEED`` = ``seed`` unless the user set one (in ``env`` or in
+    this launcher's environment); returns it and the seed the launcher set (None: the user's)."""
+    out = dict(env)
+    if JOB_SEED_ENV in out or JOB_SEED_ENV in os.environ:
+        return out, None
+    out[JOB_SEED_ENV] = str(seed)
+    return out, seed
+
+
 def gpu_count() -> Optional[int]:
     """The number of NVIDIA GPUs the driver shows (``/proc/driver/nvidia/gpus``), None when that
     cannot be told (no NVIDIA driver loaded)."""
@@ -329,6 +376,10 @@ class _Worker:
         self._log_lock = threading.Lock()
         self._pidfd: Optional[int] = None
         self.tail: Deque[str] = collections.deque(maxlen=_STDERR_TAIL_LINES)
+        # What the worker said about a preemption or a failed fit (prophet_tf.preemption's lines).
+        self.preempted_line: Optional[str] = None
+        self.fit_failure_line: Optional[str] = None
+        self.received: Optional[tuple[float, str]] = None  # (when, "rank R received SIGTERM")
         # When it failed: its first uncaught Python traceback (printed before any clean-up, which
         # can take seconds), else when it was seen to exit. Peers of a failed worker fail after it.
         self.traceback_at: Optional[float] = None
@@ -390,6 +441,8 @@ class _Worker:
                             peer.note_if_dead()
                         self.traceback_at = time.monotonic()
                     previous = line
+                    if "prophet_tf: " in line:
+                        self._note_preemption_line(line)
                 if self.log is not None:
                     with self._log_lock, contextlib.suppress(OSError, ValueError):
                         self.log.write(line + "\n")
@@ -402,6 +455,16 @@ class _Worker:
                         pass  # our own stdout went away (closed pipe): keep draining the child
         finally:
             src.close()
+
+    def _note_preemption_line(self, line: str) -> None:
+        if self.preempted_line is None and preemption.parse_report(line) is not None:
+            self.preempted_line = line
+        elif self.fit_failure_line is None and preemption.parse_failure(line) is not None:
+            self.fit_failure_line = line
+        elif self.received is None:
+            received = preemption.parse_received(line)
+            if received is not None:
+                self.received = (time.monotonic(), f"rank {received[0]} received {received[1]}")
 
     def join_output(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -463,7 +526,8 @@ def _stop(workers: Sequence[_Worker], grace: float, sig: int = signal.SIGTERM,
 def run_workers(spec: JobSpec, placement: Placement, controls: Controls, *,
                 stdout: Optional[TextIO] = None, stderr: Optional[TextIO] = None,
                 say: Optional[Callable[[str], None]] = None,
-                on_start: Optional[Callable[[], None]] = None) -> Outcome:
+                on_start: Optional[Callable[[], None]] = None,
+                log_header: Optional[str] = None) -> Outcome:
     """Runs this node's workers of one attempt until it ends; returns how it ended.
 
     Every worker is started in its own session (its process group gets the signals) through a
@@ -486,6 +550,8 @@ def run_workers(spec: JobSpec, placement: Placement, controls: Controls, *,
       stdout, stderr: where the prefixed output goes (default: ``sys.stdout``/``sys.stderr``).
       say: writes one ``[launch]`` line (default: to ``stderr``).
       on_start: called once every worker is started.
+      log_header: a line written to each ``--log-dir`` file before the worker's output (the
+        restart loop names the attempt there: the files are appended to).
     """
     out = stdout if stdout is not None else sys.stdout
     err = stderr if stderr is not None else sys.stderr
@@ -511,6 +577,9 @@ def run_workers(spec: JobSpec, placement: Placement, controls: Controls, *,
             argv = [sys.executable, "-S", "-c", _PDEATHSIG_STUB, str(os.getpid()), *argv]
             log = (open(os.path.join(spec.log_dir, f"rank.{rank}.log"), "a", encoding="utf-8")
                    if spec.log_dir else None)
+            if log is not None and log_header:
+                log.write(log_header + "\n")
+                log.flush()
             try:
                 proc = subprocess.Popen(argv, env=envs[i], stdin=subprocess.DEVNULL,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -520,7 +589,8 @@ def run_workers(spec: JobSpec, placement: Placement, controls: Controls, *,
                     log.close()
                 _stop(workers, spec.grace)
                 failure = Failure(EXIT_NO_START, f"could not start worker rank {rank} "
-                                  f"({' '.join(argv[5:])}): {e}", rank=None, at=time.time())
+                                  f"({' '.join(argv[5:])}): {e}", rank=None, at=time.time(),
+                                  cause=CAUSE_NO_START)
                 say(failure.description)
                 return Outcome(EXIT_NO_START, failure)
             workers.append(_Worker(rank, proc, out, err, lock, workers, log))
@@ -539,12 +609,7 @@ def _supervise(workers: Sequence[_Worker], spec: JobSpec, controls: Controls,
                say: Callable[[str], None]) -> Outcome:
     while True:
         if controls.signals:
-            sig = controls.signals[0]
-            name = signal.Signals(sig).name
-            say(f"got {name}; forwarding it to the workers (SIGKILL after {spec.grace:g} s)")
-            at = time.time()
-            _stop(workers, spec.grace, sig, controls)
-            return Outcome(128 + sig, Failure(128 + sig, f"the launcher got {name}", at=at))
+            return _interrupted(workers, spec, controls, say)
         codes = [w.poll_exit() for w in workers]
         if any(code not in (None, 0) for code in codes):
             return _worker_failed(workers, codes, spec, say)
@@ -564,8 +629,60 @@ def _supervise(workers: Sequence[_Worker], spec: JobSpec, controls: Controls,
             say(f"timeout; killing workers {running}")
             at = time.time()
             _stop(workers, spec.grace, signal.SIGTERM, controls)
-            return Outcome(EXIT_TIMEOUT, Failure(EXIT_TIMEOUT, "the job's --timeout passed", at=at))
+            return Outcome(EXIT_TIMEOUT, Failure(EXIT_TIMEOUT, "the job's --timeout passed", at=at,
+                                                 cause=CAUSE_TIMEOUT))
         time.sleep(_POLL_S)
+
+
+def preemption_wait(spec: JobSpec, sig: int) -> Optional[float]:
+    """How long the workers may take to stop after ``sig`` when it asks them for the coordinated
+    preemption checkpoint (one of their preemption signals, ``$PROPHET_PREEMPTION_SIGNALS``,
+    SIGTERM by default): their grace period (``$PROPHET_PREEMPTION_GRACE_S``, 30 s by default;
+    a worker leaves by itself then) plus ``spec.grace``. None when ``sig`` is not one of them."""
+    def setting(name: str, default: str) -> str:
+        return str(spec.env.get(name, os.environ.get(name, default)))
+
+    try:
+        signals = preemption.signals_from(setting(preemption.SIGNALS_ENV, "SIGTERM"))
+        grace = float(setting(preemption.GRACE_ENV, str(preemption.DEFAULT_GRACE_S)))
+    except ValueError:
+        return None  # the workers will say what is wrong with these settings
+    if sig not in signals:
+        return None
+    return max(grace, 0.0) + spec.grace
+
+
+def _interrupted(workers: Sequence[_Worker], spec: JobSpec, controls: Controls,
+                 say: Callable[[str], None]) -> Outcome:
+    """The launcher got a signal: forwards it to every worker. A preemption signal gives them
+    their grace period to stop at one step and checkpoint; when every worker then exited with
+    EXIT_PREEMPTED, so does the attempt (the job can be resumed), else 128 + the signal."""
+    sig = controls.signals[0]
+    name = signal.Signals(sig).name
+    wait = preemption_wait(spec, sig)
+    if wait is None:
+        say(f"got {name}; forwarding it to the workers (SIGKILL after {spec.grace:g} s)")
+    else:
+        say(f"got {name}; forwarding it to the workers: every worker stops at the same step of "
+            f"model.fit and writes its checkpoint (SIGKILL after {wait:g} s, or at once on "
+            "another signal)")
+    at = time.time()
+    _stop(workers, spec.grace if wait is None else wait, sig, controls)
+    preempted = [w for w in workers if w.proc.returncode == preemption.EXIT_PREEMPTED]
+    if wait is not None and workers and len(preempted) == len(workers):
+        for w in workers:
+            w.join_output(1.0)
+        line = next((w.preempted_line for w in workers if w.preempted_line), None)
+        report = preemption.parse_report(line) if line else None
+        where = (f"; every worker stopped at epoch {report.epoch} step {report.step} "
+                 f"(checkpoint: {report.checkpoint or 'none'})"
+                 if report is not None and report.epoch is not None else
+                 "; every worker stopped for the preemption")
+        return Outcome(preemption.EXIT_PREEMPTED, Failure(
+            preemption.EXIT_PREEMPTED, f"{controls.launcher} got {name}{where}", at=at,
+            cause=CAUSE_INTERRUPTED, preempted=line))
+    return Outcome(128 + sig, Failure(128 + sig, f"{controls.launcher} got {name}", at=at,
+                                      cause=CAUSE_INTERRUPTED))
 
 
 def _worker_failed(workers: Sequence[_Worker], codes: Sequence[Optional[int]], spec: JobSpec,
@@ -595,5 +712,9 @@ def _first_failure(failed: Sequence[_Worker], stopping_at: float,
         code = first_code
     else:
         status = describe_status(code)
+    received = min((w.received for w in failed if w.received is not None), default=None)
     return Failure(status_of(code), f"worker rank {culprit.rank} (pid {culprit.proc.pid}) {status}",
-                   tail=list(culprit.tail), rank=culprit.rank, at=_wall(culprit.failed_at()))
+                   tail=list(culprit.tail), rank=culprit.rank, at=_wall(culprit.failed_at()),
+                   cause=CAUSE_WORKER, preempted=culprit.preempted_line,
+                   fit_failure=culprit.fit_failure_line,
+                   received=received[1] if received is not None else None)
