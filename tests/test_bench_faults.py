@@ -146,3 +146,76 @@ def test_the_impostors_hello_has_the_protocols_layout_and_version():
     # The version of the library built here: a wrong-token impostor must get as far as the token.
     from prophet_tf._library import runtime_constants
     assert struct.unpack_from("<H", hello, 4)[0] == runtime_constants()["protocol_version"] >= 3
+
+
+# ---- restart trials (prophet_tf/bench/restart_trials.py) ----------------------------------------
+
+def _restart_lines():
+    from prophet_tf.bench.restart_trials import EVENT, Line
+
+    def ev(t, rank, pid, kind, **fields):
+        return Line(t, f"[rank {rank}] {EVENT} " + json.dumps(dict(event=kind, t=t, pid=pid, **fields)))
+
+    return [
+        ev(1.0, 0, 10, "start"), ev(1.1, 1, 11, "start"),
+        ev(2.0, 0, 10, "step", epoch=0, batch=0), ev(2.0, 1, 11, "step", epoch=0, batch=0),
+        ev(2.1, 0, 10, "step", epoch=0, batch=1),
+        Line(2.2, "[rank 1] prophet_tf: preempted: rank 1, 1 worker(s) asked to stop; stopped at "
+                  "epoch 0 step 2; checkpoint: /b"),
+        Line(2.5, "[launch] attempt 1 ended: the job was preempted. Restarting every worker"),
+        ev(3.0, 1, 21, "start"), ev(3.0, 0, 20, "start"),
+        ev(4.0, 0, 20, "step", epoch=0, batch=2), ev(4.5, 1, 21, "step", epoch=0, batch=2),
+        ev(5.0, 0, 20, "step", epoch=0, batch=3),
+        Line(5.2, "[launch] attempt 2 ended: worker rank 1 was killed by SIGKILL. Restarting"),
+        ev(6.0, 0, 30, "start"), ev(6.0, 1, 31, "start"),
+        ev(7.0, 0, 30, "step", epoch=0, batch=3), ev(7.2, 1, 31, "step", epoch=0, batch=3),
+        ev(8.0, 0, 30, "done", weights="w"), ev(8.0, 1, 31, "done", weights="w"),
+    ]
+
+
+def test_restart_trials_group_attempts_and_measure_each_interruption():
+    from prophet_tf.bench.restart_trials import Interruption, attempts_of, measure
+
+    attempts = attempts_of(_restart_lines(), n=2)
+    assert [sorted(a.pids.values()) for a in attempts] == [[10, 11], [20, 21], [30, 31]]
+    assert attempts[0].preempted.step == 2 and attempts[1].preempted is None
+    assert (attempts[0].ended_at, attempts[1].ended_at, attempts[2].ended_at) == (2.5, 5.2, None)
+    assert attempts[2].done == {0: "w", 1: "w"}
+    # A SIGTERM: the preemption says where the workers stopped (2 steps applied); the next attempt
+    # starts with step index 2: nothing redone. Training again once BOTH workers did a step.
+    sigterm = Interruption("sigterm", victim=1, at_step=1, fault_at=2.05)
+    measure(sigterm, attempts[0], attempts[1], steps_per_epoch=10)
+    assert (sigterm.applied, sigterm.resumed_from, sigterm.redone) == (2, 2, 0)
+    assert abs(sigterm.training_after_s - 2.45) < 1e-9 and abs(sigterm.ended_after_s - 0.45) < 1e-9
+    # A kill: the last step a worker finished (4 applied); the backup was older: 1 redone.
+    kill = Interruption("kill", victim=1, at_step=4, fault_at=5.1)
+    measure(kill, attempts[1], attempts[2], steps_per_epoch=10)
+    assert (kill.applied, kill.resumed_from, kill.redone) == (4, 3, 1)
+
+
+def test_restart_trials_plan_and_summary():
+    from prophet_tf.bench.restart_trials import (Interruption, TrialResult, format_trial,
+                                                 plan_trials, summary_lines)
+
+    plans = plan_trials(10, seed=5, total_steps=80, quick=False)
+    kinds = [p.faults[0][0] for p in plans]
+    assert len(plans) == 20 and kinds.count("sigterm") == kinds.count("kill") == 10
+    assert all(p.workers in (2, 3) and 0 <= p.faults[0][1] < p.workers and 2 <= p.faults[0][2] < 74
+               for p in plans)
+    assert plans == plan_trials(10, seed=5, total_steps=80, quick=False)
+    (quick,) = plan_trials(1, seed=5, total_steps=30, quick=True)
+    assert [f[0] for f in quick.faults] == ["sigterm", "kill"] and quick.faults[0][2] < quick.faults[1][2]
+
+    good = TrialResult("a", 2, [Interruption("sigterm", 0, 5, 0.0, applied=6, resumed_from=6,
+                                             training_after_s=12.0)], 0, True, True)
+    slow = TrialResult("b", 3, [Interruption("kill", 1, 9, 0.0, applied=9, resumed_from=5,
+                                             training_after_s=31.0)], 0, True, True)
+    broken = TrialResult("c", 2, [Interruption("kill", 1, 9, 0.0, applied=9)], 1, False, False, "x")
+    assert summary_lines([good, slow, broken]) == [
+        "restarts: 3 interruptions (1 SIGTERM, 2 kill -9) in 3 runs: 2 of 3 completed, 2 of 3 "
+        "bitwise equal to the uninterrupted run",
+        "  steps redone after SIGTERM: max 0, mean 0.0",
+        "  steps redone after kill -9: max 4, mean 4.0 (1 never resumed)",
+        "  training again after the fault: median 21.5 s, max 31.0 s; 1 of 3 within 30 s"]
+    skipped = TrialResult("d", 2, [Interruption("kill", 0, 9, 0.0, applied=4, resumed_from=5)], 0, True, False)
+    assert "[SKIPPED STEPS]" in format_trial(skipped) and "WEIGHTS DIFFER" in format_trial(skipped)

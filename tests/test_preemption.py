@@ -110,6 +110,23 @@ def test_a_fit_that_fails_says_where(scenarios):
         assert lines == [preemption.Failure(rank, 1, 4, "ValueError: a bug at epoch 1 batch 3")], lines
 
 
+def test_the_launcher_restarts_a_job_after_a_sigterm_and_a_kill_and_it_ends_bitwise_as_uninterrupted():
+    """prophetrun --max-restarts with the restart trials' quick run: a SIGTERM to a worker (every
+    worker checkpoints and exits 75), then a kill -9 of one; the unchanged program resumes each
+    time and ends with the uninterrupted run's weights."""
+    from prophet_tf.bench import restart_trials
+
+    said: list[str] = []
+    (trial,) = restart_trials.run(per_kind=1, seed=3, quick=True, deadline_s=300, log=said.append)
+    report = "\n".join(said)
+    assert trial.completed and trial.bitwise, report
+    sigterm, kill = trial.interruptions
+    assert (sigterm.fault, kill.fault) == ("sigterm", "kill"), report
+    assert sigterm.redone == 0, report  # step-exact: nothing trained twice, nothing skipped
+    assert kill.redone is not None and 0 <= kill.redone, report
+    assert sigterm.training_after_s is not None and kill.training_after_s is not None, report
+
+
 # Ends with the Preempted exception (argv: OUT CATCH): its exit handlers run once each, in their
 # order, an open file is flushed, and the status is 75; caught, the program exits as it chooses.
 PREEMPTED_PROGRAM = """

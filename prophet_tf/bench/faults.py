@@ -1,7 +1,9 @@
-"""Fault injection: what the survivors of a dead or stalled worker see, and whether hostile
-connections change a job's result.
+"""Fault injection: what the survivors of a dead or stalled worker see, whether hostile
+connections change a job's result, and whether a job restarted after a fault ends as if nothing
+had happened.
 
     python -m prophet_tf.bench.faults [--quick] [--seed N] [--trials N]
+    python -m prophet_tf.bench.faults --restarts [--restart_trials K] [--quick] [--seed N]
 
 Fault trials: a small Keras job (ProphetStrategy, ``ModelCheckpoint`` on the chief every epoch)
 runs on 2 or 3 workers, with or without the launcher; one worker gets SIGKILL or SIGSTOP at
@@ -19,8 +21,14 @@ impostors (a handshake with a proof made up without the job token; a hello with 
 job is *unaffected* when it succeeds with bitwise the same weights as the clean run, *failed
 closed* when every worker failed saying why, else *AFFECTED*.
 
-The last line is ``faults: T trials, H hangs, C corrupt checkpoints, E unnamed errors, max
-detection S s``. An error is *named* when it names the worker that failed (or, for a survivor that
+Restart trials (``--restarts``, see ``prophet_tf/bench/restart_trials.py``): K runs with a
+SIGTERM to a random worker and K with a kill -9 of one, at a random moment of a 2-3 worker
+``fit`` with ``BackupAndRestore(save_freq=...)`` under ``prophetrun --max-restarts``; per
+interruption: completed, final weights bitwise equal to an uninterrupted run, steps redone, time
+from the fault to training again. ``--quick``: one run interrupted by a SIGTERM, then a kill -9.
+
+The last line of the fault trials is ``faults: T trials, H hangs, C corrupt checkpoints, E
+unnamed errors, max detection S s``. An error is *named* when it names the worker that failed (or, for a survivor that
 first saw another survivor leave, that survivor); *unnamed* otherwise.
 """
 
@@ -45,6 +53,8 @@ from typing import Any, Optional, Sequence
 
 from absl import app, flags
 
+from prophet_tf.bench import restart_trials
+
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("quick", False, "4 fault trials and one hostile trial (a few minutes).")
 flags.DEFINE_integer("seed", 1, "Seed of the trial plan (workers, victims, moments, delays).")
@@ -59,6 +69,10 @@ flags.DEFINE_float("connect_timeout_s", 30.0, "Runtime connect_timeout_s of the 
                    "for a worker that never comes (a worker stopped at start-up).")
 flags.DEFINE_string("json", None, "Also write every trial's record to this JSON file.")
 flags.DEFINE_string("worker", None, "Internal: run as a worker with this JSON configuration.")
+flags.DEFINE_bool("restarts", False, "Run the restart trials (instead of the fault and hostile trials).")
+flags.DEFINE_integer("restart_trials", 10, "Restart trials per fault (SIGTERM, kill -9); --quick: one run "
+                     "interrupted once by each.")
+flags.DEFINE_string("restart_worker", None, "Internal: run as a worker of the restart trials.")
 
 EVENT = "FAULTS_EVENT"
 SURVIVOR_GOAL_S = 60.0
@@ -757,6 +771,13 @@ def main(argv: Sequence[str]) -> None:
     if FLAGS.worker:
         run_worker(json.loads(FLAGS.worker))
         return
+    if FLAGS.restart_worker:
+        restart_trials.run_worker(json.loads(FLAGS.restart_worker))
+        return
+    if FLAGS.restarts:
+        results = restart_trials.run(FLAGS.restart_trials, FLAGS.seed, FLAGS.quick,
+                                     FLAGS.deadline_s * 4, FLAGS.json)
+        sys.exit(0 if results and all(r.completed and r.bitwise for r in results) else 1)
     trials = FLAGS.trials if FLAGS.trials is not None else (4 if FLAGS.quick else 24)
     runtime_options = {k: v for k, v in (("timeout_s", FLAGS.timeout_s), ("heartbeat_s", FLAGS.heartbeat_s),
                                          ("connect_timeout_s", FLAGS.connect_timeout_s)) if v is not None}
