@@ -162,6 +162,8 @@ def _restart_lines():
         ev(2.1, 0, 10, "step", epoch=0, batch=1),
         Line(2.2, "[rank 1] prophet_tf: preempted: rank 1, 1 worker(s) asked to stop; stopped at "
                   "epoch 0 step 2; checkpoint: /b"),
+        Line(2.3, "[rank 0] prophet_tf: preempted: rank 0, 1 worker(s) asked to stop; stopped at "
+                  "epoch 0 step 2; checkpoint: /b"),
         Line(2.5, "[launch] attempt 1 ended: the job was preempted. Restarting every worker"),
         ev(3.0, 1, 21, "start"), ev(3.0, 0, 20, "start"),
         ev(4.0, 0, 20, "step", epoch=0, batch=2), ev(4.5, 1, 21, "step", epoch=0, batch=2),
@@ -179,6 +181,7 @@ def test_restart_trials_group_attempts_and_measure_each_interruption():
     attempts = attempts_of(_restart_lines(), n=2)
     assert [sorted(a.pids.values()) for a in attempts] == [[10, 11], [20, 21], [30, 31]]
     assert attempts[0].preempted.step == 2 and attempts[1].preempted is None
+    assert sorted(attempts[0].reports) == [0, 1] and not attempts[1].reports
     assert (attempts[0].ended_at, attempts[1].ended_at, attempts[2].ended_at) == (2.5, 5.2, None)
     assert attempts[2].done == {0: "w", 1: "w"}
     # A SIGTERM: the preemption says where the workers stopped (2 steps applied); the next attempt
@@ -186,11 +189,17 @@ def test_restart_trials_group_attempts_and_measure_each_interruption():
     sigterm = Interruption("sigterm", victim=1, at_step=1, fault_at=2.05)
     measure(sigterm, attempts[0], attempts[1], steps_per_epoch=10)
     assert (sigterm.applied, sigterm.resumed_from, sigterm.redone) == (2, 2, 0)
+    assert sigterm.stopped_together  # both ranks: epoch 0 step 2, a checkpoint
     assert abs(sigterm.training_after_s - 2.45) < 1e-9 and abs(sigterm.ended_after_s - 0.45) < 1e-9
     # A kill: the last step a worker finished (4 applied); the backup was older: 1 redone.
     kill = Interruption("kill", victim=1, at_step=4, fault_at=5.1)
     measure(kill, attempts[1], attempts[2], steps_per_epoch=10)
     assert (kill.applied, kill.resumed_from, kill.redone) == (4, 3, 1)
+    assert kill.stopped_together is None
+    # One worker that did not report its stop is not "together".
+    del attempts[0].reports[0]
+    measure(sigterm, attempts[0], attempts[1], steps_per_epoch=10)
+    assert sigterm.stopped_together is False
 
 
 def test_restart_trials_plan_and_summary():
@@ -207,15 +216,25 @@ def test_restart_trials_plan_and_summary():
     assert [f[0] for f in quick.faults] == ["sigterm", "kill"] and quick.faults[0][2] < quick.faults[1][2]
 
     good = TrialResult("a", 2, [Interruption("sigterm", 0, 5, 0.0, applied=6, resumed_from=6,
-                                             training_after_s=12.0)], 0, True, True)
+                                             training_after_s=12.0, stopped_together=True)],
+                       0, True, True)
     slow = TrialResult("b", 3, [Interruption("kill", 1, 9, 0.0, applied=9, resumed_from=5,
                                              training_after_s=31.0)], 0, True, True)
     broken = TrialResult("c", 2, [Interruption("kill", 1, 9, 0.0, applied=9)], 1, False, False, "x")
     assert summary_lines([good, slow, broken]) == [
         "restarts: 3 interruptions (1 SIGTERM, 2 kill -9) in 3 runs: 2 of 3 completed, 2 of 3 "
         "bitwise equal to the uninterrupted run",
-        "  steps redone after SIGTERM: max 0, mean 0.0",
+        "  steps redone after SIGTERM: max 0, mean 0.0; every worker stopped at one step with a "
+        "checkpoint in 1 of 1",
         "  steps redone after kill -9: max 4, mean 4.0 (1 never resumed)",
         "  training again after the fault: median 21.5 s, max 31.0 s; 1 of 3 within 30 s"]
+    # Trials whose uninterrupted runs differ from each other are not compared, and say so.
+    apart = TrialResult("e", 3, [Interruption("kill", 1, 9, 0.0, applied=9, resumed_from=5)], 0, True,
+                        False, comparable=False)
+    assert summary_lines([good, apart])[0] == (
+        "restarts: 2 interruptions (1 SIGTERM, 1 kill -9) in 2 runs: 2 of 2 completed, 1 of 1 bitwise "
+        "equal to the uninterrupted run (1 runs of 3 workers not compared: two uninterrupted runs of "
+        "as many workers differ from each other)")
+    assert "weights not compared (two uninterrupted runs of 3 workers differ" in format_trial(apart)
     skipped = TrialResult("d", 2, [Interruption("kill", 0, 9, 0.0, applied=4, resumed_from=5)], 0, True, False)
     assert "[SKIPPED STEPS]" in format_trial(skipped) and "WEIGHTS DIFFER" in format_trial(skipped)

@@ -138,7 +138,8 @@ class Attempt:
     pids: dict = dataclasses.field(default_factory=dict)   # rank -> pid
     steps: list = dataclasses.field(default_factory=list)  # step events
     done: dict = dataclasses.field(default_factory=dict)   # rank -> weights digest
-    preempted: Optional[preemption.Report] = None
+    preempted: Optional[preemption.Report] = None  # the first worker's report
+    reports: dict = dataclasses.field(default_factory=dict)  # rank -> its preemption Report
     ended_at: Optional[float] = None  # when the launcher said it ended (restart message)
 
 
@@ -154,8 +155,10 @@ def attempts_of(lines: Sequence[Line], n: int) -> list[Attempt]:
                 if attempts[-1].ended_at is None:
                     attempts[-1].ended_at = line.t
             report = preemption.parse_report(line.text)
-            if report is not None and attempts and attempts[-1].preempted is None:
-                attempts[-1].preempted = report
+            if report is not None and attempts:
+                if attempts[-1].preempted is None:
+                    attempts[-1].preempted = report
+                attempts[-1].reports.setdefault(report.rank, report)
             continue
         if event["event"] == "start":
             if not attempts or len(attempts[-1].pids) >= n:
@@ -188,6 +191,8 @@ class Interruption:
     resumed_from: Optional[int] = None  # steps applied before the next attempt's first step
     ended_after_s: Optional[float] = None   # the launcher's restart message, after the fault
     training_after_s: Optional[float] = None  # every worker's first step of the next attempt
+    # A SIGTERM: every worker of the attempt said it stopped at the same step with a checkpoint.
+    stopped_together: Optional[bool] = None
 
     @property
     def redone(self) -> Optional[int]:
@@ -200,6 +205,10 @@ def measure(interruption: Interruption, before: Attempt, after: Optional[Attempt
             steps_per_epoch: int) -> None:
     """Fills in what followed the fault from the interrupted attempt and the next one."""
     i = interruption
+    if i.fault == "sigterm":
+        places = {(r.epoch, r.step, r.checkpoint) for r in before.reports.values()}
+        i.stopped_together = (set(before.reports) == set(before.pids) and len(places) == 1
+                              and None not in next(iter(places)))
     if before.preempted is not None and before.preempted.epoch is not None:
         i.applied = before.preempted.epoch * steps_per_epoch + before.preempted.step
     elif before.steps:
@@ -227,13 +236,19 @@ class TrialResult:
     completed: bool = False
     bitwise: bool = False
     detail: str = ""
+    # False: two uninterrupted runs of this many workers ended with different weights, so the
+    # weights were not compared (no run can be bitwise equal to "the" uninterrupted run).
+    comparable: bool = True
 
 
 def format_trial(r: TrialResult) -> str:
     lines = [f"{r.name}: " + ("completed" if r.completed else
                               f"NOT COMPLETED (launcher exit {r.exit_code}{'; ' + r.detail if r.detail else ''})")
              + (", weights bitwise equal to the uninterrupted run" if r.bitwise else
-                (", WEIGHTS DIFFER from the uninterrupted run" if r.completed else ""))]
+                ("" if not r.completed else
+                 ", WEIGHTS DIFFER from the uninterrupted run" if r.comparable else
+                 f", weights not compared (two uninterrupted runs of {r.workers} workers differ "
+                 "from each other)"))]
     for i in r.interruptions:
         redone = i.redone
         what = (f"  {FAULT_NAMES[i.fault]} to rank {i.victim} after step {i.at_step}: "
@@ -241,6 +256,8 @@ def format_trial(r: TrialResult) -> str:
                 + (f"resumed from step {i.resumed_from}: {redone} step(s) redone"
                    + (" [SKIPPED STEPS]" if redone < 0 else "") if redone is not None
                    else "never resumed"))
+        if i.stopped_together is False:
+            what += "; NOT every worker stopped at the same step with a checkpoint"
         if i.training_after_s is not None:
             ended = f"{i.ended_after_s:.1f} s" if i.ended_after_s is not None else "?"
             what += (f"; training again {i.training_after_s:.1f} s after the fault (attempt "
@@ -256,14 +273,24 @@ def summary_lines(results: Sequence[TrialResult]) -> list[str]:
     lines = [f"restarts: {len(interruptions)} interruptions ("
              + ", ".join(f"{len(v)} {FAULT_NAMES[k]}" for k, v in by_kind.items())
              + f") in {runs} runs: {sum(r.completed for r in results)} of {runs} completed, "
-             f"{sum(r.bitwise for r in results)} of {runs} bitwise equal to the uninterrupted run"]
+             f"{sum(r.bitwise for r in results)} of {sum(r.comparable for r in results)} bitwise "
+             "equal to the uninterrupted run"]
+    apart = sorted({r.workers for r in results if not r.comparable})
+    if apart:
+        lines[0] += (f" ({sum(not r.comparable for r in results)} runs of "
+                     f"{'/'.join(map(str, apart))} workers not compared: two uninterrupted runs of "
+                     "as many workers differ from each other)")
     for kind, found in by_kind.items():
         redone = [i.redone for i in found if i.redone is not None]
         if found:
+            together = ""
+            if kind == "sigterm":
+                together = (f"; every worker stopped at one step with a checkpoint in "
+                            f"{sum(bool(i.stopped_together) for i in found)} of {len(found)}")
             lines.append(f"  steps redone after {FAULT_NAMES[kind]}: "
                          + (f"max {max(redone)}, mean {statistics.mean(redone):.1f}"
                             + (f" ({len(found) - len(redone)} never resumed)" if len(redone) < len(found) else "")
-                            if redone else "never resumed"))
+                            if redone else "never resumed") + together)
     again = [i.training_after_s for i in interruptions if i.training_after_s is not None]
     if again:
         late = sum(1 for t in again if t > GOAL_S)
@@ -333,7 +360,8 @@ class RestartJob:
         self.reader.join(10)
 
 
-def _wait(condition, timeout: float, step: float = 0.01) -> bool:
+def wait_until(condition, timeout: float, step: float = 0.01) -> bool:
+    """Polls ``condition`` every ``step`` s until it holds (True) or ``timeout`` s passed."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if condition():
@@ -404,12 +432,13 @@ def reference_weights(n: int, config: dict, job_seed: int, deadline_s: float) ->
 
 
 def run_trial(plan: TrialPlan, name: str, base_config: dict, reference: Optional[str], job_seed: int,
-              deadline_s: float, log=print) -> TrialResult:
-    """Runs one job, interrupting it as planned; measures what followed each fault."""
+              deadline_s: float, comparable: bool = True) -> TrialResult:
+    """Runs one job, interrupting it as planned; measures what followed each fault
+    (``comparable``: the uninterrupted runs of as many workers reproduce their weights)."""
     workdir = tempfile.mkdtemp(prefix="prophet_restarts_")
     config = dict(base_config, backup_dir=os.path.join(workdir, "backup"))
     spe = config["steps_per_epoch"]
-    result = TrialResult(name, plan.workers)
+    result = TrialResult(name, plan.workers, comparable=comparable)
     job = RestartJob(plan.workers, config, workdir, len(plan.faults) + 1, job_seed, deadline_s)
     started = time.monotonic()
     try:
@@ -420,7 +449,7 @@ def run_trial(plan: TrialPlan, name: str, base_config: dict, reference: Optional
                         any(position(e, spe) >= at_step for e in attempts[index].steps))
 
             left = deadline_s - (time.monotonic() - started)
-            if not _wait(trained_past, left) or job.proc.poll() is not None:
+            if not wait_until(trained_past, left) or job.proc.poll() is not None:
                 result.detail = f"fault {index + 1} not sent: attempt {index + 1} never trained past step {at_step}"
                 break
             attempt = job.attempts()[index]
@@ -448,7 +477,8 @@ def run_trial(plan: TrialPlan, name: str, base_config: dict, reference: Optional
     last = attempts[-1] if attempts else None
     result.completed = (result.exit_code == 0 and last is not None and len(last.done) == plan.workers
                         and len(attempts) == len(result.interruptions) + 1)
-    result.bitwise = result.completed and reference is not None and set(last.done.values()) == {reference}
+    result.bitwise = (result.completed and comparable and reference is not None
+                      and set(last.done.values()) == {reference})
     if not result.completed and not result.detail:
         result.detail = "\n" + job.tail()
     return result
@@ -456,7 +486,10 @@ def run_trial(plan: TrialPlan, name: str, base_config: dict, reference: Optional
 
 def run(per_kind: int, seed: int, quick: bool, deadline_s: float, json_path: Optional[str] = None,
         log=print) -> list[TrialResult]:
-    """The restart trials; prints each and the summary; returns them."""
+    """The restart trials; prints each and the summary; returns them. Without ``quick`` the
+    uninterrupted run of each worker count runs twice: when the two end with different weights
+    (the runtime sums the contributions of 3+ workers in their order of arrival, so float
+    rounding may differ from run to run), the weights of those trials are not compared."""
     job_seed = 1000 + seed
     probe = job_config(seed, "", quick)
     total = probe["epochs"] * probe["steps_per_epoch"]
@@ -467,15 +500,25 @@ def run(per_kind: int, seed: int, quick: bool, deadline_s: float, json_path: Opt
         f"PROPHET_JOB_SEED={job_seed}; training again = fault -> every worker finished its first "
         f"step of the next attempt (goal {GOAL_S:.0f} s)")
     references: dict[int, Optional[str]] = {}
+    reproducible: dict[int, bool] = {}
     results = []
     for index, plan in enumerate(plans, 1):
-        if plan.workers not in references:
-            references[plan.workers], why = reference_weights(plan.workers, probe, job_seed, deadline_s)
-            if references[plan.workers] is None:
-                log(f"  (no uninterrupted reference for {plan.workers} workers: {why})")
+        n = plan.workers
+        if n not in references:
+            references[n], why = reference_weights(n, probe, job_seed, deadline_s)
+            reproducible[n] = True
+            if references[n] is None:
+                log(f"  (no uninterrupted reference for {n} workers: {why})")
+            elif not quick:
+                again, why = reference_weights(n, probe, job_seed, deadline_s)
+                reproducible[n] = again == references[n]
+                log(f"  uninterrupted runs of {n} workers: "
+                    + ("the same weights twice" if reproducible[n] else
+                       f"DIFFERENT weights ({references[n][:12]} and {str(again)[:12]}{', ' + why if why else ''}): "
+                       "their trials' weights are not compared"))
         faults = " then ".join(FAULT_NAMES[f[0]] for f in plan.faults)
-        result = run_trial(plan, f"restart trial {index}/{len(plans)}: {plan.workers} workers, {faults}",
-                           probe, references[plan.workers], job_seed, deadline_s)
+        result = run_trial(plan, f"restart trial {index}/{len(plans)}: {n} workers, {faults}",
+                           probe, references[n], job_seed, deadline_s, reproducible[n])
         results.append(result)
         log(format_trial(result))
     if json_path:
