@@ -7,10 +7,6 @@
                                        then a program with its own SIGTERM handler, installed
                                        after the strategy, then before it (no checkpoint); then
                                        a fit that fails in a callback
-  preemption.py interrupted WORKDIR    a fit with BackupAndRestore(save_freq=2); rank 1 gets
-                                       SIGTERM in the middle of a step of epoch 1: every worker
-                                       exits with status 75
-  preemption.py resume WORKDIR         the same program again: it resumes
 
 Every fit prints ``RESULT {"section": "fit", ...}`` with its final weights' digest, the steps
 whose batch-end callbacks ran and, when preempted, the position of the stop."""
@@ -141,10 +137,8 @@ class CountSteps(keras.callbacks.Callback):
         self.steps += 1
 
 
-def run_fit(strategy, workdir, label, holder, kind, moment=None, victim=None, catch=True,
-            make=build):
-    """One fit of the model ``make(strategy)`` gives; returns its RESULT (also printed).
-    ``catch=False``: a preemption ends the program (status 75)."""
+def run_fit(strategy, workdir, label, holder, kind, moment=None, victim=None, make=build):
+    """One fit of the model ``make(strategy)`` gives; returns its RESULT (also printed)."""
     from prophet_tf import preemption
 
     model = make(strategy)
@@ -169,8 +163,6 @@ def run_fit(strategy, workdir, label, holder, kind, moment=None, victim=None, ca
         model.fit(**train_input(kind), epochs=EPOCHS, verbose=0, callbacks=callbacks,
                   validation_data=(x[:32], y[:32]))
     except preemption.Preempted as p:
-        if not catch:
-            raise
         stopped = p.report
     result = dict(section="fit", label=label, kind=kind, steps=counter.steps,
                   seconds=round(time.monotonic() - start, 2),
@@ -244,14 +236,6 @@ def own_handler(strategy, workdir, fresh):
     run_fit(strategy, workdir, "chained", "none", "arrays", "mid_step", 1, make=fresh)
 
 
-def interrupted(strategy, workdir):
-    run_fit(strategy, workdir, "restart", "backup2", "arrays", "mid_step", 1, catch=False)
-
-
-def resume(strategy, workdir):
-    run_fit(strategy, workdir, "restart", "backup2", "arrays")
-
-
 def main():
     mode, workdir = sys.argv[1], sys.argv[2]
     from prophet_tf.strategy import ProphetStrategy
@@ -259,7 +243,7 @@ def main():
     strategy = ProphetStrategy(preemption_grace_s=60.0)
     from tensorflow.python.eager import context
     common.result(section="seed", seed=context.global_seed())  # before the program sets its own
-    {"scenarios": scenarios, "interrupted": interrupted, "resume": resume}[mode](strategy, workdir)
+    {"scenarios": scenarios}[mode](strategy, workdir)
     print("WORKER DONE", flush=True)
 
 
