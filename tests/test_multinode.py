@@ -336,6 +336,26 @@ def test_dash_H_with_local_hosts(tmp_path: Path) -> None:
     assert sorted(records) == [0, 1, 2] and len({x["token"] for x in records.values()}) == 1
 
 
+def test_dash_H_restarts_every_node_together(tmp_path: Path) -> None:
+    from test_launch import _starts
+
+    # Rank 2 (node 1) is killed in attempt 1, then the same bug at the same place twice: the -H
+    # launcher's master restarts both nodes once for the kill, once after the first bug, and
+    # stops at the second, naming it.
+    script = _attempts_script(tmp_path, {"0": {"2": "kill"}, "1": {"0": "bug"}, "2": {"2": "bug"}})
+    r = subprocess.run([sys.executable, "-m", "prophet_tf.launch", "-H", "localhost:2,127.0.0.1:1",
+                        "--max-restarts", "5", "--grace", "2", "--", *script], capture_output=True,
+                       text=True, env=_env(None), cwd=tmp_path, timeout=120)
+    said = r.stdout + r.stderr
+    assert r.returncode == 1, said
+    starts = _starts(tmp_path / "out")
+    assert sorted(starts) == [(rank, a) for rank in range(3) for a in range(3)], said
+    for attempt in range(3):  # one job per attempt: every node's workers saw the same cluster
+        assert len({starts[(rank, attempt)]["token"] for rank in range(3)}) == 1
+    assert said.count("Restarting every worker") == 2 * 2, said  # both nodes say it, twice
+    assert "a bug, not a fault" in said and "epoch 1 step 4: ValueError: a bug" in said
+
+
 # ------------------------------------------------------------------------------------------------
 # Pieces
 
