@@ -12,6 +12,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Sequence
 
 import pytest
 
@@ -215,15 +216,17 @@ FAILS_SLOWLY = textwrap.dedent("""\
 
 
 class _SeesTraceback(io.StringIO):
-    """The launcher's stderr: creates `marker` once rank 1's traceback has been passed on."""
+    """The launcher's stderr: creates `marker` once the traceback of one of `ranks` has been
+    passed on."""
 
-    def __init__(self, marker: Path) -> None:
+    def __init__(self, marker: Path, ranks: Sequence[int] = (1,)) -> None:
         super().__init__()
         self.marker = marker
+        self.starts = tuple(f"[rank {r}] Traceback" for r in ranks)
 
     def write(self, text: str) -> int:
         n = super().write(text)
-        if text.startswith("[rank 1] Traceback"):
+        if text.startswith(self.starts):
             self.marker.touch()
         return n
 
@@ -257,6 +260,34 @@ def test_blames_the_worker_that_failed_first(tmp_path: Path, text: str, status: 
     assert report.startswith(" worker rank 1 ") and status in report, err.getvalue()
     if text is FAILS_SLOWLY:
         assert "the real problem, on rank 1" in report
+
+
+# Rank 1 "dies" (the others learn it as from the runtime: a lost connection) but is seen dead by
+# the launcher only after their tracebacks (a SIGKILLed process with much memory takes a moment
+# to be torn down, while its peers' sockets already broke).
+LOST_PEER_SEEN_DEAD_LATE = textwrap.dedent("""\
+    import json, os, signal, sys, time
+    rank = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    gone = os.path.join(sys.argv[1], "rank1_gone")
+    if rank == 1:
+        open(gone, "w").close()
+        while not os.path.exists(os.path.join(sys.argv[1], "launcher_saw_a_traceback")):
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGKILL)
+    while not os.path.exists(gone):
+        time.sleep(0.01)
+    print(f"prophet_tf ERROR [rank {rank}]: lost the connection to rank 1 (127.0.0.1:1): "
+          "receiving failed: Connection reset by peer", file=sys.stderr, flush=True)
+    raise RuntimeError("allgather failed: lost the connection to rank 1 (127.0.0.1:1)")
+    """)
+
+
+def test_a_worker_that_lost_a_peer_is_not_blamed_for_the_peers_death(tmp_path: Path) -> None:
+    err = _SeesTraceback(tmp_path / "launcher_saw_a_traceback", ranks=(0, 2))
+    rc = launch([_script(tmp_path, "w.py", LOST_PEER_SEEN_DEAD_LATE), str(tmp_path)], 3, grace=1.0,
+                timeout=30, stdout=io.StringIO(), stderr=err)
+    report = err.getvalue().split("[launch]")[-1]
+    assert rc == 137 and report.startswith(" worker rank 1 ") and "SIGKILL" in report, err.getvalue()
 
 
 # ------------------------------------------------------------------------------------------------

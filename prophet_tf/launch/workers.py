@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import select
 import signal
 import socket
@@ -42,6 +43,11 @@ _STDERR_TAIL_LINES = 20
 # Lines that open the report of an uncaught failure on a worker's stderr.
 _FAILURE_STARTS = ("Traceback (most recent call last):", "Fatal Python error:")
 _POLL_S = 0.05
+# How the runtime names a peer whose connection broke (ops/core: the error of every operation that
+# needed it). A worker killed with SIGKILL can take a moment to be seen dead (its memory is torn
+# down) while its peers already print their tracebacks about it.
+_LOST_PEER = "lost the connection to rank "
+_LOST_PEER_RE = re.compile(re.escape(_LOST_PEER) + r"(\d+)\b")
 #: Set by the launcher for each worker: its index on this node and the number of workers on this
 #: node (ProphetStrategy picks the worker's GPU with them).
 LOCAL_RANK_ENV = "PROPHET_LOCAL_RANK"
@@ -380,6 +386,9 @@ class _Worker:
         self.preempted_line: Optional[str] = None
         self.fit_failure_line: Optional[str] = None
         self.received: Optional[tuple[float, str]] = None  # (when, "rank R received SIGTERM")
+        # The peer whose loss this worker reported first (the runtime's "lost the connection to
+        # rank R"): that peer failed before it, whatever the launcher saw first.
+        self.lost_peer: Optional[int] = None
         # When it failed: its first uncaught Python traceback (printed before any clean-up, which
         # can take seconds), else when it was seen to exit. Peers of a failed worker fail after it.
         self.traceback_at: Optional[float] = None
@@ -443,6 +452,8 @@ class _Worker:
                     previous = line
                     if "prophet_tf: " in line:
                         self._note_preemption_line(line)
+                    if self.lost_peer is None and _LOST_PEER in line:
+                        self._note_lost_peer(line)
                 if self.log is not None:
                     with self._log_lock, contextlib.suppress(OSError, ValueError):
                         self.log.write(line + "\n")
@@ -465,6 +476,11 @@ class _Worker:
             received = preemption.parse_received(line)
             if received is not None:
                 self.received = (time.monotonic(), f"rank {received[0]} received {received[1]}")
+
+    def _note_lost_peer(self, line: str) -> None:
+        m = _LOST_PEER_RE.search(line)
+        if m is not None:
+            self.lost_peer = int(m.group(1))
 
     def join_output(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -703,8 +719,14 @@ def _worker_failed(workers: Sequence[_Worker], codes: Sequence[Optional[int]], s
 
 def _first_failure(failed: Sequence[_Worker], stopping_at: float,
                    first_code: Optional[int] = None) -> Failure:
-    """The failure of the worker that failed first (its traceback or death came earliest)."""
+    """The failure of the worker that failed first (its traceback or death came earliest; but a
+    worker that reported the loss of a peer that failed too failed after that peer)."""
     culprit = min(failed, key=lambda w: (w.failed_at(), w.rank))
+    by_rank = {w.rank: w for w in failed}
+    seen = {culprit.rank}
+    while culprit.lost_peer in by_rank and culprit.lost_peer not in seen:
+        culprit = by_rank[culprit.lost_peer]
+        seen.add(culprit.rank)
     code = culprit.proc.returncode
     if culprit.exited_at is not None and culprit.exited_at >= stopping_at and first_code is not None:
         # It failed first but was still exiting when the launcher stopped it.
