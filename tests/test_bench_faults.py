@@ -212,6 +212,7 @@ def test_restart_trials_plan_and_summary():
     assert all(p.workers in (2, 3) and 0 <= p.faults[0][1] < p.workers and 2 <= p.faults[0][2] < 74
                for p in plans)
     assert plans == plan_trials(10, seed=5, total_steps=80, quick=False)
+    assert {p.workers for p in plan_trials(10, seed=5, total_steps=80, quick=False, workers=[2])} == {2}
     (quick,) = plan_trials(1, seed=5, total_steps=30, quick=True)
     assert [f[0] for f in quick.faults] == ["sigterm", "kill"] and quick.faults[0][2] < quick.faults[1][2]
 

@@ -73,6 +73,9 @@ flags.DEFINE_string("worker", None, "Internal: run as a worker with this JSON co
 flags.DEFINE_bool("restarts", False, "Run the restart trials (instead of the fault and hostile trials).")
 flags.DEFINE_integer("restart_trials", 10, "Restart trials per fault (SIGTERM, kill -9); --quick: one run "
                      "interrupted once by each.")
+flags.DEFINE_list("restart_workers", ["2", "3"], "Worker counts the restart trials draw from "
+                  "(2: every run's weights can be compared bitwise; 3+ workers' sums depend on "
+                  "arrival order).")
 flags.DEFINE_string("restart_worker", None, "Internal: run as a worker of the restart trials.")
 
 EVENT = "FAULTS_EVENT"
@@ -767,8 +770,11 @@ def main(argv: Sequence[str]) -> None:
         restart_trials.run_worker(json.loads(FLAGS.restart_worker))
         return
     if FLAGS.restarts:
+        workers = [int(n) for n in FLAGS.restart_workers]
+        if not workers or min(workers) < 2:
+            raise app.UsageError(f"--restart_workers: worker counts of at least 2, got {workers}")
         results = restart_trials.run(FLAGS.restart_trials, FLAGS.seed, FLAGS.quick,
-                                     FLAGS.deadline_s * 4, FLAGS.json)
+                                     FLAGS.deadline_s * 4, FLAGS.json, workers=workers)
         sys.exit(0 if results and all(r.completed and (r.bitwise or not r.comparable)
                                       for r in results) else 1)
     trials = FLAGS.trials if FLAGS.trials is not None else (4 if FLAGS.quick else 24)

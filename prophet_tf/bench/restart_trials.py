@@ -386,9 +386,10 @@ class TrialPlan:
     seed: int
 
 
-def plan_trials(per_kind: int, seed: int, total_steps: int, quick: bool) -> list[TrialPlan]:
-    """``per_kind`` SIGTERM and ``per_kind`` kill -9 trials in a seeded order (2 or 3 workers,
-    random victim, step, and a delay of up to one step after it, as a fraction of the step);
+def plan_trials(per_kind: int, seed: int, total_steps: int, quick: bool,
+                workers: Sequence[int] = (2, 3)) -> list[TrialPlan]:
+    """``per_kind`` SIGTERM and ``per_kind`` kill -9 trials in a seeded order (one of ``workers``
+    workers, random victim, step, and a delay of up to one step after it, as a fraction of the step);
     ``quick``: one run of 2 workers interrupted twice (a SIGTERM, then a kill -9). Faults come
     before the last 6 steps (a SIGTERM stops the workers one or two steps later)."""
     rng = random.Random(seed)
@@ -404,7 +405,7 @@ def plan_trials(per_kind: int, seed: int, total_steps: int, quick: bool) -> list
     rng.shuffle(kinds)
     plans = []
     for kind in kinds:
-        n = rng.choice((2, 3))
+        n = rng.choice(tuple(workers))
         plans.append(TrialPlan(n, [fault(kind, n, 2)], seed))
     return plans
 
@@ -485,7 +486,7 @@ def run_trial(plan: TrialPlan, name: str, base_config: dict, reference: Optional
 
 
 def run(per_kind: int, seed: int, quick: bool, deadline_s: float, json_path: Optional[str] = None,
-        log=print) -> list[TrialResult]:
+        log=print, workers: Sequence[int] = (2, 3)) -> list[TrialResult]:
     """The restart trials; prints each and the summary; returns them. Without ``quick`` the
     uninterrupted run of each worker count runs twice: when the two end with different weights
     (the runtime sums the contributions of 3+ workers in their order of arrival, so float
@@ -493,7 +494,7 @@ def run(per_kind: int, seed: int, quick: bool, deadline_s: float, json_path: Opt
     job_seed = 1000 + seed
     probe = job_config(seed, "", quick)
     total = probe["epochs"] * probe["steps_per_epoch"]
-    plans = plan_trials(per_kind, seed, total, quick)
+    plans = plan_trials(per_kind, seed, total, quick, workers)
     log(f"restart trials: {sum(len(p.faults) for p in plans)} interruptions in {len(plans)} runs, "
         f"seed {seed}; a fit of {probe['epochs']} epochs x {probe['steps_per_epoch']} steps with "
         f"BackupAndRestore(save_freq={probe['save_freq']}) under prophetrun --max-restarts, "
