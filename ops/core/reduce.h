@@ -17,12 +17,6 @@ bool SumTo(DataType dtype, void* dst, const void* a, const void* b, size_t count
 // dst[i] /= divisor (used for averaging; integer types use truncating division as tf.math does).
 bool DivideBy(DataType dtype, void* dst, size_t count, int divisor);
 
-// Conversions exposed for tests.
-float HalfToFloat(uint16_t h);
-uint16_t FloatToHalf(float f);
-float BFloat16ToFloat(uint16_t b);
-uint16_t FloatToBFloat16(float f);
-
 }  // namespace prophet
 
 #endif  // PROPHET_OPS_CORE_REDUCE_H_

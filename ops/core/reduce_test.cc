@@ -1,4 +1,4 @@
-// Summation kernels: every summable dtype against a scalar reference, fp16/bf16 rounding, division.
+// Summation kernels: every summable dtype against a scalar reference, fp16/bf16 sums, division.
 #include "ops/core/reduce.h"
 
 #include <cmath>
@@ -7,70 +7,20 @@
 #include <random>
 #include <vector>
 
+#include "ops/core/codec.h"
+#include "ops/core/float16_reference.h"
 #include "ops/core/testing.h"
 
 namespace prophet {
 namespace {
 
+using reference::BitsFloat;
+using reference::FloatBits;
+using reference::RefFloatToBFloat16;
+using reference::RefFloatToHalf;
+using reference::RefHalfToFloat;
+
 const size_t kLengths[] = {1, 7, 1023, 100003};
-
-uint32_t FloatBits(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  return b;
-}
-float BitsFloat(uint32_t b) {
-  float f;
-  std::memcpy(&f, &b, 4);
-  return f;
-}
-
-// Reference fp16 encoder written independently of the compiler's _Float16 (round to nearest even,
-// subnormals, overflow to infinity).
-uint16_t RefFloatToHalf(float f) {
-  const uint32_t x = FloatBits(f);
-  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
-  const uint32_t abs = x & 0x7fffffffu;
-  if (abs > 0x7f800000u) return sign | 0x7e00u;  // NaN
-  if (abs >= 0x477ff000u) return sign | 0x7c00u;  // >= 65520 rounds to infinity
-  if (abs < 0x33000000u) return sign;             // < 2^-25: rounds to zero (2^-25 itself is a tie to 0)
-  int exp = static_cast<int>(abs >> 23) - 127;
-  uint32_t mant = (abs & 0x7fffffu) | 0x800000u;  // 24 significant bits
-  int shift;                                      // bits to drop from the 24-bit mantissa
-  uint16_t e16;
-  if (exp < -14) {  // subnormal half: value = m * 2^-24
-    shift = 13 + (-14 - exp);
-    e16 = 0;
-  } else {
-    shift = 13;
-    e16 = static_cast<uint16_t>(exp + 15);
-  }
-  uint32_t kept = mant >> shift;
-  const uint32_t rem = mant & ((1u << shift) - 1);
-  const uint32_t half = 1u << (shift - 1);
-  if (rem > half || (rem == half && (kept & 1u))) ++kept;
-  if (e16 == 0) return sign | static_cast<uint16_t>(kept);  // may carry into the smallest normal: fine
-  // kept has the implicit bit at 1 << 10; a carry to 1 << 11 bumps the exponent.
-  uint32_t bits = (static_cast<uint32_t>(e16) << 10) + (kept - 0x400u);
-  return sign | static_cast<uint16_t>(bits);
-}
-
-float RefHalfToFloat(uint16_t h) {
-  const int sign = (h & 0x8000) ? -1 : 1;
-  const int e = (h >> 10) & 0x1f, m = h & 0x3ff;
-  if (e == 0) return sign * std::ldexp(static_cast<float>(m), -24);
-  if (e == 31) return m ? std::numeric_limits<float>::quiet_NaN() : sign * std::numeric_limits<float>::infinity();
-  return sign * std::ldexp(static_cast<float>(m + 1024), e - 25);
-}
-
-uint16_t RefFloatToBFloat16(float f) {
-  const uint32_t x = FloatBits(f);
-  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40);
-  uint32_t kept = x >> 16;
-  const uint32_t rem = x & 0xffffu;
-  if (rem > 0x8000u || (rem == 0x8000u && (kept & 1u))) ++kept;
-  return static_cast<uint16_t>(kept);
-}
 
 template <typename T>
 void CheckExactSum(DataType dtype, std::mt19937_64& rng) {
@@ -118,104 +68,6 @@ TEST(SumFloat32Float64MatchScalarReference) {
     for (size_t i = 0; i < n; ++i) bad += FloatBits(a[i]) != FloatBits(ra[i]) || c[i] != rc[i];
     EXPECT_EQ(bad, 0u);
   }
-}
-
-TEST(HalfConversionsMatchReference) {
-  // Every half value converts to float exactly and back to itself (NaNs stay NaN).
-  for (uint32_t h = 0; h < 65536; ++h) {
-    const float f = HalfToFloat(static_cast<uint16_t>(h));
-    const float r = RefHalfToFloat(static_cast<uint16_t>(h));
-    if (std::isnan(r)) {
-      EXPECT_TRUE(std::isnan(f));
-      EXPECT_TRUE(std::isnan(HalfToFloat(FloatToHalf(f))));
-      continue;
-    }
-    if (FloatBits(f) != FloatBits(r) || FloatToHalf(f) != h) {
-      std::fprintf(stderr, "half 0x%04x: %g vs %g\n", h, f, r);
-      ++::prophet::testing::Failures();
-      break;
-    }
-  }
-  // Float -> half rounding against the independent reference on many floats near half values,
-  // including exact ties.
-  std::mt19937_64 rng(3);
-  size_t bad = 0;
-  for (int i = 0; i < 400000; ++i) {
-    float f;
-    if (i % 2) {
-      f = BitsFloat(static_cast<uint32_t>(rng()));
-    } else {
-      // A half value plus a sub-ulp offset in float: ties and near-ties.
-      const uint16_t h = static_cast<uint16_t>(rng() & 0x7bffu);
-      const uint32_t bits = FloatBits(RefHalfToFloat(h)) + static_cast<uint32_t>(rng() % 0x4000u);
-      f = BitsFloat(bits);
-    }
-    if (std::isnan(f)) continue;
-    bad += FloatToHalf(f) != RefFloatToHalf(f);
-  }
-  EXPECT_EQ(bad, 0u);
-}
-
-TEST(HalfRoundingKnownValues) {
-  EXPECT_EQ(FloatToHalf(1.0f), 0x3c00);
-  EXPECT_EQ(FloatToHalf(-2.0f), 0xc000);
-  EXPECT_EQ(FloatToHalf(65504.0f), 0x7bff);                // largest finite
-  EXPECT_EQ(FloatToHalf(65519.0f), 0x7bff);                // below the midpoint to infinity
-  EXPECT_EQ(FloatToHalf(65520.0f), 0x7c00);                // tie at 65520 rounds to even = inf
-  EXPECT_EQ(FloatToHalf(1e9f), 0x7c00);
-  // 1 + 2^-11 is halfway between 1 and 1 + 2^-10: ties to even (1.0).
-  EXPECT_EQ(FloatToHalf(1.0f + std::ldexp(1.0f, -11)), 0x3c00);
-  // 1 + 3 * 2^-11 is halfway between 1 + 2^-10 (odd) and 1 + 2^-9 (even): rounds up.
-  EXPECT_EQ(FloatToHalf(1.0f + 3 * std::ldexp(1.0f, -11)), 0x3c02);
-  // Slightly above a tie rounds up.
-  EXPECT_EQ(FloatToHalf(std::nextafter(1.0f + std::ldexp(1.0f, -11), 2.0f)), 0x3c01);
-  // Subnormals: 2^-24 is the smallest; 2^-25 is a tie between 0 and it (rounds to 0);
-  // 3 * 2^-25 is a tie between 1 and 2 units (rounds to 2).
-  EXPECT_EQ(FloatToHalf(std::ldexp(1.0f, -24)), 0x0001);
-  EXPECT_EQ(FloatToHalf(std::ldexp(1.0f, -25)), 0x0000);
-  EXPECT_EQ(FloatToHalf(std::nextafter(std::ldexp(1.0f, -25), 1.0f)), 0x0001);
-  EXPECT_EQ(FloatToHalf(3 * std::ldexp(1.0f, -25)), 0x0002);
-  EXPECT_EQ(FloatToHalf(-0.0f), 0x8000);
-  EXPECT_EQ(HalfToFloat(0x3555), 0.333251953125f);
-}
-
-TEST(BFloat16RoundingKnownValues) {
-  EXPECT_EQ(FloatToBFloat16(1.0f), 0x3f80);
-  EXPECT_EQ(FloatToBFloat16(-1.0f), 0xbf80);
-  // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties to even (1.0).
-  EXPECT_EQ(FloatToBFloat16(1.0f + std::ldexp(1.0f, -8)), 0x3f80);
-  // 1 + 3 * 2^-8: halfway between 0x3f81 (odd) and 0x3f82: up.
-  EXPECT_EQ(FloatToBFloat16(1.0f + 3 * std::ldexp(1.0f, -8)), 0x3f82);
-  EXPECT_EQ(FloatToBFloat16(std::nextafter(1.0f + std::ldexp(1.0f, -8), 2.0f)), 0x3f81);
-  EXPECT_EQ(FloatToBFloat16(BitsFloat(0x3f80ffffu)), 0x3f81);
-  EXPECT_EQ(FloatToBFloat16(BitsFloat(0x3f807fffu)), 0x3f80);
-  // The largest finite float rounds to infinity; the largest finite bf16 stays.
-  EXPECT_EQ(FloatToBFloat16(std::numeric_limits<float>::max()), 0x7f80);
-  EXPECT_EQ(FloatToBFloat16(BitsFloat(0x7f7f0000u)), 0x7f7f);
-  EXPECT_EQ(FloatToBFloat16(std::numeric_limits<float>::infinity()), 0x7f80);
-  EXPECT_EQ(FloatToBFloat16(-std::numeric_limits<float>::infinity()), 0xff80);
-  // NaN stays NaN (not rounded into infinity), including a NaN whose payload is only low bits.
-  const uint16_t nan = FloatToBFloat16(BitsFloat(0x7f800001u));
-  EXPECT_TRUE((nan & 0x7f80) == 0x7f80 && (nan & 0x7f) != 0);
-  EXPECT_TRUE(std::isnan(BFloat16ToFloat(FloatToBFloat16(std::numeric_limits<float>::quiet_NaN()))));
-  EXPECT_EQ(BFloat16ToFloat(0x4049), 3.140625f);
-  // Every bf16 value round-trips.
-  size_t bad = 0;
-  for (uint32_t b = 0; b < 65536; ++b) {
-    const float f = BFloat16ToFloat(static_cast<uint16_t>(b));
-    if (std::isnan(f)) continue;
-    bad += FloatToBFloat16(f) != b;
-  }
-  EXPECT_EQ(bad, 0u);
-  // Against the reference on random floats.
-  std::mt19937_64 rng(4);
-  bad = 0;
-  for (int i = 0; i < 400000; ++i) {
-    const float f = BitsFloat(static_cast<uint32_t>(rng()));
-    if (std::isnan(f)) continue;
-    bad += FloatToBFloat16(f) != RefFloatToBFloat16(f);
-  }
-  EXPECT_EQ(bad, 0u);
 }
 
 TEST(SumFloat16AndBFloat16AgainstReference) {
