@@ -17,6 +17,8 @@ void EncodeFrameMeta(const FrameMeta& meta, std::string* out) {
   h.num_partitions = meta.num_partitions;
   h.offset = meta.offset;
   h.payload_bytes = meta.payload_bytes;
+  h.encoding = static_cast<uint8_t>(meta.encoding);
+  h.scale_exp = static_cast<int8_t>(meta.scale_exp);
   const size_t start = out->size();
   out->resize(start + sizeof(h) + meta.name.size() + 8 * meta.shape.size());
   char* p = &(*out)[start];
@@ -44,6 +46,18 @@ Status ValidateHeader(const FrameHeader& h) {
                std::to_string(kMaxNameBytes) + "]");
   if (h.ndims > kMaxDims) return bad("rank " + std::to_string(h.ndims) + " above " + std::to_string(kMaxDims));
   if (h.payload_bytes > kMaxPayloadBytes) return bad("payload of " + std::to_string(h.payload_bytes) + " bytes");
+  if (h.encoding > kLastEncoding) return bad("unknown payload encoding " + std::to_string(h.encoding));
+  const auto encoding = static_cast<Encoding>(h.encoding);
+  if (encoding == Encoding::kNone && h.scale_exp != 0) return bad("a scale exponent without an encoding");
+  if (encoding != Encoding::kNone) {
+    if (type != FrameType::kPush && type != FrameType::kResult && type != FrameType::kGather)
+      return bad(std::string("a ") + EncodingName(encoding) + " payload in a frame of type " + std::to_string(h.type));
+    if (static_cast<DataType>(h.dtype) != DataType::kFloat32)
+      return bad(std::string("a ") + EncodingName(encoding) + " payload for dtype code " + std::to_string(h.dtype) +
+                 " (only float32 is encoded)");
+    if (h.scale_exp > kMaxScaleExponent || h.scale_exp < -kMaxScaleExponent)
+      return bad("scale exponent " + std::to_string(h.scale_exp));
+  }
   if (type == FrameType::kError || type == FrameType::kPeerLost)
     return h.payload_bytes <= kMaxErrorMessageBytes ? Status::OK()
                                                     : bad("error message of " + std::to_string(h.payload_bytes) + " bytes");
@@ -68,9 +82,12 @@ Status DecodeFrameMeta(const FrameHeader& h, const char* tail, size_t tail_len, 
   meta->num_partitions = h.num_partitions;
   meta->offset = h.offset;
   meta->payload_bytes = h.payload_bytes;
+  meta->encoding = static_cast<Encoding>(h.encoding);
+  meta->scale_exp = h.scale_exp;
   if (IsControlFrame(meta->type)) return Status::OK();
-  // The payload must lie inside the tensor the shape describes.
+  // The payload (its tensor bytes, when encoded) must lie inside the tensor the shape describes.
   const uint64_t elem = DataTypeSize(meta->dtype);
+  const uint64_t code = meta->encoding == Encoding::kNone ? elem : 2;
   uint64_t elements = 1;
   for (int64_t d : meta->shape) {
     if (d < 0) return Status(Code::kInvalidArgument, "malformed frame: negative dimension in " + ShapeString(meta->shape));
@@ -80,12 +97,19 @@ Status DecodeFrameMeta(const FrameHeader& h, const char* tail, size_t tail_len, 
   }
   const uint64_t total = elements * elem;
   if (total > kMaxPayloadBytes) return Status(Code::kInvalidArgument, "malformed frame: tensor too large");
-  if (meta->offset % elem != 0 || meta->payload_bytes % elem != 0 || meta->offset > total ||
-      meta->payload_bytes > total - meta->offset)
+  if (meta->payload_bytes % code != 0)
+    return Status(Code::kInvalidArgument, "malformed frame: a payload of " + std::to_string(meta->payload_bytes) +
+                                              " bytes is no whole number of " + std::to_string(code) + "-byte elements");
+  const uint64_t carried = meta->payload_bytes / code * elem;  // <= 2 * kMaxPayloadBytes: no overflow
+  if (meta->offset % elem != 0 || meta->offset > total || carried > total - meta->offset)
     return Status(Code::kInvalidArgument, "malformed frame: payload [" + std::to_string(meta->offset) + ", +" +
-                                              std::to_string(meta->payload_bytes) + ") outside a tensor of " +
+                                              std::to_string(carried) + ") outside a tensor of " +
                                               std::to_string(total) + " bytes");
   return Status::OK();
+}
+
+uint64_t PayloadTensorBytes(const FrameMeta& meta) {
+  return meta.encoding == Encoding::kNone ? meta.payload_bytes : meta.payload_bytes / 2 * DataTypeSize(meta.dtype);
 }
 
 Status DecodeFrame(const char* data, size_t len, FrameMeta* meta, const char** payload) {

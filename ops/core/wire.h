@@ -1,7 +1,8 @@
 // The frame format between workers, and its validation.
 //
-// A frame is a fixed 48-byte header, then `name_len` bytes of tensor name, then `ndims` int64
-// dimensions, then `payload_bytes` of data. Every length is checked against hard limits before
+// A frame is a fixed 50-byte header, then `name_len` bytes of tensor name, then `ndims` int64
+// dimensions, then `payload_bytes` of data: the tensor's own bytes, or its float32 values encoded
+// in 16 bits (`encoding`, codec.h) with the block's scale exponent. Every length is checked against hard limits before
 // the receiver allocates or reads anything, so a garbage or hostile stream is rejected instead of
 // making the worker allocate gigabytes or read past a buffer.
 #ifndef PROPHET_OPS_CORE_WIRE_H_
@@ -11,13 +12,15 @@
 #include <string>
 #include <vector>
 
+#include "ops/core/codec.h"
 #include "ops/core/common.h"
 
 namespace prophet {
 
 constexpr uint32_t kFrameMagic = 0x31465450;  // "PTF1" little-endian
 // 2: authenticated handshake (handshake.h). Version 1 sent a hash of the job token.
-constexpr uint16_t kProtocolVersion = 3;
+// 4: payload encodings (compressed gradients): `encoding` and `scale_exp` in the header.
+constexpr uint16_t kProtocolVersion = 4;
 constexpr uint32_t kMaxNameBytes = 4096;
 constexpr uint32_t kMaxDims = 32;
 constexpr uint64_t kMaxPayloadBytes = uint64_t{1} << 38;  // 256 GiB: any tensor a host can hold
@@ -61,11 +64,13 @@ struct FrameHeader {
   uint64_t round;
   uint32_t partition;
   uint32_t num_partitions;
-  uint64_t offset;         // byte offset of the payload inside the whole tensor
-  uint64_t payload_bytes;
+  uint64_t offset;         // byte offset of the payload's first element inside the whole tensor
+  uint64_t payload_bytes;  // on the wire (encoded)
+  uint8_t encoding;        // Encoding: kNone, or float32 values as fp16 / bf16 (PUSH, RESULT, GATHER)
+  int8_t scale_exp;        // the encoded block's scale 2^k (codec.h); 0 without an encoding
 };
 #pragma pack(pop)
-static_assert(sizeof(FrameHeader) == 48, "the header layout is part of the protocol");
+static_assert(sizeof(FrameHeader) == 50, "the header layout is part of the protocol");
 
 // Everything in a frame but the payload.
 struct FrameMeta {
@@ -78,7 +83,12 @@ struct FrameMeta {
   uint32_t num_partitions = 0;
   uint64_t offset = 0;
   uint64_t payload_bytes = 0;
+  Encoding encoding = Encoding::kNone;
+  int scale_exp = 0;
 };
+
+// The bytes of the tensor a data frame's payload carries (twice payload_bytes when encoded).
+uint64_t PayloadTensorBytes(const FrameMeta& meta);
 
 // Serialises header + name + dims (not the payload) and appends them to `out`.
 void EncodeFrameMeta(const FrameMeta& meta, std::string* out);
@@ -88,7 +98,8 @@ Status ValidateHeader(const FrameHeader& header);
 // Size of the name + dims section that follows a valid header.
 inline uint64_t MetaTailBytes(const FrameHeader& h) { return uint64_t{h.name_len} + 8ull * h.ndims; }
 // Builds FrameMeta from a validated header and its tail; checks the dims and the payload against
-// the dtype and the shape (negative dims, payload beyond the tensor, misaligned payloads).
+// the dtype, the encoding and the shape (negative dims, payload beyond the tensor, misaligned
+// payloads).
 Status DecodeFrameMeta(const FrameHeader& header, const char* tail, size_t tail_len, FrameMeta* meta);
 
 // Decodes a complete frame held in memory (used by tests and the handshake-free paths).

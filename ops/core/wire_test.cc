@@ -53,6 +53,15 @@ FrameHeader HeaderOf(const std::string& frame) {
 
 void PutHeader(std::string* frame, const FrameHeader& h) { std::memcpy(&(*frame)[0], &h, sizeof(h)); }
 
+// `frame` with its header changed by edit(FrameHeader&).
+template <typename Edit>
+std::string WithHeaderEdit(std::string frame, Edit edit) {
+  FrameHeader h = HeaderOf(frame);
+  edit(h);
+  PutHeader(&frame, h);
+  return frame;
+}
+
 // Decodes and expects kInvalidArgument with `field` in the message.
 void ExpectRejected(const std::string& frame, const std::string& field, int line) {
   FrameMeta meta;
@@ -66,10 +75,10 @@ void ExpectRejected(const std::string& frame, const std::string& field, int line
 }
 #define EXPECT_REJECTED(frame, field) ExpectRejected(frame, field, __LINE__)
 
-TEST(HeaderIs48BytesLittleEndianMagic) {
+TEST(HeaderIs50BytesLittleEndianMagic) {
   std::string out;
   EncodeFrameMeta(SampleMeta(), &out);
-  EXPECT_EQ(out.size(), 48u + SampleMeta().name.size() + 8u * 4);
+  EXPECT_EQ(out.size(), 50u + SampleMeta().name.size() + 8u * 4);
   EXPECT_EQ(std::string(out.data(), 4), std::string("PTF1"));
 }
 
@@ -275,13 +284,7 @@ TEST(ErrorFramesRoundTrip) {
 
 TEST(BadHeaderFieldsAreNamed) {
   const std::string good = Frame(SampleMeta());
-  auto with = [&](auto edit) {
-    std::string f = good;
-    FrameHeader h = HeaderOf(f);
-    edit(h);
-    PutHeader(&f, h);
-    return f;
-  };
+  auto with = [&](auto edit) { return WithHeaderEdit(good, edit); };
   EXPECT_REJECTED(with([](FrameHeader& h) { h.magic = 0x12345678; }), "magic");
   EXPECT_REJECTED(with([](FrameHeader& h) { h.magic = 0; }), "magic");
   EXPECT_REJECTED(with([](FrameHeader& h) { h.version = kProtocolVersion + 1; }), "version");
@@ -343,6 +346,59 @@ TEST(PayloadMustLieInsideTheShape) {
   EXPECT_REJECTED(WithShape({7, 7, 3, 64}, 0, 6), "payload");
   EXPECT_REJECTED(WithShape({100}, 4, 8, DataType::kFloat64), "payload");
   EXPECT_REJECTED(WithShape({100}, 1, 2, DataType::kFloat16), "payload");
+}
+
+// Compressed float32 payloads: 2-byte codes of the elements [offset, offset + 2 * payload_bytes).
+TEST(EncodedPayloadsRoundTripAndCarryTwiceTheirBytes) {
+  for (FrameType t : {FrameType::kPush, FrameType::kResult, FrameType::kGather}) {
+    for (Encoding e : {Encoding::kFloat16, Encoding::kBFloat16}) {
+      for (int k : {-kMaxScaleExponent, -1, 0, 24, kMaxScaleExponent}) {
+        FrameMeta m = SampleMeta();
+        m.type = t;
+        m.encoding = e;
+        m.scale_exp = k;
+        m.offset = 37632 - 4 * 100;  // the last 100 elements
+        m.payload_bytes = 2 * 100;
+        const std::string f = Frame(m);
+        FrameMeta got;
+        const char* payload = nullptr;
+        EXPECT_TRUE(DecodeFrame(f.data(), f.size(), &got, &payload).ok());
+        EXPECT_TRUE(got.encoding == e);
+        EXPECT_EQ(got.scale_exp, k);
+        EXPECT_EQ(got.payload_bytes, 200u);
+        EXPECT_EQ(PayloadTensorBytes(got), 400u);
+        EXPECT_TRUE(payload == f.data() + f.size() - 200);
+        // One code more reaches past the tensor: its 101 elements do not fit.
+        m.payload_bytes += 2;
+        EXPECT_REJECTED(Frame(m), "payload");
+        m.payload_bytes = 199;  // half a code
+        EXPECT_REJECTED(Frame(m), "whole number");
+      }
+    }
+  }
+  FrameMeta plain = SampleMeta();
+  EXPECT_EQ(PayloadTensorBytes(plain), plain.payload_bytes);
+}
+
+TEST(BadEncodingsAreNamed) {
+  FrameMeta m = SampleMeta();
+  m.encoding = Encoding::kFloat16;
+  m.scale_exp = 3;
+  m.payload_bytes = 64;
+  const std::string good = Frame(m);
+  auto with = [&](auto edit) { return WithHeaderEdit(good, edit); };
+  EXPECT_REJECTED(with([](FrameHeader& h) { h.encoding = kLastEncoding + 1; }), "encoding");
+  EXPECT_REJECTED(with([](FrameHeader& h) { h.encoding = 255; }), "encoding");
+  EXPECT_REJECTED(with([](FrameHeader& h) { h.encoding = 0; }), "scale exponent without an encoding");
+  EXPECT_REJECTED(with([](FrameHeader& h) { h.scale_exp = kMaxScaleExponent + 1; }), "scale exponent");
+  EXPECT_REJECTED(with([](FrameHeader& h) { h.scale_exp = -128; }), "scale exponent");
+  // Only float32 values are encoded, and only in the frames of compressed collectives.
+  EXPECT_REJECTED(with([](FrameHeader& h) { h.dtype = static_cast<uint8_t>(DataType::kFloat64); }), "only float32");
+  EXPECT_REJECTED(with([](FrameHeader& h) { h.dtype = static_cast<uint8_t>(DataType::kFloat16); }), "only float32");
+  EXPECT_REJECTED(with([](FrameHeader& h) { h.type = static_cast<uint8_t>(FrameType::kBroadcast); }), "frame of type");
+  EXPECT_REJECTED(with([](FrameHeader& h) { h.type = static_cast<uint8_t>(FrameType::kProbe); }), "frame of type");
+  EXPECT_REJECTED(with([](FrameHeader& h) { h.type = static_cast<uint8_t>(FrameType::kError); }), "frame of type");
+  EXPECT_TRUE(ValidateHeader(HeaderOf(good)).ok());
 }
 
 TEST(BadShapesAreRejected) {
@@ -412,8 +468,8 @@ TEST(EveryTruncationIsReportedNeverACrash) {
   const std::string f = Frame(SampleMeta());
   FrameMeta got;
   const char* payload = nullptr;
-  EXPECT_TRUE(Contains(DecodeFrame(f.data(), 47, &got, &payload).message(), "header"));
-  EXPECT_TRUE(Contains(DecodeFrame(f.data(), 49, &got, &payload).message(), "name/shape"));
+  EXPECT_TRUE(Contains(DecodeFrame(f.data(), sizeof(FrameHeader) - 1, &got, &payload).message(), "header"));
+  EXPECT_TRUE(Contains(DecodeFrame(f.data(), sizeof(FrameHeader) + 1, &got, &payload).message(), "name/shape"));
   EXPECT_TRUE(Contains(DecodeFrame(f.data(), f.size() - 1, &got, &payload).message(), "payload"));
 }
 
@@ -453,6 +509,12 @@ TEST(RandomHeadersWithValidMagicNeverCrash) {
     if (rng() % 2) h.num_partitions = static_cast<uint32_t>(1 + rng() % 4), h.partition = static_cast<uint32_t>(rng() % 4);
     if (rng() % 2) h.offset = (rng() % 64) * 4;
     if (rng() % 2) h.payload_bytes = (rng() % 64) * 4;
+    if (rng() % 4) {  // mostly uncompressed; else any of the encodings with a scale in range
+      h.encoding = 0, h.scale_exp = 0;
+    } else if (rng() % 2) {
+      h.encoding = static_cast<uint8_t>(1 + rng() % 2);
+      h.scale_exp = static_cast<int8_t>(static_cast<int>(rng() % 253) - 126);
+    }
     const uint64_t tail = MetaTailBytes(h);
     const size_t extra = rng() % 300;
     const size_t len = sizeof(h) + static_cast<size_t>(std::min<uint64_t>(tail, 4400)) + extra;
@@ -480,8 +542,10 @@ TEST(RandomHeadersWithValidMagicNeverCrash) {
         const uint64_t elem = DataTypeSize(m.dtype);
         uint64_t total = elem;
         for (int64_t d : m.shape) total *= static_cast<uint64_t>(d);
-        EXPECT_TRUE(elem > 0 && m.offset % elem == 0 && m.payload_bytes % elem == 0);
-        EXPECT_TRUE(m.offset <= total && m.payload_bytes <= total - m.offset);
+        const uint64_t code = m.encoding == Encoding::kNone ? elem : 2;
+        EXPECT_TRUE(elem > 0 && m.offset % elem == 0 && m.payload_bytes % code == 0);
+        EXPECT_TRUE(m.offset <= total && PayloadTensorBytes(m) <= total - m.offset);
+        EXPECT_TRUE(m.encoding == Encoding::kNone || m.dtype == DataType::kFloat32);
       }
     } else if (s.code() == Code::kInvalidArgument) {
       ++invalid;

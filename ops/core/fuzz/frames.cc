@@ -19,7 +19,8 @@ const Field kFields[] = {
     {offsetof(FrameHeader, name_len), 4},   {offsetof(FrameHeader, ndims), 4},
     {offsetof(FrameHeader, round), 8},      {offsetof(FrameHeader, partition), 4},
     {offsetof(FrameHeader, num_partitions), 4}, {offsetof(FrameHeader, offset), 8},
-    {offsetof(FrameHeader, payload_bytes), 8},
+    {offsetof(FrameHeader, payload_bytes), 8}, {offsetof(FrameHeader, encoding), 1},
+    {offsetof(FrameHeader, scale_exp), 1},
 };
 
 const DataType kDtypes[] = {DataType::kFloat16, DataType::kBFloat16, DataType::kFloat32, DataType::kFloat64,
@@ -103,8 +104,13 @@ std::string FrameMutator::RandomValidFrame() {
   m.partition = static_cast<uint32_t>(Uniform(m.num_partitions));
   const uint64_t first = Uniform(elements + 1);
   const uint64_t count = Uniform(elements - first + 1);
+  // Compressed gradients: float32 PUSH, RESULT and GATHER payloads in 2-byte codes.
+  if (m.dtype == DataType::kFloat32 && m.type != FrameType::kBroadcast && Chance(0.5)) {
+    m.encoding = Chance(0.5) ? Encoding::kFloat16 : Encoding::kBFloat16;
+    m.scale_exp = static_cast<int>(Uniform(2 * kMaxScaleExponent + 1)) - kMaxScaleExponent;
+  }
   m.offset = first * elem;
-  m.payload_bytes = count * elem;
+  m.payload_bytes = count * (m.encoding == Encoding::kNone ? elem : 2);
   return EncodeFrame(m, RandomBytes(m.payload_bytes));
 }
 
@@ -139,8 +145,9 @@ std::string FrameMutator::Mutate(const std::string& frame, Mutation m, const std
       meta.shape = Chance(0.5) ? std::vector<int64_t>{static_cast<int64_t>(elements)}
                                : std::vector<int64_t>{static_cast<int64_t>(elements / 4), 4};
       meta.offset = 0;
-      meta.payload_bytes = (elements / 4) * 4 * elem;
-      if (Chance(0.3)) meta.payload_bytes -= elem * Uniform(16);  // near, not at, the maximum
+      const uint64_t code = meta.encoding == Encoding::kNone ? elem : 2;  // an encoded frame claims its codes
+      meta.payload_bytes = (elements / 4) * 4 * code;
+      if (Chance(0.3)) meta.payload_bytes -= code * Uniform(16);  // near, not at, the maximum
       // Some of the claimed payload follows, most of it never will.
       return EncodeFrame(meta, RandomBytes(Uniform(4096)));
     }

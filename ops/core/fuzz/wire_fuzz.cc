@@ -85,10 +85,21 @@ void Check(const std::string& frame, FrameMutator& mutator, Stats* stats) {
       if (d < 0) Violation(stats, "accepted a negative dimension", frame);
       total *= static_cast<uint64_t>(d);
     }
-    if (elem == 0 || meta.offset > total || meta.payload_bytes > total - meta.offset || meta.offset % elem ||
-        meta.payload_bytes % elem || total > kMaxPayloadBytes)
+    // An encoded payload carries 2-byte codes of float32 elements.
+    const bool encoded = meta.encoding != Encoding::kNone;
+    const uint64_t code = encoded ? 2 : elem;
+    const uint64_t carried = elem && code ? meta.payload_bytes / code * elem : 0;
+    if (elem == 0 || meta.offset > total || carried > total - meta.offset || meta.offset % elem ||
+        meta.payload_bytes % code || total > kMaxPayloadBytes || PayloadTensorBytes(meta) != carried)
       Violation(stats, "accepted a payload outside its tensor", frame);
+    if (encoded && (meta.dtype != DataType::kFloat32 || meta.type == FrameType::kBroadcast ||
+                    meta.scale_exp > kMaxScaleExponent || meta.scale_exp < -kMaxScaleExponent))
+      Violation(stats, std::string("accepted a ") + EncodingName(meta.encoding) + " payload of dtype " +
+                           DataTypeName(meta.dtype) + ", frame type " + std::to_string(static_cast<int>(meta.type)) +
+                           ", scale exponent " + std::to_string(meta.scale_exp), frame);
   }
+  if ((meta.encoding == Encoding::kNone || IsControlFrame(meta.type)) && meta.scale_exp != 0)
+    Violation(stats, "accepted a scale exponent without an encoding", frame);
   std::string reencoded;
   EncodeFrameMeta(meta, &reencoded);
   if (reencoded.size() != head || std::memcmp(reencoded.data(), buf.get(), head) != 0)
