@@ -52,7 +52,8 @@ Collective::Collective(CollectiveHost* host, uint64_t id, OpRequest request, uin
       key_(OperationKey(req_.name, round)),
       elem_(DataTypeSize(req_.dtype)),
       submit_ns_(NowNs()),
-      deadline_ns_(submit_ns_ + static_cast<int64_t>(host->options().timeout_s * 1e9)) {}
+      deadline_ns_(submit_ns_ + static_cast<int64_t>(host->options().timeout_s * 1e9)),
+      codec_(req_.kind == OpKind::kBroadcast ? Encoding::kNone : req_.compression, req_.dtype) {}
 
 std::string Collective::Describe() const {
   return std::string(OpKindName(req_.kind)) + " '" + req_.name + "' (round " + std::to_string(round_) + ")";
@@ -62,7 +63,7 @@ void Collective::EventDone() {
   if (--pending_ == 0) host_->Finish(this, Status::OK());
 }
 
-OutFrame Collective::Frame(FrameType type, uint32_t part, const char* payload, std::function<void()> on_sent) const {
+OutFrame Collective::Frame(FrameType type, uint32_t part, const Payload& payload, std::function<void()> on_sent) const {
   FrameMeta meta;
   meta.type = type;
   meta.dtype = req_.dtype;
@@ -72,7 +73,9 @@ OutFrame Collective::Frame(FrameType type, uint32_t part, const char* payload, s
   meta.partition = part;
   meta.num_partitions = static_cast<uint32_t>(parts_.size());
   meta.offset = parts_[part].offset;
-  meta.payload_bytes = parts_[part].bytes;
+  meta.payload_bytes = payload.bytes;
+  meta.encoding = payload.encoding;
+  meta.scale_exp = payload.scale_exp;
   std::function<void()> when_alive;
   if (on_sent) {
     CollectiveHost* host = host_;
@@ -81,7 +84,21 @@ OutFrame Collective::Frame(FrameType type, uint32_t part, const char* payload, s
       if (host->Alive(id)) on_sent();
     };
   }
-  return MakeFrame(meta, payload, req_.priority, id_, std::move(when_alive));
+  return MakeFrame(meta, payload.data, req_.priority, id_, std::move(when_alive));
+}
+
+namespace {
+std::string HowItTravels(Encoding encoding) {
+  return encoding == Encoding::kNone ? "uncompressed" : std::string("compressed to ") + EncodingName(encoding);
+}
+}  // namespace
+
+std::string Collective::EncodingMismatch(int peer, const FrameMeta& meta) const {
+  if (meta.encoding == codec_.encoding()) return "";
+  return Describe() + ": rank " + std::to_string(peer) + " sends it " + HowItTravels(meta.encoding) + " but rank " +
+         std::to_string(rank()) + " " + HowItTravels(codec_.encoding()) +
+         "; every worker must ask for the same compression (ProphetStrategy(compression=...), "
+         "push_pull(..., compression=...))";
 }
 
 Status ErrorFrameStatus(const FrameMeta& meta, std::string message) {

@@ -62,6 +62,18 @@ class CollectiveHost {
   virtual void PushLeft(const SendTask& task) = 0;
   // A pushed partition's result came back (feeds bandwidth and timeline).
   virtual void PushCompleted(const TransferDone& done) = 0;
+  // Memory for encoded payloads (compressed frames), recycled warm; give it back when sent.
+  virtual ByteBuffer TakeBuffer(size_t bytes) = 0;
+  virtual void GiveBuffer(ByteBuffer buffer) = 0;
+};
+
+// A frame's payload as it travels: the tensor's own bytes, or a block the operation's codec
+// encoded (with its scale exponent).
+struct Payload {
+  const char* data = nullptr;
+  uint64_t bytes = 0;
+  Encoding encoding = Encoding::kNone;
+  int scale_exp = 0;
 };
 
 class Collective {
@@ -113,9 +125,17 @@ class Collective {
   void EventDone();
 
   // The one place where an operation's frames are made: `type` for partition `part` (its
-  // offset and size), with the payload at `payload`. `on_sent` runs only while the operation
-  // is alive.
-  OutFrame Frame(FrameType type, uint32_t part, const char* payload, std::function<void()> on_sent = nullptr) const;
+  // offset), with `payload`. `on_sent` runs only while the operation is alive.
+  OutFrame Frame(FrameType type, uint32_t part, const Payload& payload, std::function<void()> on_sent = nullptr) const;
+  // The same with the partition's own bytes at `data` (uncompressed).
+  OutFrame Frame(FrameType type, uint32_t part, const char* data, std::function<void()> on_sent = nullptr) const {
+    return Frame(type, part, Payload{data, parts_[part].bytes}, std::move(on_sent));
+  }
+  // How this operation's payloads travel (compressed or not; see codec.h).
+  const PayloadCodec& codec() const { return codec_; }
+  // "push_pull 'x' (round 3): rank 1 sends it compressed as fp16 but rank 0 as none; ...", or ""
+  // when `meta` travels as this worker's frames do.
+  std::string EncodingMismatch(int peer, const FrameMeta& meta) const;
   // The type of the frames peers send this collective's data in (kPush, kBroadcast, kGather).
   virtual FrameType frame_type() const = 0;
   // Why a frame of frame_type() from `peer` does not fit this request, or "" when it does.
@@ -135,6 +155,7 @@ class Collective {
   const size_t elem_;
   const int64_t submit_ns_;
   const int64_t deadline_ns_;
+  const PayloadCodec codec_;
   std::vector<Partition> parts_;
   int pending_ = 0;
 };

@@ -162,6 +162,8 @@ struct Engine::Impl : public Connection::Handler,
     policy->OnPushLeft(task);
   }
   void PushCompleted(const TransferDone& done) override;
+  ByteBuffer TakeBuffer(size_t bytes) override { return buffers.Take(bytes); }
+  void GiveBuffer(ByteBuffer buffer) override { buffers.Give(std::move(buffer)); }
   Connection* connection(int peer) override { return conns[peer].get(); }
   Collective* Find(const std::string& key) override {
     auto it = ops.find(key);

@@ -23,6 +23,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "ops/core/codec.h"
 #include "ops/core/common.h"
 #include "ops/core/engine_options.h"
 #include "ops/core/timeline.h"
@@ -35,8 +36,12 @@ const char* OpKindName(OpKind kind);
 // Every worker's tensor for an allgather, valid only during the `done` callback.
 struct GatherResult {
   std::vector<std::vector<int64_t>> shapes;  // by rank
-  std::vector<const char*> data;
-  std::vector<uint64_t> bytes;
+  std::vector<const char*> data;             // as it travelled (encoded with `encoding`)
+  std::vector<uint64_t> bytes;               // of the tensor (decoded)
+  Encoding encoding = Encoding::kNone;
+  std::vector<int> scale_exp;                // by rank, when encoded
+  // Writes rank `r`'s tensor (bytes[r]) to `dst`, decoding it if it travelled encoded.
+  void CopyOut(size_t r, char* dst) const;
 };
 
 struct OpRequest {
@@ -50,6 +55,9 @@ struct OpRequest {
   int64_t priority = 0;
   bool average = false;
   int root_rank = 0;
+  // push_pull and allgather: float32 values travel as fp16 / bf16 (codec.h; other dtypes as they
+  // are). Every worker must ask the same for the same operation.
+  Encoding compression = Encoding::kNone;
   // Called exactly once, on the engine thread (or inline from Submit when the engine refuses the
   // request). `gather` is non-null only for a successful allgather.
   std::function<void(const Status&, const GatherResult* gather)> done;

@@ -3,6 +3,7 @@
 #include <charconv>
 #include <sstream>
 
+#include "ops/core/codec.h"
 #include "ops/core/wire.h"
 
 namespace prophet {
@@ -95,6 +96,12 @@ std::string RuntimeConstantsJson() {
   bool first = true;
   for (const char* name : kScheduleNames) {
     os << (first ? "" : ", ") << '"' << name << '"';
+    first = false;
+  }
+  os << "], \"compressions\": [";
+  first = true;
+  for (Encoding e : {Encoding::kFloat16, Encoding::kBFloat16}) {
+    os << (first ? "" : ", ") << '"' << EncodingName(e) << '"';
     first = false;
   }
   os << "], \"control_priority\": " << kControlPriority << ", \"protocol_version\": " << kProtocolVersion

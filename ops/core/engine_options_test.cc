@@ -67,6 +67,7 @@ TEST(ConstantsForPythonComeFromTheCore) {
   for (const char* name : kScheduleNames) EXPECT_TRUE(Contains(json, std::string("\"") + name + "\""));
   EXPECT_TRUE(Contains(json, "\"control_priority\": " + std::to_string(kControlPriority)));
   EXPECT_TRUE(Contains(json, "\"protocol_version\": " + std::to_string(kProtocolVersion) + ","));
+  EXPECT_TRUE(Contains(json, "\"compressions\": [\"fp16\", \"bf16\"]"));
   EXPECT_TRUE(Contains(json, "\"schedule\": \"" + std::string(kDefaultSchedule) + "\""));
   EXPECT_TRUE(Contains(json, "\"credit_bytes\": " + std::to_string(EngineOptions().credit_bytes)));
   EXPECT_TRUE(Contains(json, "\"replan_threshold\": 0.2,"));  // shortest form, reads back exactly

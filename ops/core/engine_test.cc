@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <future>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "ops/core/engine_testing.h"
+#include "ops/core/partition.h"
 #include "ops/core/socket_testing.h"
 #include "ops/core/testing.h"
 
@@ -70,7 +72,7 @@ Status Await(Pending& p, int line, double seconds = 20.0) {
 
 std::unique_ptr<Pending> PushPull(Engine* e, const std::string& name, DataType dtype, const std::vector<int64_t>& shape,
                                   const void* input, void* output, uint64_t bytes, bool average = false,
-                                  int64_t priority = 0) {
+                                  int64_t priority = 0, Encoding compression = Encoding::kNone) {
   auto p = std::make_unique<Pending>();
   OpRequest r;
   r.kind = OpKind::kPushPull;
@@ -82,6 +84,7 @@ std::unique_ptr<Pending> PushPull(Engine* e, const std::string& name, DataType d
   r.bytes = bytes;
   r.average = average;
   r.priority = priority;
+  r.compression = compression;
   auto promise = p->promise;
   r.done = [promise](const Status& s, const GatherResult*) { promise->set_value(s); };
   e->Submit(std::move(r));
@@ -604,6 +607,207 @@ TEST(AWorkerThatLeavesBeforeAnOperationFailsItAtOnceNamingIt) {
     const Status s = AWAIT(*p, 10.0);
     EXPECT_TRUE(s.code() == Code::kUnavailable && Contains(s.message(), "'later'") && Contains(s.message(), "rank 2 ("));
   }
+}
+
+// ---- compressed push_pull and allgather (codec.h) ------------------------------------------
+
+// Gradient-like float32 values over a wide range of magnitudes (2^-30 .. 2^20, some beyond fp16's
+// 65504), different on every rank.
+std::vector<float> WideValues(uint64_t n, int rank, uint64_t seed) {
+  std::mt19937_64 rng(seed * 1000 + static_cast<uint64_t>(rank));
+  std::vector<float> v(n);
+  for (float& x : v) {
+    const double mantissa = static_cast<double>(rng() % 1000001) / 1e6 + 0.5;
+    x = static_cast<float>((rng() % 2 ? -1 : 1) * std::ldexp(mantissa, static_cast<int>(rng() % 51) - 30));
+  }
+  if (n > 10) v[3] = rank ? 1e6f : -3e5f, v[7] = 1e-8f;
+  return v;
+}
+
+// Two workers: each partition's owner adds the decoded peer contribution to its own float32
+// values, averages if asked, encodes the sum, and everyone holds its decoding. With one
+// contribution per owner the order of additions is fixed, so the expected bits are known.
+TEST(CompressedPushPullTwoWorkersGivesTheOwnersSumAsItTravelled) {
+  auto engines = StartCluster(ClusterOptions(2));
+  if (!engines[0] || !engines[1]) return;
+  int round = 0;
+  for (Encoding e : {Encoding::kFloat16, Encoding::kBFloat16}) {
+    const PayloadCodec codec(e, DataType::kFloat32);
+    for (uint64_t n : {uint64_t{1000}, 3 * kMB / 4 + 3}) {
+      for (bool average : {false, true}) {
+        for (int late : {-1, 1}) {  // rank 1 late: its peer's frames wait as early frames
+          const std::string name = std::string("grad/") + EncodingName(e) + "/" + std::to_string(n);
+          std::vector<std::vector<float>> in = {WideValues(n, 0, ++round), WideValues(n, 1, round)};
+          std::vector<float> expected(n);
+          for (const Partition& part : MakePartitions(name, 4 * n, 4, 2, kMB)) {
+            const size_t first = part.offset / 4, count = part.bytes / 4;
+            const std::vector<float>& mine = in[part.owner];
+            const std::vector<float>& theirs = in[1 - part.owner];
+            std::vector<uint16_t> codes(count);
+            std::vector<float> sum(count);
+            const int k = codec.Encode(theirs.data() + first, part.bytes, codes.data());
+            codec.DecodeAddTo(codes.data(), 2 * count, k, mine.data() + first, sum.data());
+            if (average)
+              for (float& x : sum) x /= 2.0f;
+            const int kr = codec.Encode(sum.data(), part.bytes, codes.data());
+            codec.Decode(codes.data(), 2 * count, kr, expected.data() + first);
+          }
+          const bool in_place = n == 1000;
+          std::vector<std::vector<float>> out(2, std::vector<float>(n, -7.0f));
+          std::vector<std::unique_ptr<Pending>> pending(2);
+          std::vector<std::thread> threads;
+          for (int r = 0; r < 2; ++r)
+            threads.emplace_back([&, r] {
+              if (r == late) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+              pending[r] = PushPull(engines[r].get(), name, DataType::kFloat32, {static_cast<int64_t>(n)}, in[r].data(),
+                                    in_place ? in[r].data() : out[r].data(), 4 * n, average, 0, e);
+            });
+          for (auto& t : threads) t.join();
+          for (int r = 0; r < 2; ++r) {
+            const Status s = AWAIT(*pending[r]);
+            if (!s.ok()) FAIL(name + ": " + s.message());
+            const float* got = in_place ? in[r].data() : out[r].data();
+            uint64_t wrong = 0;
+            for (uint64_t i = 0; i < n; ++i) wrong += std::memcmp(got + i, &expected[i], 4) != 0;
+            if (wrong) FAIL(name + " rank " + std::to_string(r) + ": " + std::to_string(wrong) + " elements differ");
+          }
+        }
+      }
+    }
+  }
+}
+
+// Three workers: the owner adds contributions in arrival order (not predictable), but every worker
+// holds the same bits, 16-bit values (scaled), within the bound of docs/design.md.
+TEST(CompressedPushPullThreeWorkersIsTheSameEverywhereAndWithinTheBound) {
+  auto engines = StartCluster(ClusterOptions(3));
+  if (!engines[0] || !engines[1] || !engines[2]) return;
+  const uint64_t n = 5 * kMB / 4 + 1;  // 6 partitions of at most 1 MB
+  for (Encoding e : {Encoding::kFloat16, Encoding::kBFloat16}) {
+    const double u = std::ldexp(1.0, e == Encoding::kFloat16 ? -11 : -8);
+    const double gamma = 2 * std::ldexp(1.0, -24) / (1 - 2 * std::ldexp(1.0, -24));  // N - 1 = 2 float32 additions
+    std::vector<std::vector<float>> in, out(3, std::vector<float>(n));
+    for (int r = 0; r < 3; ++r) in.push_back(WideValues(n, r, 77 + static_cast<int>(e)));
+    std::vector<std::unique_ptr<Pending>> pending(3);
+    for (int r = 2; r >= 0; --r)
+      pending[r] = PushPull(engines[r].get(), std::string("wide/") + EncodingName(e), DataType::kFloat32,
+                            {static_cast<int64_t>(n)}, in[r].data(), out[r].data(), 4 * n, false, 0, e);
+    bool ok = true;
+    for (int r = 0; r < 3; ++r) ok = AWAIT(*pending[r]).ok() && ok;
+    EXPECT_TRUE(ok);
+    if (!ok) continue;
+    EXPECT_TRUE(out[0] == out[1] && out[1] == out[2]);
+    // The subnormal terms: half the spacing of fp16 subnormals at each block's scale is at most
+    // 2^-39 times the block's largest magnitude (2^-134 for bf16).
+    double largest_in = 0, largest_sum = 0;
+    for (uint64_t i = 0; i < n; ++i) {
+      double a = 0;
+      for (int r = 0; r < 3; ++r) a += std::fabs(in[r][i]);
+      largest_in = std::max(largest_in, a);
+      largest_sum = std::max(largest_sum, std::fabs(static_cast<double>(out[0][i])));
+    }
+    const double eta = e == Encoding::kFloat16 ? std::ldexp(largest_in, -39) : std::ldexp(1.0, -134);
+    const double eta_result = e == Encoding::kFloat16 ? std::ldexp(2 * largest_sum, -39) : eta;
+    uint64_t beyond = 0, rounded = 0, wide = 0;
+    double worst = 0;  // the largest error as a fraction of its bound
+    for (uint64_t i = 0; i < n; ++i) {
+      double sum = 0, a = 0;
+      for (int r = 0; r < 3; ++r) sum += in[r][i], a += std::fabs(in[r][i]);
+      // E1: the contributions' rounding (at most two of three are rounded; counted for all) and
+      // the owner's float32 additions; then the rounding of the sum.
+      const double e1 = u * a + 3 * eta + gamma * ((1 + u) * a + 3 * eta);
+      const double bound = e1 + u * (std::fabs(sum) + e1) + eta_result;
+      const double err = std::fabs(static_cast<double>(out[0][i]) - sum);
+      beyond += err > bound;
+      rounded += err > 0;
+      worst = std::max(worst, err / bound);
+      uint32_t bits;
+      std::memcpy(&bits, &out[0][i], 4);
+      wide += (bits & (e == Encoding::kFloat16 ? 0x1fffu : 0xffffu)) != 0;  // more than 16 bits
+    }
+    std::printf("%s: %llu of %llu elements rounded, the largest error is %.2f of its bound\n", EncodingName(e),
+                static_cast<unsigned long long>(rounded), static_cast<unsigned long long>(n), worst);
+    EXPECT_EQ(beyond, 0u);
+    EXPECT_TRUE(rounded > n / 2 && worst > 0.25);  // the bound is not vacuous
+    EXPECT_EQ(wide, 0u);
+  }
+}
+
+TEST(CompressionAppliesToFloat32OnlyAndMustMatch) {
+  auto engines = StartCluster(ClusterOptions(2));
+  if (!engines[0] || !engines[1]) return;
+  // float64 and int64 travel as they are: exact sums.
+  std::vector<double> d0 = {1.0 + 1e-12, -3.5}, d1 = {2.0, 1e-300}, od0(2), od1(2);
+  std::vector<int64_t> i0 = {1ll << 60, 3}, i1 = {5, -4}, oi0(2), oi1(2);
+  auto a0 = PushPull(engines[0].get(), "f64", DataType::kFloat64, {2}, d0.data(), od0.data(), 16, false, 0, Encoding::kFloat16);
+  auto a1 = PushPull(engines[1].get(), "f64", DataType::kFloat64, {2}, d1.data(), od1.data(), 16, false, 0, Encoding::kFloat16);
+  auto b0 = PushPull(engines[0].get(), "i64", DataType::kInt64, {2}, i0.data(), oi0.data(), 16, false, 0, Encoding::kBFloat16);
+  auto b1 = PushPull(engines[1].get(), "i64", DataType::kInt64, {2}, i1.data(), oi1.data(), 16, false, 0, Encoding::kBFloat16);
+  for (auto* p : {a0.get(), a1.get(), b0.get(), b1.get()}) EXPECT_TRUE(AWAIT(*p).ok());
+  EXPECT_TRUE(od0 == od1 && od0[0] == d0[0] + d1[0] && od0[1] == d0[1] + d1[1]);
+  EXPECT_TRUE(oi0 == oi1 && oi0[0] == (1ll << 60) + 5 && oi0[1] == -1);
+  // One worker compresses, the other does not: both fail naming both sides; the engine goes on.
+  std::vector<float> x(3000, 1.5f), ox(3000), y(3000, 2.0f), oy(3000);
+  auto m0 = PushPull(engines[0].get(), "mixed", DataType::kFloat32, {3000}, x.data(), ox.data(), 12000, false, 0, Encoding::kFloat16);
+  auto m1 = PushPull(engines[1].get(), "mixed", DataType::kFloat32, {3000}, y.data(), oy.data(), 12000);
+  for (auto* p : {m0.get(), m1.get()}) {
+    const Status s = AWAIT(*p);
+    std::printf("mismatch: %s\n", s.message().c_str());
+    EXPECT_TRUE(s.code() == Code::kInvalidArgument && Contains(s.message(), "'mixed'") &&
+                Contains(s.message(), "uncompressed") && Contains(s.message(), "compressed to fp16"));
+  }
+  auto s0 = PushPull(engines[0].get(), "after", DataType::kFloat32, {3000}, x.data(), ox.data(), 12000, false, 0, Encoding::kBFloat16);
+  auto s1 = PushPull(engines[1].get(), "after", DataType::kFloat32, {3000}, y.data(), oy.data(), 12000, false, 0, Encoding::kBFloat16);
+  EXPECT_TRUE(AWAIT(*s0).ok() && AWAIT(*s1).ok());
+  EXPECT_TRUE(ox[0] == 3.5f && ox == oy);
+}
+
+// Sparse gradients' values: every worker's tensor travels encoded, and every worker, the sender
+// included, ends with the same decoded rows.
+TEST(CompressedAllgatherIsTheSameEverywhere) {
+  auto engines = StartCluster(ClusterOptions(3));
+  if (!engines[0] || !engines[1] || !engines[2]) return;
+  const PayloadCodec codec(Encoding::kFloat16, DataType::kFloat32);
+  std::vector<std::vector<float>> in, gathered(3);
+  std::vector<std::unique_ptr<Pending>> pending(3);
+  for (int r = 0; r < 3; ++r) in.push_back(WideValues(8 * (r + 2), r, 5));
+  for (int r = 0; r < 3; ++r) {
+    pending[r] = std::make_unique<Pending>();
+    OpRequest q;
+    q.kind = OpKind::kAllgather;
+    q.name = "embedding/values";
+    q.dtype = DataType::kFloat32;
+    q.shape = {r + 2, 8};
+    q.input = in[r].data();
+    q.bytes = 4 * in[r].size();
+    q.compression = Encoding::kFloat16;
+    auto promise = pending[r]->promise;
+    std::vector<float>* out = &gathered[r];
+    q.done = [promise, out](const Status& s, const GatherResult* g) {
+      if (g != nullptr) {
+        for (size_t k = 0; k < g->bytes.size(); ++k) {
+          const size_t at = out->size();
+          out->resize(at + g->bytes[k] / 4);
+          g->CopyOut(k, reinterpret_cast<char*>(out->data() + at));
+        }
+      }
+      promise->set_value(s);
+    };
+    engines[r]->Submit(std::move(q));
+  }
+  for (int r = 0; r < 3; ++r) EXPECT_TRUE(AWAIT(*pending[r]).ok());
+  EXPECT_TRUE(gathered[0] == gathered[1] && gathered[1] == gathered[2]);
+  size_t at = 0;
+  for (int r = 0; r < 3; ++r) {
+    std::vector<uint16_t> codes(in[r].size());
+    std::vector<float> travelled(in[r].size());
+    codec.Decode(codes.data(), 2 * codes.size(), codec.Encode(in[r].data(), 4 * in[r].size(), codes.data()),
+                 travelled.data());
+    EXPECT_TRUE(std::equal(travelled.begin(), travelled.end(), gathered[0].begin() + static_cast<std::ptrdiff_t>(at)));
+    EXPECT_TRUE(travelled != in[r]);  // rounded: it did travel in 16 bits
+    at += in[r].size();
+  }
+  EXPECT_EQ(at, gathered[0].size());
 }
 
 TEST(SingleWorkerReturnsInput) {

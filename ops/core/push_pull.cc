@@ -22,12 +22,14 @@ void PushPull::Start() {
   result_sends_left_.assign(np, 0);
   contributed_.assign(np, {});
   seeded_.assign(np, 0);
+  encoded_.clear();
+  encoded_.resize(np);
 
   TensorReady ready;
   ready.name = &r.name;
   ready.round = round();
   ready.priority = r.priority;
-  ready.bytes = r.bytes;
+  ready.bytes = codec().WireBytes(r.bytes);
   ready.ready_ns = submit_ns();
   host()->Announce(ready);
   for (uint32_t p = 0; p < np; ++p) {
@@ -51,19 +53,32 @@ SendTask PushPull::PushTask(uint32_t part) const {
   t.partition = static_cast<int>(part);
   t.peer = parts()[part].owner;
   t.priority = req_.priority;
-  t.bytes = parts()[part].bytes;
+  t.bytes = WireBytes(part);  // what travels: the credit, the bandwidth and the planner count it
   t.ready_ns = submit_ns();
   return t;
+}
+
+void PushPull::PushSent(uint32_t part) {
+  push_state_[part] = PushState::kSent;
+  host()->PushLeft(PushTask(part));
 }
 
 void PushPull::SendScheduled(const SendTask& task) {
   const uint32_t p = static_cast<uint32_t>(task.partition);
   push_state_[p] = PushState::kReleased;
   push_released_ns_[p] = NowNs();
-  host()->Send(task.peer, Frame(FrameType::kPush, p, static_cast<const char*>(req_.input) + parts()[p].offset, [this, p] {
-                 push_state_[p] = PushState::kSent;
-                 host()->PushLeft(PushTask(p));
-               }));
+  const char* values = static_cast<const char*>(req_.input) + parts()[p].offset;
+  if (!codec().compresses()) {
+    host()->Send(task.peer, Frame(FrameType::kPush, p, values, [this, p] { PushSent(p); }));
+    return;
+  }
+  encoded_[p] = host()->TakeBuffer(WireBytes(p));
+  const int scale_exp = codec().Encode(values, parts()[p].bytes, encoded_[p].data());
+  host()->Send(task.peer, Frame(FrameType::kPush, p, Payload{encoded_[p].data(), WireBytes(p), codec().encoding(), scale_exp},
+                                [this, p] {
+                                  ReleaseEncoded(p);
+                                  PushSent(p);
+                                }));
 }
 
 std::string PushPull::Mismatch(int peer, const FrameMeta& meta) const {
@@ -73,8 +88,10 @@ std::string PushPull::Mismatch(int peer, const FrameMeta& meta) const {
            " has shape " + ShapeString(r.shape) + " " + DataTypeName(r.dtype) + " but rank " + std::to_string(peer) +
            " has shape " + ShapeString(meta.shape) + " " + DataTypeName(meta.dtype) +
            "; every worker must pass the same shape and dtype for the same name";
+  const std::string encoding = EncodingMismatch(peer, meta);
+  if (!encoding.empty()) return encoding;
   if (meta.partition >= parts().size() || parts()[meta.partition].owner != rank() ||
-      parts()[meta.partition].offset != meta.offset || parts()[meta.partition].bytes != meta.payload_bytes)
+      parts()[meta.partition].offset != meta.offset || WireBytes(meta.partition) != meta.payload_bytes)
     return "push_pull '" + r.name + "': rank " + std::to_string(peer) +
            " partitioned the tensor differently (different partition_bytes?)";
   if (contributed_[meta.partition][peer])
@@ -87,20 +104,30 @@ PayloadSink PushPull::OnFrame(int peer, const FrameMeta& meta) {
   if (meta.type == FrameType::kResult) {
     const uint32_t p = meta.partition;
     if (p >= parts().size() || parts()[p].owner != peer || parts()[p].offset != meta.offset ||
-        parts()[p].bytes != meta.payload_bytes || push_state_[p] != PushState::kSent)
+        WireBytes(p) != meta.payload_bytes || meta.encoding != codec().encoding() ||
+        push_state_[p] != PushState::kSent)
       return PayloadSink::Discard();  // not what this worker pushed: drop the bytes
-    return PayloadSink::Into(static_cast<char*>(req_.output) + meta.offset, id());
+    char* out = static_cast<char*>(req_.output) + meta.offset;
+    if (!codec().compresses()) return PayloadSink::Into(out, id());
+    // Decoded piece by piece as it lands, while the codes are in cache.
+    const int scale_exp = meta.scale_exp;
+    return PayloadSink::Stream(
+        [this, out, scale_exp](uint64_t at, const char* data, uint64_t len) {
+          codec().Decode(data, len, scale_exp, out + codec().TensorBytes(at));
+        },
+        id());
   }
   if (!Admit(peer, meta)) return PayloadSink::Discard();
   const uint32_t part = meta.partition;
-  PayloadSink::Consumer add = [this, part](uint64_t at, const char* data, uint64_t len) {
-    Accumulate(part, at, data, len);
+  const int scale_exp = meta.scale_exp;
+  PayloadSink::Consumer add = [this, part, scale_exp](uint64_t at, const char* data, uint64_t len) {
+    Accumulate(part, at, data, len, scale_exp);
   };
   // With two workers the peer's contribution is the only one: it can land in the output itself,
   // and the local values are added to each piece as it lands (out = received + in, one pass,
   // no staging copy). Not when the output is the input (it holds the local values), nor with
-  // more workers (the other contributions add into the same bytes).
-  if (n() == 2 && req_.output != req_.input && seeded_[part] == 0)
+  // more workers (the other contributions add into the same bytes), nor when it travels encoded.
+  if (n() == 2 && req_.output != req_.input && seeded_[part] == 0 && !codec().compresses())
     return PayloadSink::Into(static_cast<char*>(req_.output) + meta.offset, id(), std::move(add));
   return PayloadSink::Stream(std::move(add), id());
 }
@@ -122,19 +149,27 @@ void PushPull::OnPayloadDone(int peer, const FrameMeta& meta) {
 
 void PushPull::OnWholeFrame(int peer, const FrameMeta& meta, ByteBuffer* data) {
   if (!Admit(peer, meta)) return;
-  Accumulate(meta.partition, 0, data->data(), meta.payload_bytes);
+  Accumulate(meta.partition, 0, data->data(), meta.payload_bytes, meta.scale_exp);
   ContributionDone(meta.partition, peer);
 }
 
-void PushPull::Accumulate(uint32_t part, uint64_t at, const char* data, uint64_t len) {
+void PushPull::Accumulate(uint32_t part, uint64_t wire_at, const char* data, uint64_t wire_len, int scale_exp) {
   const Partition& p = parts()[part];
   char* out = static_cast<char*>(req_.output) + p.offset;
   const char* in = static_cast<const char*>(req_.input) + p.offset;
+  const PayloadCodec& c = codec();
+  // Tensor bytes from here on: a 2-byte code adds to a 4-byte value.
+  const uint64_t at = c.TensorBytes(wire_at), len = c.TensorBytes(wire_len);
   uint64_t& seeded = seeded_[part];
   const uint64_t below = at < seeded ? std::min(len, seeded - at) : 0;
-  if (below) SumInto(req_.dtype, out + at, data, below / element_bytes());
+  if (below) {
+    if (c.compresses()) c.DecodeAdd(data, c.WireBytes(below), scale_exp, out + at);
+    else SumInto(req_.dtype, out + at, data, below / element_bytes());
+  }
   if (below < len) {
-    SumTo(req_.dtype, out + at + below, in + at + below, data + below, (len - below) / element_bytes());
+    const char* rest = data + c.WireBytes(below);
+    if (c.compresses()) c.DecodeAddTo(rest, wire_len - c.WireBytes(below), scale_exp, in + at + below, out + at + below);
+    else SumTo(req_.dtype, out + at + below, in + at + below, rest, (len - below) / element_bytes());
     seeded = at + len;
   }
 }
@@ -151,11 +186,22 @@ void PushPull::MaybeFinishPartition(uint32_t part) {
   const Partition& p = parts()[part];
   char* out = static_cast<char*>(req_.output) + p.offset;
   if (req_.average) DivideBy(req_.dtype, out, p.bytes / element_bytes(), n());
+  Payload result{out, p.bytes};
+  if (codec().compresses()) {
+    // Encoded once for every peer; this worker decodes the same payload into its own output, so
+    // that every worker holds the same bits.
+    encoded_[part] = host()->TakeBuffer(WireBytes(part));
+    result = Payload{encoded_[part].data(), WireBytes(part), codec().encoding(),
+                     codec().Encode(out, p.bytes, encoded_[part].data())};
+    codec().Decode(result.data, result.bytes, result.scale_exp, out);
+  }
   result_sends_left_[part] = n() - 1;
   for (int peer = 0; peer < n(); ++peer) {
     if (peer == rank()) continue;
-    host()->Send(peer, Frame(FrameType::kResult, part, out, [this, part] {
-                   if (--result_sends_left_[part] == 0) EventDone();
+    host()->Send(peer, Frame(FrameType::kResult, part, result, [this, part] {
+                   if (--result_sends_left_[part] > 0) return;
+                   ReleaseEncoded(part);
+                   EventDone();
                  }));
   }
 }
@@ -178,6 +224,8 @@ void PushPull::Complete(const Status& status) {
   // Released pushes that will not leave now (the engine dropped their frames): their credit.
   for (size_t p = 0; p < push_state_.size(); ++p)
     if (push_state_[p] == PushState::kReleased) host()->PushLeft(PushTask(static_cast<uint32_t>(p)));
+  // Encoded payloads of frames that never left (the engine dropped or copied them: Abandon).
+  for (uint32_t p = 0; p < encoded_.size(); ++p) ReleaseEncoded(p);
   Collective::Complete(status);
 }
 

@@ -4,6 +4,11 @@
 // rank PUSHes its values of the partition to the owner, when the scheduler releases that PUSH;
 // the owner adds the N contributions into its output and sends the summed partition back as a
 // RESULT, straight from its output. Each worker sends and receives about 2(N-1)/N of the tensor.
+//
+// Compressed (codec.h): a PUSH is encoded when the scheduler releases it, into a pooled buffer
+// of the partition's wire size (no copy of the whole tensor); the owner adds the decoded codes to
+// its own float32 values, encodes the sum once for every peer, and decodes that same payload into
+// its own output, so every worker holds the same bits (docs/design.md, "Compression").
 #ifndef PROPHET_OPS_CORE_PUSH_PULL_H_
 #define PROPHET_OPS_CORE_PUSH_PULL_H_
 
@@ -35,13 +40,21 @@ class PushPull : public Collective {
   FrameType frame_type() const override { return FrameType::kPush; }
   // The scheduler's task for the PUSH of partition `part`.
   SendTask PushTask(uint32_t part) const;
+  // The PUSH of `part` left this worker: its credit returns (CollectiveHost::PushLeft).
+  void PushSent(uint32_t part);
   // Checks a PUSH against this worker's own request.
   std::string Mismatch(int peer, const FrameMeta& meta) const override;
-  // Adds bytes [at, at + len) of a contribution to owned partition `part`.
-  void Accumulate(uint32_t part, uint64_t at, const char* data, uint64_t len);
+  // Adds payload bytes [at, at + len) of a contribution to owned partition `part` (encoded with
+  // scale exponent `scale_exp` when compressed).
+  void Accumulate(uint32_t part, uint64_t at, const char* data, uint64_t len, int scale_exp);
   void ContributionDone(uint32_t part, int peer);
   // With every contribution in: average if asked, send the RESULT to every other rank.
   void MaybeFinishPartition(uint32_t part);
+  // Bytes of partition `part` on the wire (what the scheduler, the credit and the bandwidth
+  // monitor count).
+  uint64_t WireBytes(uint32_t part) const { return codec().WireBytes(parts()[part].bytes); }
+  // Hands the encoded payload of partition `part` back to the pool once sent.
+  void ReleaseEncoded(uint32_t part) { host()->GiveBuffer(std::move(encoded_[part])); }
 
   std::vector<PushState> push_state_;
   std::vector<int64_t> push_released_ns_;
@@ -54,6 +67,8 @@ class PushPull : public Collective {
   // offset 0 in order, so the one furthest ahead extends this prefix with out = in + received
   // (one pass, no separate copy of the local values) and every other adds into it.
   std::vector<uint64_t> seeded_;
+  // Compressed: by partition, the encoded PUSH or RESULT payload until it has been sent.
+  std::vector<ByteBuffer> encoded_;
 };
 
 }  // namespace prophet

@@ -6,13 +6,15 @@
 // through the real bootstrap), submits a few operations on the engine (push_pull, broadcast,
 // allgather; some only after their frames arrived, so they are held as early frames) and sends
 // the frames rank 0 would send for them, answering the engine's PUSHes with RESULTs like a real
-// owner. In a clean session everything is well-formed and every result is checked exactly. In a
-// hostile session the stream also carries mutated frames (frames.h) and well-formed but wrong
-// ones (early frames for unknown names, duplicates, error notices, other shapes); then every
-// operation must still end exactly once, promptly, with any status, and the engine must keep
-// sending only well-formed frames. Crashes and sanitizer reports end the process.
+// owner (some float32 push_pulls and allgathers compressed). In a clean session everything is
+// well-formed and every result is checked exactly. In a hostile session the stream also carries
+// mutated frames (frames.h) and well-formed but wrong ones (early frames for unknown names,
+// duplicates, error notices, other shapes); then every operation must still end exactly once,
+// promptly, with any status, and the engine must keep sending only well-formed frames. Crashes and sanitizer reports end the process.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -25,6 +27,7 @@
 #include <vector>
 
 #include "ops/core/engine.h"
+#include "ops/core/float16_reference.h"
 #include "ops/core/fuzz/fake_peer.h"
 #include "ops/core/fuzz/flags.h"
 #include "ops/core/fuzz/frames.h"
@@ -47,6 +50,7 @@ struct Plan {
   std::vector<int64_t> shape;       // the engine's
   std::vector<int64_t> peer_shape;  // the fake peer's (allgather: the first dimension may differ)
   int root = 0;
+  Encoding compression = Encoding::kNone;  // float32 push_pull and allgather only
   bool late = false;  // submitted only after its frames arrived
   std::vector<char> input, output, peer_data;
   std::atomic<int> done_calls{0};
@@ -89,6 +93,33 @@ void ReferenceSum(DataType dtype, const char* a, const char* b, char* out, uint6
     case DataType::kInt64: add(int64_t{0}); break;
     default: std::abort();  // sessions sum only the dtypes above
   }
+}
+
+// The 16-bit codes of float32 values (small integers: exact in both formats), written with the
+// reference conversions (no code shared with the engine's codec), at scale 1.
+std::string EncodeReference(Encoding encoding, const char* values, uint64_t bytes) {
+  std::string codes(bytes / 2, '\0');
+  for (uint64_t i = 0; i < bytes / 4; ++i) {
+    float v;
+    std::memcpy(&v, values + 4 * i, 4);
+    const uint16_t c = encoding == Encoding::kFloat16 ? reference::RefFloatToHalf(v) : reference::RefFloatToBFloat16(v);
+    std::memcpy(&codes[2 * i], &c, 2);
+  }
+  return codes;
+}
+
+// float32 values of 16-bit codes sent with scale exponent k.
+std::string DecodeReference(Encoding encoding, int k, const char* codes, uint64_t bytes) {
+  std::string values(bytes * 2, '\0');
+  for (uint64_t i = 0; i < bytes / 2; ++i) {
+    uint16_t c;
+    std::memcpy(&c, codes + 2 * i, 2);
+    const float v = std::ldexp(encoding == Encoding::kFloat16 ? reference::RefHalfToFloat(c)
+                                                             : reference::BitsFloat(static_cast<uint32_t>(c) << 16),
+                               -k);
+    std::memcpy(&values[4 * i], &v, 4);
+  }
+  return values;
 }
 
 struct Totals {
@@ -239,6 +270,8 @@ class Session {
       p->input = Values(p->dtype, Elements(p->shape));
       p->output.assign(p->input.size(), 0x5a);
       p->peer_data = Values(p->dtype, Elements(p->peer_shape));
+      if (p->dtype == DataType::kFloat32 && p->kind != OpKind::kBroadcast && mut_.Chance(0.5))
+        p->compression = mut_.Chance(0.5) ? Encoding::kFloat16 : Encoding::kBFloat16;
       by_key_[p->name + "#" + std::to_string(p->round)] = p.get();
       plans_.push_back(std::move(p));
     }
@@ -254,13 +287,16 @@ class Session {
     r.output = p.kind == OpKind::kAllgather ? nullptr : p.output.data();
     r.bytes = p.bytes();
     r.root_rank = p.root;
+    r.compression = p.compression;
     r.priority = static_cast<int64_t>(mut_.Uniform(5));
     Plan* plan = &p;
     r.done = [plan](const Status& s, const GatherResult* g) {
       plan->status = s;
       if (g != nullptr) {
         for (size_t rank = 0; rank < g->data.size(); ++rank) {
-          plan->gathered.insert(plan->gathered.end(), g->data[rank], g->data[rank] + g->bytes[rank]);
+          const size_t at = plan->gathered.size();
+          plan->gathered.resize(at + g->bytes[rank]);
+          g->CopyOut(rank, plan->gathered.data() + at);
           plan->gathered_shapes.push_back(g->shapes[rank]);
         }
       }
@@ -284,6 +320,15 @@ class Session {
     return m;
   }
 
+  // A frame of plan `p` carrying `bytes` of rank 0's values at `values`, encoded if the plan is
+  // compressed.
+  static std::string DataFrame(const Plan& p, FrameMeta meta, const char* values, uint64_t bytes) {
+    if (p.compression == Encoding::kNone) return EncodeFrame(meta, std::string(values, bytes));
+    meta.encoding = p.compression;
+    meta.payload_bytes = bytes / 2;
+    return EncodeFrame(meta, EncodeReference(p.compression, values, bytes));
+  }
+
   // The frames rank 0 sends for its plans before it hears anything from rank 1.
   std::vector<std::string> ValidFrames() const {
     std::vector<std::string> out;
@@ -295,8 +340,8 @@ class Session {
           const auto parts = MakePartitions(p.name, p.bytes(), elem, 2, options_.partition_bytes);
           for (uint32_t i = 0; i < parts.size(); ++i)
             if (parts[i].owner == kEngineRank)
-              out.push_back(EncodeFrame(Meta(p, FrameType::kPush, parts, i),
-                                        std::string(p.peer_data.data() + parts[i].offset, parts[i].bytes)));
+              out.push_back(DataFrame(p, Meta(p, FrameType::kPush, parts, i), p.peer_data.data() + parts[i].offset,
+                                      parts[i].bytes));
           break;
         }
         case OpKind::kBroadcast: {
@@ -309,7 +354,7 @@ class Session {
         }
         case OpKind::kAllgather: {
           const std::vector<Partition> whole = {Partition{0, p.peer_data.size(), kEngineRank}};
-          out.push_back(EncodeFrame(Meta(p, FrameType::kGather, whole, 0), std::string(p.peer_data.begin(), p.peer_data.end())));
+          out.push_back(DataFrame(p, Meta(p, FrameType::kGather, whole, 0), p.peer_data.data(), p.peer_data.size()));
           break;
         }
       }
@@ -375,15 +420,20 @@ class Session {
     auto it = by_key_.find(meta.name + "#" + std::to_string(meta.round));
     if (it == by_key_.end()) return;
     const Plan& p = *it->second;
-    if (p.kind != OpKind::kPushPull || meta.offset + meta.payload_bytes > p.peer_data.size()) {
+    const uint64_t bytes = PayloadTensorBytes(meta);
+    if (p.kind != OpKind::kPushPull || meta.offset + bytes > p.peer_data.size() || meta.encoding != p.compression) {
       Violation("the engine pushed something it never had: " + meta.name);
       return;
     }
-    std::string sum(meta.payload_bytes, '\0');
-    ReferenceSum(p.dtype, p.peer_data.data() + meta.offset, payload, &sum[0], meta.payload_bytes);
+    const std::string values = meta.encoding == Encoding::kNone
+                                   ? std::string(payload, bytes)
+                                   : DecodeReference(meta.encoding, meta.scale_exp, payload, meta.payload_bytes);
+    std::string sum(bytes, '\0');
+    ReferenceSum(p.dtype, p.peer_data.data() + meta.offset, values.data(), &sum[0], bytes);
     FrameMeta result = meta;
     result.type = FrameType::kResult;
-    peer_->Send(EncodeFrame(result, sum));
+    result.scale_exp = 0;
+    peer_->Send(DataFrame(p, result, sum.data(), bytes));
   }
 
   void Check() {
