@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import tensorflow as tf
 from tensorflow.python.framework import ops as tf_ops
@@ -117,7 +117,7 @@ def _iterations_snapshot(optimizer: Any, snapshot: tf.Tensor) -> Iterator[None]:
 
 
 def deferred_update(var: Any, fn: Callable[..., Any], grad: tf.Tensor, learning_rate: Any, optimizer: Any,
-                    name: str, priority: int) -> tf.Operation:
+                    name: str, priority: int, compression: Optional[str] = None) -> tf.Operation:
     """Emits the asynchronous update ``fn(var, sum_over_workers(grad), learning_rate)``.
 
     Args:
@@ -128,6 +128,7 @@ def deferred_update(var: Any, fn: Callable[..., Any], grad: tf.Tensor, learning_
       optimizer: the Keras optimizer (its iteration count is snapshotted).
       name: the gradient's name, the same on every worker.
       priority: larger is sent earlier.
+      compression: how the gradient travels (``prophet_tf.ops.push_pull``'s ``compression``).
     """
     learning_rate = tf.convert_to_tensor(learning_rate)
     iterations = tf.convert_to_tensor(optimizer._iterations)
@@ -143,8 +144,11 @@ def deferred_update(var: Any, fn: Callable[..., Any], grad: tf.Tensor, learning_
         tf.TensorSpec(iterations.shape, iterations.dtype),
     )
     args = [learning_rate, iterations] + list(concrete.captured_inputs)
+    from prophet_tf.ops import compression_attr
+
     # A CPU kernel (the gradient is copied from the GPU once, as its input); `f` runs where the
     # variables live (its nodes keep the devices they were traced with).
     with tf.device(HOST_DEVICE):
         return op_module().prophet_async_apply(grad, args, f=concrete, tensor_name=name,
-                                               priority=int(priority))
+                                               priority=int(priority),
+                                               compression=compression_attr(compression))

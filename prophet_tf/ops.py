@@ -6,10 +6,16 @@ used repeatedly is matched by how many times each worker used it before.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import tensorflow as tf
 
 from prophet_tf._devices import HOST_DEVICE
-from prophet_tf._library import op_module
+from prophet_tf._library import op_module, runtime_constants
+
+#: Values of ``compression`` besides ``None``: float32 values travel as IEEE half precision
+#: ("fp16", scaled per partition so that no finite value overflows) or as bfloat16 ("bf16").
+COMPRESSIONS: tuple[str, ...] = tuple(runtime_constants()["compressions"])
 
 
 def _check_name(name: str) -> str:
@@ -18,7 +24,18 @@ def _check_name(name: str) -> str:
     return name
 
 
-def push_pull(tensor: tf.Tensor, name: str, priority: int = 0, average: bool = False) -> tf.Tensor:
+def compression_attr(compression: Optional[str]) -> str:
+    """The ops' ``compression`` attribute for ``None`` or one of :data:`COMPRESSIONS`; raises
+    ValueError naming the accepted values for anything else."""
+    if compression is None:
+        return "none"
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"compression must be None or one of {COMPRESSIONS}, got {compression!r}")
+    return compression
+
+
+def push_pull(tensor: tf.Tensor, name: str, priority: int = 0, average: bool = False,
+              compression: Optional[str] = None) -> tf.Tensor:
     """Sums ``tensor`` over all workers (or averages it with ``average=True``).
 
     Args:
@@ -26,12 +43,16 @@ def push_pull(tensor: tf.Tensor, name: str, priority: int = 0, average: bool = F
       name: the tensor's name, identical on every worker.
       priority: larger is sent earlier when several tensors wait for the network.
       average: divide the sum by the number of workers.
+      compression: ``None`` (exact), ``"fp16"`` or ``"bf16"``: a float32 tensor's values travel in
+        16 bits each way. The partitions' owners add in float32 and send the sum back compressed,
+        so every worker gets the same result, within the bound of docs/design.md
+        ("Compression"). Other dtypes travel as they are. Every worker must pass the same value.
     """
     tensor = tf.convert_to_tensor(tensor)
     with tf.device(HOST_DEVICE):  # CPU kernels: one copy from the GPU, as the op's input
         return op_module().prophet_push_pull(
             tensor, tensor_name=_check_name(name), priority=int(priority),
-            reduce_op="mean" if average else "sum",
+            reduce_op="mean" if average else "sum", compression=compression_attr(compression),
         )
 
 
@@ -43,13 +64,17 @@ def broadcast(tensor: tf.Tensor, name: str, root_rank: int = 0) -> tf.Tensor:
                                              root_rank=int(root_rank))
 
 
-def allgather(tensor: tf.Tensor, name: str, priority: int = 0) -> tf.Tensor:
+def allgather(tensor: tf.Tensor, name: str, priority: int = 0,
+              compression: Optional[str] = None) -> tf.Tensor:
     """Concatenates every worker's ``tensor`` along dimension 0, in rank order.
 
     The first dimension may differ across workers; the others must match. ``priority`` orders it
-    against other traffic, as for :func:`push_pull` (sparse gradients use it).
+    against other traffic, as for :func:`push_pull` (sparse gradients use it). ``compression``
+    as for :func:`push_pull`: every worker, the sender included, gets each float32 tensor as it
+    travelled.
     """
     tensor = tf.convert_to_tensor(tensor)
     with tf.device(HOST_DEVICE):
         return op_module().prophet_allgather(tensor, tensor_name=_check_name(name),
-                                             priority=int(priority))
+                                             priority=int(priority),
+                                             compression=compression_attr(compression))

@@ -181,9 +181,12 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
 
     def __init__(self, container_strategy, device: str, rank: int, world_size: int,
                  sparse_as_dense_bytes: int = _DEFAULT_SPARSE_AS_DENSE_BYTES,
-                 cross_barrier: bool = False, recording: bool = False):
+                 cross_barrier: bool = False, recording: bool = False,
+                 compression: Optional[str] = None):
         super().__init__(container_strategy, device)
         self._cross_barrier = bool(cross_barrier)
+        # How gradients travel (None, "fp16", "bf16"); control collectives never compress.
+        self._compression = compression
         # A one-worker run that records a profile: the step's collectives (gradients, metrics,
         # loss-scale flags) go through the runtime as with several workers, which returns them at
         # once, so that the trace shows them (see prophet_tf.predict.profile).
@@ -334,7 +337,8 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
                 def fn(v, summed, lr):
                     return apply_fn(v, clip([summed])[0], lr)
             return _crossing.deferred_update(var, fn, grad, learning_rate, site.optimizer,
-                                             gradient.name, gradient.priority)
+                                             gradient.name, gradient.priority,
+                                             compression=self._compression)
         return super()._update(var, fn, args, kwargs, group)
 
     # ---- input --------------------------------------------------------------------------
@@ -416,7 +420,8 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
                 # Sparse gradients are gathered synchronously (also when crossing the barrier).
                 gradient.reduced = _gradients.GATHERED if sparse and not self._densified(value) \
                     else _gradients.SUMMED
-                out.append(self._reduce_one(reduce_op, value, gradient.name, gradient.priority))
+                out.append(self._reduce_one(reduce_op, value, gradient.name, gradient.priority,
+                                            compression=self._compression))
         clip = _gradient_clipping(site.optimizer)
         if clip is None:
             return out
@@ -425,14 +430,16 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
         return [g if gradient.reduced == _gradients.DEFERRED else clip([g])[0]
                 for gradient, g in zip(site.gradients, out)]
 
-    def _reduce_one(self, reduce_op, value, name, priority):
+    def _reduce_one(self, reduce_op, value, name, priority, compression=None):
+        """Sums (or averages) one value; ``compression`` only for gradients (see
+        ``ProphetStrategy(compression=...)``), never for control collectives."""
         if isinstance(reduce_op, str):
             reduce_op = reduce_util.ReduceOp(reduce_op.upper())
         mean = reduce_op == reduce_util.ReduceOp.MEAN
         if isinstance(value, indexed_slices.IndexedSlices):
-            return self._reduce_indexed_slices(value, name, priority, mean)
+            return self._reduce_indexed_slices(value, name, priority, mean, compression)
         value = tf.convert_to_tensor(value)
-        return self._push_pull(value, name, priority, mean)
+        return self._push_pull(value, name, priority, mean, compression)
 
     def _densified(self, slices) -> bool:
         """Whether these sparse gradients are summed as a dense tensor (``sparse_as_dense_bytes``)."""
@@ -441,10 +448,10 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
         dense_bytes = self._static_dense_bytes(slices)
         return dense_bytes is not None and dense_bytes <= self._sparse_as_dense_bytes
 
-    def _reduce_indexed_slices(self, slices, name, priority, mean):
+    def _reduce_indexed_slices(self, slices, name, priority, mean, compression=None):
         if self._densified(slices):
             # Asked for by the user: one dense push_pull (see sparse_as_dense_bytes).
-            return self._push_pull(tf.convert_to_tensor(slices), name, priority, mean)
+            return self._push_pull(tf.convert_to_tensor(slices), name, priority, mean, compression)
         if _sparse.mixes_origins(slices.indices):
             raise _gradients.GradientReductionError(
                 f"ProphetStrategy: the sparse gradient '{name}' joins lookups of ids from the "
@@ -452,7 +459,8 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
                 "and for tf.range positions). One process sums the latter over the batch and "
                 "keeps the former per row; gathered or summed, the workers' slices cannot give "
                 "both. Use a separate Embedding layer for each kind of lookup.")
-        values = self._allgather(slices.values, name + "/values", priority)
+        # The values travel compressed like dense gradients; the indices exactly.
+        values = self._allgather(slices.values, name + "/values", priority, compression)
         indices = self._allgather(slices.indices, name + "/indices", priority)
         if not _sparse.may_come_from_input(slices.indices):
             sizes = self._allgather(tf.reshape(tf.size(slices.indices), [1]), name + "/sizes",
@@ -645,14 +653,15 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
         return tf.zeros([], tf.float32)
 
     # ---- op wrappers (dtype handling) -------------------------------------------------------
-    def _push_pull(self, t, name, priority, mean):
+    def _push_pull(self, t, name, priority, mean, compression=None):
         wire = _wire_dtype(t.dtype)
         x = t if wire == t.dtype else tf.cast(t, wire)
         if mean and not (wire.is_floating):
             y = _ops().push_pull(x, name=name, priority=int(priority), average=False)
             y = tf.math.floordiv(y, tf.cast(self._world_size, wire))
         else:
-            y = _ops().push_pull(x, name=name, priority=int(priority), average=bool(mean))
+            y = _ops().push_pull(x, name=name, priority=int(priority), average=bool(mean),
+                                 compression=compression)
         return y if wire == t.dtype else tf.cast(y, t.dtype)
 
     def _broadcast(self, t, name, root_rank=0):
@@ -661,10 +670,10 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
         y = _ops().broadcast(x, name=name, root_rank=int(root_rank))
         return y if wire == t.dtype else tf.cast(y, t.dtype)
 
-    def _allgather(self, t, name, priority=CONTROL_PRIORITY):
+    def _allgather(self, t, name, priority=CONTROL_PRIORITY, compression=None):
         wire = _wire_dtype(t.dtype)
         x = t if wire == t.dtype else tf.cast(t, wire)
-        y = _ops().allgather(x, name=name, priority=int(priority))
+        y = _ops().allgather(x, name=name, priority=int(priority), compression=compression)
         return y if wire == t.dtype else tf.cast(y, t.dtype)
 
 
@@ -785,6 +794,14 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
         (default ``$PROPHET_PROFILE``). On one worker, the step's collectives then go through the
         runtime (which returns them at once) so that the trace shows when each gradient is ready,
         its bytes and its update; with several workers it is the same as ``timeline_path``.
+      compression: ``None`` (the default: exact), ``"fp16"`` or ``"bf16"``: dense float32 gradients
+        (and the values of gathered sparse gradients) travel in 16 bits, half the bytes; the
+        owners of the partitions add in float32 and send the sums back compressed, so every
+        worker applies the same gradient. float16/bfloat16 gradients already travel in 16 bits,
+        float64 ones travel exactly; metrics, loss-scale flags, ``strategy.reduce`` and every
+        other collective are never compressed. fp16 scales each partition by a power of two, so
+        no finite value becomes infinite. The difference from exact summation is bounded per
+        element (README, "Gradient compression"; docs/design.md).
       sync_random_seed: when no TensorFlow global seed is set, set one (drawn on rank 0) on every
         worker, so that unseeded shuffles (``fit(shuffle=True)`` on arrays, ``Dataset.shuffle``)
         produce the same order everywhere and the shards of every global batch stay disjoint.
@@ -828,9 +845,11 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
                  preemption_signals: Any = None,
                  preemption_grace_s: Optional[float] = None,
                  checkpoint_dir: Optional[str] = None,
+                 compression: Optional[str] = None,
                  **runtime_options):
         from prophet_tf import _auto_schedule
         runtime = _runtime()
+        _ops().compression_attr(compression)  # a bad value fails before the runtime starts
         auto = schedule == _auto_schedule.AUTO
         if not auto and schedule is not None and schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -851,7 +870,7 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
         extended = ProphetExtended(self, device or _devices.default_device(), info.rank, info.world_size,
                                    sparse_as_dense_bytes=sparse_as_dense_bytes,
                                    cross_barrier=cross_barrier and (info.world_size > 1 or recording),
-                                   recording=recording)
+                                   recording=recording, compression=compression)
         extended._cluster_resolver = cluster_resolver or _resolver_for(info)
         if step_report:
             from prophet_tf import _step_report
@@ -894,6 +913,11 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
     def schedule(self) -> str:
         """The schedule asked for (a policy of the runtime, or ``"auto"``)."""
         return self._schedule
+
+    @property
+    def compression(self) -> Optional[str]:
+        """How gradients travel: ``None`` (exact), ``"fp16"`` or ``"bf16"``."""
+        return self.extended._compression
 
     @property
     def schedule_in_use(self) -> str:

@@ -5,7 +5,9 @@
 #include <string>
 #include <vector>
 
+#include "ops/core/codec.h"
 #include "ops/core/common.h"
+#include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/types.h"
 
@@ -35,6 +37,18 @@ inline bool ToCoreType(DataType dtype, ::prophet::DataType* out) {
     case DT_BOOL: *out = ::prophet::DataType::kBool; return true;
     default: return false;
   }
+}
+
+// The attribute every op that may compress declares, with the same values everywhere.
+constexpr char kCompressionAttr[] = "compression: {'none', 'fp16', 'bf16'} = 'none'";
+
+// Reads the `compression` attribute of a kernel's node.
+inline absl::Status GetCompression(OpKernelConstruction* ctx, ::prophet::Encoding* out) {
+  std::string name;
+  TF_RETURN_IF_ERROR(ctx->GetAttr("compression", &name));
+  if (!::prophet::ParseEncoding(name, out))
+    return absl::InvalidArgumentError("compression must be 'none', 'fp16' or 'bf16', got '" + name + "'");
+  return absl::OkStatus();
 }
 
 inline std::vector<int64_t> ShapeOf(const Tensor& t) {

@@ -45,6 +45,8 @@ namespace {
 using ::prophet::GlobalGates;
 
 using prophet_adapter::FromTfStatus;
+using prophet_adapter::GetCompression;
+using prophet_adapter::kCompressionAttr;
 using prophet_adapter::ToCoreType;
 using prophet_adapter::ToTfStatus;
 
@@ -208,6 +210,7 @@ class AsyncApplyOp : public AsyncOpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("f", &func));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("tensor_name", &tensor_name_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("priority", &priority_));
+    OP_REQUIRES_OK(ctx, GetCompression(ctx, &compression_));
     OP_REQUIRES_OK(ctx, UpdateFunction::Create(ctx->function_library(), func, &function_));
   }
 
@@ -253,6 +256,7 @@ class AsyncApplyOp : public AsyncOpKernel {
     req.output = const_cast<char*>(update->summed.tensor_data().data());
     req.bytes = grad.TotalBytes();
     req.priority = priority_;
+    req.compression = compression_;
     req.done = [update](const ::prophet::Status& s, const ::prophet::GatherResult*) {
       // Leave the engine's network thread at once: releasing a gate resumes the steps waiting on
       // it, and TensorFlow may run their kernels inline.
@@ -300,6 +304,7 @@ class AsyncApplyOp : public AsyncOpKernel {
 
   std::string tensor_name_;
   int64_t priority_ = 0;
+  ::prophet::Encoding compression_ = ::prophet::Encoding::kNone;
   std::shared_ptr<UpdateFunction> function_;
 };
 
@@ -333,6 +338,7 @@ REGISTER_OP("ProphetAsyncApply")
     .Attr("f: func")
     .Attr("tensor_name: string")
     .Attr("priority: int = 0")
+    .Attr(kCompressionAttr)
     .SetIsStateful()
     .SetIsDistributedCommunication()  // fails with the push_pull's errors (see prophet_ops.cc)
     .SetShapeFn(shape_inference::NoOutputs)

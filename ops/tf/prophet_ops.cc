@@ -19,6 +19,8 @@ using ::prophet::Engine;
 using ::prophet::OpKind;
 using ::prophet::OpRequest;
 
+using prophet_adapter::GetCompression;
+using prophet_adapter::kCompressionAttr;
 using prophet_adapter::ShapeOf;
 using prophet_adapter::ToCoreType;
 using prophet_adapter::ToTfStatus;
@@ -85,6 +87,7 @@ class PushPullOp : public ProphetOpBase {
     std::string reduce_op;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("reduce_op", &reduce_op));
     average_ = reduce_op == "mean";
+    OP_REQUIRES_OK(ctx, GetCompression(ctx, &compression_));
   }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
@@ -97,6 +100,7 @@ class PushPullOp : public ProphetOpBase {
     req.output = const_cast<char*>(output->tensor_data().data());
     req.priority = priority_;
     req.average = average_;
+    req.compression = compression_;
     req.done = [ctx, done](const ::prophet::Status& s, const ::prophet::GatherResult*) {
       if (!s.ok()) ctx->SetStatus(ToTfStatus(s));
       done();
@@ -107,6 +111,7 @@ class PushPullOp : public ProphetOpBase {
  private:
   int64_t priority_ = 0;
   bool average_ = false;
+  ::prophet::Encoding compression_ = ::prophet::Encoding::kNone;
 };
 
 class BroadcastOp : public ProphetOpBase {
@@ -138,6 +143,7 @@ class AllgatherOp : public ProphetOpBase {
  public:
   explicit AllgatherOp(OpKernelConstruction* ctx) : ProphetOpBase(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("priority", &priority_));
+    OP_REQUIRES_OK(ctx, GetCompression(ctx, &compression_));
   }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
@@ -150,6 +156,7 @@ class AllgatherOp : public ProphetOpBase {
     OpRequest req;
     if (!Prepare(ctx, OpKind::kAllgather, &engine, &req)) return done();
     req.priority = priority_;
+    req.compression = compression_;
     req.done = [ctx, done](const ::prophet::Status& s, const ::prophet::GatherResult* g) {
       if (!s.ok()) {
         ctx->SetStatus(ToTfStatus(s));
@@ -163,7 +170,7 @@ class AllgatherOp : public ProphetOpBase {
       OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, shape, &output), done);
       char* dst = const_cast<char*>(output->tensor_data().data());
       for (size_t r = 0; r < g->data.size(); ++r) {
-        if (g->bytes[r]) std::memcpy(dst, g->data[r], g->bytes[r]);
+        g->CopyOut(r, dst);
         dst += g->bytes[r];
       }
       done();
@@ -173,6 +180,7 @@ class AllgatherOp : public ProphetOpBase {
 
  private:
   int64_t priority_ = 0;
+  ::prophet::Encoding compression_ = ::prophet::Encoding::kNone;
 };
 
 }  // namespace
@@ -184,6 +192,7 @@ REGISTER_OP("ProphetPushPull")
     .Attr("tensor_name: string")
     .Attr("priority: int = 0")
     .Attr("reduce_op: {'sum', 'mean'} = 'sum'")
+    .Attr(kCompressionAttr)
     // Stateful: never constant-folded, merged or pruned. Automatic control dependencies do not
     // chain stateful ops without resource inputs, so hundreds can be in flight at once.
     .SetIsStateful()
@@ -193,7 +202,8 @@ REGISTER_OP("ProphetPushPull")
     .SetShapeFn(shape_inference::UnchangedShape)
     .Doc(R"doc(
 Sums (or averages) `tensor` over all workers. Matched across workers by `tensor_name` and the
-number of times this worker used that name before. Larger `priority` is sent first.
+number of times this worker used that name before. Larger `priority` is sent first. With
+`compression` 'fp16' or 'bf16', float32 values travel in 16 bits (other dtypes as they are).
 )doc");
 
 REGISTER_OP("ProphetBroadcast")
@@ -213,6 +223,7 @@ REGISTER_OP("ProphetAllgather")
     .Attr("T: {half, bfloat16, float, double, int32, int64, uint8, bool}")
     .Attr("tensor_name: string")
     .Attr("priority: int = 0")
+    .Attr(kCompressionAttr)
     .SetIsStateful()
     .SetIsDistributedCommunication()
     .SetShapeFn([](shape_inference::InferenceContext* c) {
