@@ -104,12 +104,14 @@ def main():
     p.add_argument("--batch", type=int, default=64, help="global batch size")
     p.add_argument("--samples", type=int, default=4096)
     p.add_argument("--schedule", default=None, choices=SCHEDULES, help="default: prophet")
+    p.add_argument("--compression", default=None, choices=["fp16", "bf16"],
+                   help="gradients travel in 16 bits (default: exact)")
     args = p.parse_args()
 
-    strategy = ProphetStrategy(schedule=args.schedule)
+    strategy = ProphetStrategy(schedule=args.schedule, compression=args.compression)
     if strategy.rank == 0:
         print(f"{strategy.num_replicas_in_sync} worker(s), schedule {strategy.schedule}, "
-              f"global batch {args.batch}", flush=True)
+              f"compression {strategy.compression}, global batch {args.batch}", flush=True)
     keras.utils.set_random_seed(0)  # the same shuffling order on every worker
     x, y = make_digits(args.samples, seed=1)
     x_val, y_val = make_digits(1024, seed=2)
