@@ -1,10 +1,14 @@
 """push_pull throughput and latency next to raw TCP between the same two processes.
 
     python -m prophet_tf.bench.transport [--quick] [--sizes 4KiB,64MiB] [--iters N]
+        [--compression fp16,bf16]
 
 Starts 2 workers on loopback. For each tensor size, each worker measures alternately
   * ``push_pull``: the eager op on a float32 tensor of that size (summation, partitioning,
-    scheduling, TensorFlow dispatch included), and
+    scheduling, TensorFlow dispatch included),
+  * ``push_pull+fp16``, ``push_pull+bf16`` (``--compression``, default both): the same with the
+    tensor compressed to 16 bits on the wire, the casts (encode before a partition leaves,
+    decode-and-add at the owner, decode of the result) included, and
   * ``raw_tcp``: a second, plain TCP connection between the same two processes that moves the
     same bytes in the same pattern: each worker sends and receives as many bytes as push_pull
     sends and receives (2(N-1)/N of the tensor, i.e. the whole tensor for N = 2), both directions
@@ -18,8 +22,10 @@ operation (process CPU time of every thread, median over iterations on each rank
 the two ranks), per tensor byte, with the ratio push_pull / raw_tcp (1.0 = no more CPU than raw
 TCP). Medians, like the times: the first calls of a new size also pay for TensorFlow's allocator
 growing its pool for the output tensors, which is not what a step costs.
-The last two lines are the worst sizes of at least 4 MiB: the smallest throughput ratio and the
-largest CPU-per-byte ratio.
+The last lines are the worst sizes of at least 4 MiB: the smallest throughput ratio and the
+largest CPU-per-byte ratio of push_pull, and per compression the CPU the casts cost: compressed
+minus uncompressed push_pull CPU per tensor byte (both ranks; net of the fewer bytes the kernel
+copies).
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ flags.DEFINE_string("json", None, "Also write the results to this JSON file.")
 flags.DEFINE_string("runtime_options", "{}", "JSON object of prophet_tf.runtime.init keyword "
                     "arguments for push_pull, e.g. '{\"socket_buffer_bytes\": 4194304, "
                     "\"socket_unsent_bytes\": 0}' (the socket options before issue 18).")
+flags.DEFINE_list("compression", ["fp16", "bf16"],
+                  "Compressed push_pull systems measured beside the others ('' for none).")
 
 _UNITS = {"B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
 DEFAULT_SIZES = ["4KiB", "64KiB", "1MiB", "4MiB", "16MiB", "64MiB", "256MiB"]
@@ -77,6 +85,10 @@ def default_iters(nbytes: int, quick: bool) -> int:
 
 # ------------------------------------------------------------------------------------------------
 # Worker side
+
+
+def system_name(compression: Optional[str]) -> str:
+    return "push_pull" if compression is None else f"push_pull+{compression}"
 
 
 def _raw_connection(rank: int, ops, tf) -> socket.socket:
@@ -134,20 +146,23 @@ def run_worker(config: dict) -> None:
         wire = np.ones(elems * 4 * (n - 1) * 2 // n, dtype=np.uint8)
         inbox = np.empty_like(wire)
         iters = config["iters"] or default_iters(nbytes, config["quick"])
-        times = {"push_pull": [], "raw_tcp": []}
-        cpu = {"push_pull": [], "raw_tcp": []}
-        expected = float(n * (n + 1) / 2)
-        for it in range(iters + 1):  # iteration 0 warms both up
-            ops.push_pull(barrier, name="bench/barrier")
-            start, cpu_start = time.perf_counter(), _cpu_seconds()
-            out = ops.push_pull(tensor, name=f"bench/{size_index}")
-            elapsed = time.perf_counter() - start
-            if it:
-                cpu["push_pull"].append(_cpu_seconds() - cpu_start)
-            if it == 0 and float(out[-1]) != expected:
-                raise AssertionError(f"push_pull returned {float(out[-1])}, expected {expected}")
-            if it:
-                times["push_pull"].append(elapsed)
+        compressions = [None] + config["compression"]
+        systems = [system_name(c) for c in compressions] + ["raw_tcp"]
+        times = {s: [] for s in systems}
+        cpu = {s: [] for s in systems}
+        expected = float(n * (n + 1) / 2)  # exact in fp16 and bf16 too
+        for it in range(iters + 1):  # iteration 0 warms every system up
+            for compression in compressions:
+                system = system_name(compression)
+                ops.push_pull(barrier, name="bench/barrier")
+                start, cpu_start = time.perf_counter(), _cpu_seconds()
+                out = ops.push_pull(tensor, name=f"bench/{size_index}/{system}", compression=compression)
+                elapsed = time.perf_counter() - start
+                if it == 0 and float(out[-1]) != expected:
+                    raise AssertionError(f"{system} returned {float(out[-1])}, expected {expected}")
+                if it:
+                    cpu[system].append(_cpu_seconds() - cpu_start)
+                    times[system].append(elapsed)
             ops.push_pull(barrier, name="bench/barrier")
             start, cpu_start = time.perf_counter(), _cpu_seconds()
             _raw_exchange(conn, wire, inbox)
@@ -158,15 +173,18 @@ def run_worker(config: dict) -> None:
                 times["raw_tcp"].append(elapsed)
         # Both ranks measured; report the slower rank's median (an operation ends for the job
         # when it ends everywhere), and the CPU of both ranks together.
-        measured = tf.constant([statistics.median(times["push_pull"]), statistics.median(times["raw_tcp"]),
-                                statistics.median(cpu["push_pull"]), statistics.median(cpu["raw_tcp"])], tf.float64)
-        gathered = ops.allgather(tf.reshape(measured, [1, 4]), name=f"bench/medians/{size_index}").numpy()
-        push_pull_s, raw_s = float(gathered[:, 0].max()), float(gathered[:, 1].max())
-        push_pull_cpu_s, raw_cpu_s = float(gathered[:, 2].sum()), float(gathered[:, 3].sum())
-        row = {"bytes": nbytes, "iters": iters, "push_pull_s": push_pull_s, "raw_tcp_s": raw_s,
-               "ratio": raw_s / push_pull_s,
-               "push_pull_cpu_s": push_pull_cpu_s, "raw_tcp_cpu_s": raw_cpu_s,
-               "cpu_ratio": push_pull_cpu_s / raw_cpu_s}
+        measured = tf.constant([statistics.median(times[s]) for s in systems] +
+                               [statistics.median(cpu[s]) for s in systems], tf.float64)
+        gathered = ops.allgather(tf.reshape(measured, [1, -1]), name=f"bench/medians/{size_index}").numpy()
+        k = len(systems)
+        seconds = {s: float(gathered[:, i].max()) for i, s in enumerate(systems)}
+        cpu_seconds = {s: float(gathered[:, k + i].sum()) for i, s in enumerate(systems)}
+        row = {"bytes": nbytes, "iters": iters, "push_pull_s": seconds["push_pull"], "raw_tcp_s": seconds["raw_tcp"],
+               "ratio": seconds["raw_tcp"] / seconds["push_pull"],
+               "push_pull_cpu_s": cpu_seconds["push_pull"], "raw_tcp_cpu_s": cpu_seconds["raw_tcp"],
+               "cpu_ratio": cpu_seconds["push_pull"] / cpu_seconds["raw_tcp"],
+               "compressed": {c: {"s": seconds[system_name(c)], "cpu_s": cpu_seconds[system_name(c)]}
+                              for c in config["compression"]}}
         results.append(row)
         if info.rank == 0:
             print("RESULT " + json.dumps(row), flush=True)
@@ -194,14 +212,33 @@ def format_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_compressed_table(rows: Sequence[dict]) -> str:
+    """Compressed push_pull beside uncompressed: time, GB/s of the tensor, and the CPU the casts
+    add per tensor byte (compressed minus uncompressed, both ranks)."""
+    lines = ["| size | system | median | tensor GB/s | uncompressed/compressed time | CPU ns per tensor byte "
+             "| casts: CPU ns per tensor byte |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        for compression, c in r["compressed"].items():
+            lines.append(
+                f"| {human(r['bytes'])} | push_pull+{compression} | {c['s'] * 1e3:.3f} ms | "
+                f"{r['bytes'] / c['s'] / 1e9:.2f} | {r['push_pull_s'] / c['s']:.2f} | "
+                f"{c['cpu_s'] * 1e9 / r['bytes']:.3f} | {(c['cpu_s'] - r['push_pull_cpu_s']) * 1e9 / r['bytes']:.3f} |")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str]) -> int:
     del argv
     if FLAGS.worker:
         run_worker(json.loads(FLAGS.worker))
         return 0
     sizes = [parse_size(s) for s in (FLAGS.sizes or (QUICK_SIZES if FLAGS.quick else DEFAULT_SIZES))]
+    compressions = [c for c in FLAGS.compression if c]
+    for c in compressions:
+        if c not in ("fp16", "bf16"):
+            raise app.UsageError(f"--compression: {c!r} is not fp16 or bf16")
     config = {"sizes": sizes, "iters": FLAGS.iters, "quick": FLAGS.quick, "schedule": "priority",
-              "runtime_options": json.loads(FLAGS.runtime_options)}
+              "runtime_options": json.loads(FLAGS.runtime_options), "compression": compressions}
     cmd = [sys.executable, "-m", "prophet_tf.launch", "-n", "2", "--threads", "1", "--timeout", "900", "--",
            "-m", "prophet_tf.bench.transport", "--worker", json.dumps(config)]
     print(f"push_pull vs raw TCP, 2 workers on loopback, sizes {', '.join(human(s) for s in sizes)}", flush=True)
@@ -215,15 +252,19 @@ def main(argv: Sequence[str]) -> int:
         if match:
             row = json.loads(match.group(1))
             rows.append(row)
+            compressed = "".join(f", +{c} {v['s'] * 1e3:.3f} ms" for c, v in row["compressed"].items())
             print(f"  {human(row['bytes']):>9}: push_pull {row['push_pull_s'] * 1e3:9.3f} ms, raw TCP "
                   f"{row['raw_tcp_s'] * 1e3:9.3f} ms, ratio {row['ratio']:.2f}, CPU per byte ratio "
-                  f"{row['cpu_ratio']:.2f}", flush=True)
+                  f"{row['cpu_ratio']:.2f}{compressed}", flush=True)
     if proc.wait() != 0 or len(rows) != len(sizes):
         sys.stderr.write("".join(tail))
         print(f"benchmark failed (exit code {proc.returncode})", file=sys.stderr)
         return 1
     print()
     print(format_table(rows))
+    if compressions:
+        print()
+        print(format_compressed_table(rows))
     if FLAGS.json:
         with open(FLAGS.json, "w") as f:
             json.dump(rows, f, indent=1)
@@ -231,6 +272,12 @@ def main(argv: Sequence[str]) -> int:
     if large:
         print(f"push_pull/raw_tcp (>= 4 MiB): {min(r['ratio'] for r in large):.2f}")
         print(f"push_pull/raw_tcp CPU per byte (>= 4 MiB): {max(r['cpu_ratio'] for r in large):.2f}")
+        for c in compressions:
+            casts = [(r["compressed"][c]["cpu_s"] - r["push_pull_cpu_s"]) / r["bytes"] * 1e9 for r in large]
+            print(f"push_pull+{c}: casts' CPU per tensor byte (>= 4 MiB, both ranks): "
+                  f"{statistics.median(casts):.3f} ns (median over sizes), "
+                  f"uncompressed/compressed time {min(r['push_pull_s'] / r['compressed'][c]['s'] for r in large):.2f} "
+                  f"(smallest)")
     else:
         print("push_pull/raw_tcp (>= 4 MiB): n/a (no size of at least 4 MiB was measured)")
         print("push_pull/raw_tcp CPU per byte (>= 4 MiB): n/a")
