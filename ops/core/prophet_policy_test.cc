@@ -56,6 +56,8 @@ class Harness {
   ProphetPolicy& policy() { return *policy_; }
   int64_t origin(uint64_t round) const { return 1'000 * kMs + static_cast<int64_t>(round) * 100 * kMs; }
   void set_link_Bps(double link_Bps) { link_Bps_ = link_Bps; }
+  // Compressed gradients: the tensors announced are twice the bytes their tasks carry.
+  void set_tensor_bytes_per_wire_byte(uint64_t ratio) { tensor_per_wire_ = ratio; }
 
   void Ready(const std::string& name, uint64_t round, int64_t offset_ns) {
     const Layer& layer = LayerOf(name);
@@ -64,7 +66,7 @@ class Harness {
     ready.name = names_.back().get();
     ready.round = round;
     ready.priority = layer.priority;
-    ready.bytes = kHalfMB * layer.partitions;
+    ready.bytes = kHalfMB * layer.partitions * tensor_per_wire_;
     ready.ready_ns = origin(round) + offset_ns;
     policy_->OnTensorReady(ready);
     const uint64_t request = next_request_++;
@@ -166,6 +168,7 @@ class Harness {
 
  private:
   double link_Bps_;
+  uint64_t tensor_per_wire_ = 1;
   std::unique_ptr<ProphetPolicy> policy_;
   std::vector<std::unique_ptr<std::string>> names_;
   std::map<uint64_t, std::string> request_names_;
@@ -249,6 +252,24 @@ TEST(PriorityFallbackThenBlocksWithoutPreemption) {
   EXPECT_EQ(h.Dequeue(kLargeCredit, 2, 10 * kMs + 3 * kMs / 10), std::string("g1,g5,g5"));
   EXPECT_EQ(h.policy().replans(), 0u);
   EXPECT_TRUE(h.policy().Describe().find("2 blocks") != std::string::npos);
+}
+
+TEST(CompressedTensorsArePlannedWithTheBytesThatTravel) {
+  // The tensors of PriorityFallbackThenBlocksWithoutPreemption compressed: each announced with
+  // twice the bytes its pushes carry. The plan counts what the pushes carried (the bandwidth's
+  // unit), so it is the same plan; with the tensors' bytes block 0 would hold 1 MB and block 1
+  // only g2.
+  Harness h(120e6);
+  h.set_tensor_bytes_per_wire_byte(2);
+  RunStepZero(&h);
+  h.ReadyAtProfiledTime("g5", 1);
+  const Plan& plan = h.policy().plan();
+  EXPECT_EQ(plan.blocks.size(), 2u);
+  if (plan.blocks.size() != 2) return;
+  EXPECT_EQ(Members(plan.blocks[0]), std::string("g4"));
+  EXPECT_EQ(Members(plan.blocks[1]), std::string("g2,g3"));
+  EXPECT_EQ(plan.blocks[0].bytes, kHalfMB);
+  EXPECT_EQ(plan.blocks[1].bytes, 2 * kHalfMB);
 }
 
 TEST(NoNewBlockUntilTheOpenOneHasLeft) {

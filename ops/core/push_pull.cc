@@ -29,7 +29,9 @@ void PushPull::Start() {
   ready.name = &r.name;
   ready.round = round();
   ready.priority = r.priority;
-  ready.bytes = codec().WireBytes(r.bytes);
+  // The tensor's bytes (the profile describes tensors: the timeline, schedule="auto"'s
+  // prediction); what travels is counted from the tasks below.
+  ready.bytes = r.bytes;
   ready.ready_ns = submit_ns();
   host()->Announce(ready);
   for (uint32_t p = 0; p < np; ++p) {

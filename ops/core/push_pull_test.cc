@@ -39,7 +39,10 @@ class FakeHost : public CollectiveHost {
     refused_peer = peer;
     FailEverywhere(op, message);
   }
-  void Announce(const TensorReady& ready) override { announced.push_back(*ready.name); }
+  void Announce(const TensorReady& ready) override {
+    announced.push_back(*ready.name);
+    announced_bytes.push_back(ready.bytes);
+  }
   void Schedule(SendTask task) override { scheduled.push_back(std::move(task)); }
   void PushLeft(const SendTask& task) override {
     left.push_back(task);
@@ -82,6 +85,7 @@ class FakeHost : public CollectiveHost {
   EngineOptions options_;
   std::vector<std::pair<int, OutFrame>> sent;
   std::vector<std::string> announced;
+  std::vector<uint64_t> announced_bytes;
   std::vector<SendTask> scheduled;
   std::vector<SendTask> left;  // PushLeft
   std::vector<TransferDone> completed;
@@ -213,6 +217,8 @@ void SumOfThree(bool in_place, bool whole, Encoding compression = Encoding::kNon
   }
   run.op->Start();
   EXPECT_EQ(run.host.announced.size(), 1u);
+  // The tensor's bytes: the profile describes tensors; the tasks carry what travels.
+  if (!run.host.announced_bytes.empty()) EXPECT_EQ(run.host.announced_bytes[0], run.op->request().bytes);
   size_t owned = 0;
   for (const Partition& p : parts) owned += p.owner == 0;
   EXPECT_EQ(run.host.scheduled.size(), parts.size() - owned);

@@ -34,7 +34,7 @@ struct SendTask {
   int partition = 0;        // partition index inside the tensor
   int peer = 0;             // destination rank
   int64_t priority = 0;     // larger is more urgent (first layer has the largest)
-  uint64_t bytes = 0;       // payload bytes of this partition
+  uint64_t bytes = 0;       // payload bytes of this partition on the wire (encoded, when compressed)
   int64_t ready_ns = 0;     // monotonic time its tensor became ready
   uint64_t enqueue_seq = 0; // global arrival order, for FIFO and stable ties
 };
@@ -45,7 +45,7 @@ struct TensorReady {
   uint64_t round = 0;                 // how many times this name was seen before (= step index
                                       // for gradients)
   int64_t priority = 0;
-  uint64_t bytes = 0;
+  uint64_t bytes = 0;                 // the tensor's (its tasks carry the bytes that travel)
   int64_t ready_ns = 0;
 };
 
