@@ -85,13 +85,16 @@ Status ComputeIdealBound(const StepProfile& profile, const NetworkModel& network
   const double ns_per_byte = n > 1 ? 1e9 / rate_Bps : 0.0;
   std::vector<Job> jobs;
   double total_work_ns = 0;
+  uint64_t gradient_bytes = 0;
   for (const ModelTensor& t : profile.tensors) {
     if (t.layer >= layers || t.ready_ns < 0) {
       return Status(Code::kInvalidArgument, "tensor '" + t.name + "' names layer " + std::to_string(t.layer) +
                                                 " of " + std::to_string(layers) + " or is ready before the backward pass");
     }
     const int key = t.priority >= kControlPriority ? 0 : t.layer >= 0 ? 1 + t.layer : ungated;
-    const double work = share * static_cast<double>(t.bytes) * ns_per_byte;
+    const uint64_t wire_bytes = t.WireBytes(t.bytes);  // compressed gradients: half
+    if (key != 0) gradient_bytes += wire_bytes;
+    const double work = share * static_cast<double>(wire_bytes) * ns_per_byte;
     jobs.push_back({static_cast<double>(t.ready_ns), work, key});
     total_work_ns += work;
   }
@@ -125,6 +128,7 @@ Status ComputeIdealBound(const StepProfile& profile, const NetworkModel& network
   b.compute_s = compute / 1e9;
   b.comm_s = total_work_ns / 1e9;
   b.wait_s = std::max(0.0, period - compute) / 1e9;
+  b.gradient_bytes = gradient_bytes;
   *bound = std::move(b);
   return Status::OK();
 }

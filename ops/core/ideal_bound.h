@@ -6,7 +6,8 @@
 // Relaxation of the runtime (every simplification can only make a step shorter):
 //  - the workers follow one timeline (identical accelerators, started together);
 //  - the links of the N hosts are pooled: a gradient of S bytes needs 2(N-1)/N x S bytes of every
-//    host's egress (the all-reduce optimum: any all-reduce moves 2(N-1) x S bytes in all, and N
+//    host's egress (S: the bytes that travel, half the tensor's for a compressed gradient; the
+//    all-reduce optimum: any all-reduce moves 2(N-1) x S bytes in all, and N
 //    hosts send at most N x link rate together), carried as a fluid (any split, preemptive, no
 //    per-message cost, no frame header, no protocol) at link rate x payload_efficiency
 //    (TCP/IP/Ethernet headers per byte), starting when the gradient is ready, finished one one-way
@@ -43,11 +44,12 @@ struct IdealBound {
   double compute_s = 0;     // launch + forward + backward + tail + gap: the step without waiting
   double comm_s = 0;        // every gradient's 2(N-1)/N share of the link, at the payload rate
   double wait_s = 0;        // step_s - compute_s: what even the best schedule waits for gradients
+  uint64_t gradient_bytes = 0;  // every gradient's bytes as they travel (compressed: ModelTensor::encoding)
   int binding_layer = -1;   // the last layer whose gradients the bound waits for (-1: none)
   std::vector<double> done_s;  // per layer: its gradients' completion, from the backward start
 };
 
-// Uses the profile's layers, tensors (bytes, priority, layer, ready_ns; not apply_ns) and launch,
+// Uses the profile's layers, tensors (bytes, encoding, priority, layer, ready_ns; not apply_ns) and launch,
 // backward, tail and gap, and the network's workers, link_Bps, payload_efficiency and latency_ns.
 Status ComputeIdealBound(const StepProfile& profile, const NetworkModel& network, IdealBound* bound);
 

@@ -72,6 +72,21 @@ TEST(OneTensorWaitsForItsShareOfTheLink) {
   EXPECT_EQ(b.binding_layer, -1);
 }
 
+// The same gradient compressed (fp16 or bf16): 50,000 bytes travel, 50 ms at N=2; a control
+// collective beside it stays exact and counts as no gradient.
+TEST(ACompressedGradientNeedsHalfTheLink) {
+  StepProfile profile;
+  profile.layers = {{"dense", 10 * kMs, 0}};
+  profile.tensors = {Tensor("grad/dense", 100'000, 1, 0, 0), Tensor("metrics/loss", 8, kControlPriority, -1, 0)};
+  IdealBound b = Bound(profile, SlowNetwork(2));
+  EXPECT_EQ(b.gradient_bytes, 100'000u);
+  CompressGradients(Encoding::kFloat16, &profile);
+  b = Bound(profile, SlowNetwork(2));
+  EXPECT_NEAR(b.step_s, 60 * kMsS + 0.008 * kMsS, 1e-9);  // the 8 control bytes go first
+  EXPECT_NEAR(b.comm_s, 50.008 * kMsS, 1e-9);
+  EXPECT_EQ(b.gradient_bytes, 50'000u);
+}
+
 // Two layers of 10 ms forward; the backward pass (20 ms) produces L1's 10,000 bytes at 10 ms and
 // L0's at 20 ms (the first layer's gradient comes last). At N=2 each takes 10 ms of link:
 // L1 done at 20, L0 at 30 ms after the backward start. L0's next forward starts at 30, L1's at

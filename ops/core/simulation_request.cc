@@ -106,6 +106,7 @@ std::map<std::string, std::function<bool(const std::string&)>> OptionSetters(Sim
       {"steps", integer(&r->options.steps)},
       {"timeline_path", text(&r->options.timeline_path)},
       {"timeline_workers", integer(&r->options.timeline_workers)},
+      {"compression", [r](const std::string& v) { return ParseEncoding(v, &r->compression); }},
   };
 }
 
@@ -162,6 +163,7 @@ Status ParseSimulationRequest(const std::string& text, SimulationRequest* reques
       return bad("a number is out of range or malformed");
     }
   }
+  CompressGradients(request->compression, &request->profile);
   return Status::OK();
 }
 
@@ -214,6 +216,7 @@ std::string IdealBoundJson(const IdealBound& bound) {
   AppendNumber(bound.comm_s, &out);
   out += ", \"wait_s\": ";
   AppendNumber(bound.wait_s, &out);
+  out += ", \"gradient_bytes\": " + std::to_string(bound.gradient_bytes);
   out += ", \"binding_layer\": " + std::to_string(bound.binding_layer) + ", \"done_s\": [";
   for (size_t i = 0; i < bound.done_s.size(); ++i) {
     if (i > 0) out += ", ";

@@ -7,7 +7,8 @@
 //   tensor BYTES ELEMENT_SIZE PRIORITY LAYER READY_NS APPLY_NS NAME
 // Layers are in forward order; LAYER is a layer's index or -1. NAME runs to the end of the line.
 // Option keys are the fields of StepProfile (launch_ns, backward_ns, tail_ns, gap_ns),
-// NetworkModel, RuntimeModel and SimulationOptions, by their C++ names.
+// NetworkModel, RuntimeModel and SimulationOptions, by their C++ names, and compression
+// (SimulationRequest::compression).
 #ifndef PROPHET_OPS_CORE_SIMULATION_REQUEST_H_
 #define PROPHET_OPS_CORE_SIMULATION_REQUEST_H_
 
@@ -20,6 +21,9 @@
 namespace prophet {
 
 struct SimulationRequest {
+  // ProphetStrategy(compression=...), applied to the profile's tensors once they are all read
+  // (CompressGradients); option compression=none|fp16|bf16.
+  Encoding compression = Encoding::kNone;
   StepProfile profile;
   NetworkModel network;
   RuntimeModel runtime;

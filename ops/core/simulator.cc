@@ -415,7 +415,7 @@ void Simulation::Submit(int w, int step, int tensor) {
     task.partition = static_cast<int>(p);
     task.peer = parts[p].owner;
     task.priority = t.priority;
-    task.bytes = parts[p].bytes;
+    task.bytes = t.WireBytes(parts[p].bytes);  // what travels: the credit and the planner count it
     task.ready_ns = now_ns_;
     task.enqueue_seq = worker.enqueue_seq++;
     worker.policy->Enqueue(task);
@@ -501,7 +501,7 @@ void Simulation::SumDone(int owner, uint64_t key, int partition) {
   info.step = KeyStep(key);
   info.tensor = tensor;
   info.partition = partition;
-  info.bytes = partitions_[tensor][partition].bytes;
+  info.bytes = profile_.tensors[tensor].WireBytes(partitions_[tensor][partition].bytes);
   for (int peer = 0; peer < n_; ++peer) {
     if (peer != owner) SendFrame(owner, peer, profile_.tensors[tensor].priority, info);
   }
@@ -819,6 +819,12 @@ uint64_t KernelSendBufferBytes(const NetworkModel& network) {
   return std::min(buffer, network.socket_unsent_bytes + static_cast<uint64_t>(queued));
 }
 
+void CompressGradients(Encoding compression, StepProfile* profile) {
+  for (ModelTensor& t : profile->tensors) {
+    t.encoding = t.priority < kControlPriority && t.element_size == 4 ? compression : Encoding::kNone;
+  }
+}
+
 Status Simulate(const StepProfile& profile, const NetworkModel& network, const RuntimeModel& runtime,
                 const SimulationOptions& options, StepPrediction* prediction) {
   if (network.workers < 1) return Status(Code::kInvalidArgument, "workers must be at least 1, got " + std::to_string(network.workers));
@@ -843,6 +849,11 @@ Status Simulate(const StepProfile& profile, const NetworkModel& network, const R
       return Status(Code::kInvalidArgument, "tensor '" + t.name + "': " + std::to_string(t.bytes) +
                                                 " bytes is not a multiple of its element size " +
                                                 std::to_string(t.element_size));
+    }
+    if (t.encoding != Encoding::kNone && t.element_size != 4) {
+      return Status(Code::kInvalidArgument, "tensor '" + t.name + "' travels as " + EncodingName(t.encoding) +
+                                                ", which encodes float32 values, but its elements have " +
+                                                std::to_string(t.element_size) + " bytes");
     }
     if (t.layer >= static_cast<int>(profile.layers.size())) {
       return Status(Code::kInvalidArgument, "tensor '" + t.name + "' names layer " + std::to_string(t.layer) +

@@ -11,6 +11,9 @@
 //  - compute, per worker and step: a launch delay, the forward pass layer by layer, the backward
 //    pass (each tensor is handed to the runtime at its profiled offset from the backward pass's
 //    start), a tail until the train function returns, and a gap until the next step begins;
+//  - compressed gradients (ModelTensor::encoding, CompressGradients): pushes, sums, the credit
+//    and the bandwidth samples carry the encoded bytes, half the partition's; the policy is told
+//    the tensor's bytes when it is ready, as the engine does;
 //  - push_pull: every partition not owned by this worker is pushed to its owner; the owner adds
 //    the N contributions (its own arrives when its tensor is ready there) and sends the sum back
 //    to each other worker; a push's credit returns when its sum arrives; an owner is done with a
@@ -35,6 +38,7 @@
 #include <string>
 #include <vector>
 
+#include "ops/core/codec.h"
 #include "ops/core/common.h"
 #include "ops/core/engine_options.h"
 
@@ -57,6 +61,12 @@ struct ModelTensor {
   int layer = -1;           // index into StepProfile::layers whose forward pass reads it; -1: none
   int64_t ready_ns = 0;     // handed to the runtime this long after the backward pass started
   int64_t apply_ns = 0;     // its optimizer update
+  // How its values travel (codec.h): kNone, or float32 values as fp16 / bf16, half the bytes
+  // (element_size 4). Set by CompressGradients; mwms always sends the tensor's own bytes.
+  Encoding encoding = Encoding::kNone;
+
+  // Bytes on the wire of `tensor_bytes` of this tensor (a partition, or the whole tensor).
+  uint64_t WireBytes(uint64_t tensor_bytes) const { return PayloadCodec(encoding, DataType::kFloat32).WireBytes(tensor_bytes); }
 };
 
 // One worker's step, as measured on one worker (see prophet_tf/predict for how it is recorded).
@@ -68,6 +78,13 @@ struct StepProfile {
   int64_t tail_ns = 0;      // the step's last work -> the train function returns
   int64_t gap_ns = 0;       // the train function returned -> the next step begins
 };
+
+// ProphetStrategy(compression=...): its gradients (priority below kControlPriority) of 4-byte
+// elements travel as `compression`; control collectives never do. The strategy compresses
+// gradients only and the engine float32 only; a profile records element sizes, not dtypes, and
+// a gradient of 4-byte elements is float32 (TensorFlow differentiates floating-point variables
+// only). kNone leaves every tensor as it travels uncompressed.
+void CompressGradients(Encoding compression, StepProfile* profile);
 
 struct NetworkModel {
   int workers = 2;

@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "ops/core/partition.h"
+#include "ops/core/scheduler.h"
 #include "ops/core/testing.h"
 
 namespace prophet {
@@ -299,6 +300,29 @@ TEST(ProphetPlansAfterItsProfileAndFinishes) {
   }
 }
 
+TEST(CompressedGradientsTravelInHalfTheBytes) {
+  // OneTensor's gradient as bf16: the push and the sum carry 50,000 bytes each (50 ms), so every
+  // step takes 10 + 50 + 50 ms; worker 0 sends 50,000 bytes per step.
+  StepProfile profile = OneTensor();
+  profile.tensors.push_back(Tensor("metrics/loss", 8, kControlPriority, -1, 0));
+  profile.tensors.push_back(Tensor("grad/half", 100, 0, 0, 0));
+  profile.tensors.back().element_size = 2;  // float16 already travels in 16 bits
+  CompressGradients(Encoding::kBFloat16, &profile);
+  EXPECT_TRUE(profile.tensors[0].encoding == Encoding::kBFloat16);
+  EXPECT_TRUE(profile.tensors[1].encoding == Encoding::kNone);  // control: exact
+  EXPECT_TRUE(profile.tensors[2].encoding == Encoding::kNone);
+  profile.tensors.resize(1);
+  RuntimeModel runtime;
+  runtime.schedule = "priority";
+  runtime.cross_barrier = false;
+  const StepPrediction p = Run(profile, SlowNetwork(2), runtime);
+  EXPECT_NEAR(p.step_s, 110 * kMsS, 1e-6);
+  EXPECT_NEAR(p.wire_bytes_per_step, 50'000, 1e-6);
+  EXPECT_NEAR(p.comm_s, 50 * kMsS, 1e-6);
+  CompressGradients(Encoding::kNone, &profile);
+  EXPECT_NEAR(Run(profile, SlowNetwork(2), runtime).step_s, 210 * kMsS, 1e-6);
+}
+
 TEST(SyntheticTimelineHasTheRuntimesTracks) {
   const std::string path = "/tmp/prophet_simulator_test_{rank}.json";
   SimulationOptions options;
@@ -372,6 +396,22 @@ TEST(ProphetDoesNotDeadlockWhenWorkersPlanApart) {
   }
 }
 
+TEST(ProphetSendsCompressedGradientsInHalfTheBytes) {
+  // Through the prophet policy (prophet_policy_test checks that it plans with the bytes that
+  // travel): every push and sum carries half the bytes, and the steps get no longer.
+  StepProfile profile = TwelveVariedLayers(2.0);
+  NetworkModel network = SlowNetwork(2);
+  network.link_Bps = 50e6;
+  RuntimeModel runtime;
+  runtime.partition_bytes = 256 << 10;
+  runtime.schedule = "prophet";
+  const StepPrediction plain = Run(profile, network, runtime);
+  CompressGradients(Encoding::kFloat16, &profile);
+  const StepPrediction half = Run(profile, network, runtime);
+  EXPECT_NEAR(half.wire_bytes_per_step, plain.wire_bytes_per_step / 2, 1e-6);
+  EXPECT_TRUE(half.step_s < plain.step_s);
+}
+
 TEST(BadInputIsRejectedWithTheReason) {
   StepPrediction p;
   RuntimeModel runtime;
@@ -388,6 +428,12 @@ TEST(BadInputIsRejectedWithTheReason) {
   network.link_Bps = 0;
   s = Simulate(OneTensor(), network, runtime, SimulationOptions(), &p);
   EXPECT_TRUE(!s.ok() && s.message().find("link rate") != std::string::npos);
+  network = SlowNetwork(2);
+  profile = OneTensor();
+  profile.tensors[0].element_size = 2;
+  profile.tensors[0].encoding = Encoding::kFloat16;
+  s = Simulate(profile, network, runtime, SimulationOptions(), &p);
+  EXPECT_TRUE(!s.ok() && s.message().find("encodes float32") != std::string::npos);
 }
 
 }  // namespace
