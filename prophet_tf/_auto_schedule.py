@@ -11,8 +11,9 @@ train function) the strategy
    at which the simulated runtime, with the schedule in use, takes the step time measured with
    it (the median of the steps since the last switch; without two such steps, the link rate at
    which the simulated runtime measures the goodput the real one measured), and predicts the step
-   time of ``prophet``, ``priority`` and ``fifo`` (with the strategy's barrier crossing) on this
-   many workers at that link rate (:mod:`prophet_tf.predict`);
+   time of ``prophet``, ``priority`` and ``fifo`` (with the strategy's barrier crossing and its
+   gradient compression: the profile has the tensors' bytes, the predictor sends the compressed
+   gradients in half of them) on this many workers at that link rate (:mod:`prophet_tf.predict`);
 3. sends rank 0's choice to every worker (a control-priority collective, so that every worker
    runs the same schedule) and switches the runtime to it between steps (``runtime.set_schedule``).
 
@@ -232,6 +233,7 @@ class AutoSchedule:
         options = PredictOptions(steps=STEPS, warmup_steps=WARMUP_STEPS,
                                  max_socket_buffer_bytes=kernel_socket_buffer_cap(),
                                  autotuned_socket_buffer_bytes=kernel_autotuned_socket_buffer(),
+                                 compression=self._extended._compression,
                                  **self._runtime_options)
         return predict(profile, workers=self._extended._world_size, bandwidth_bps=rate_bps,
                        schedule=name, options=options)

@@ -26,8 +26,9 @@ def test_link_rate_matching_a_measured_goodput_or_step():
     assert match(lambda r: None, 1.0, 1e8, 1e11) == 1e11  # nothing predictable
 
 
-def fake_extended(rank: int = 0, world: int = 2, cross: bool = True):
-    return types.SimpleNamespace(_rank=rank, _world_size=world, _cross_barrier=cross)
+def fake_extended(rank: int = 0, world: int = 2, cross: bool = True, compression=None):
+    return types.SimpleNamespace(_rank=rank, _world_size=world, _cross_barrier=cross,
+                                 _compression=compression)
 
 
 def measured_compute() -> dict:
@@ -61,6 +62,20 @@ def test_rank_zero_predicts_every_candidate_and_picks_the_fastest():
     # That link rate: the simulated runtime measures the goodput the real one did.
     simulated = auto._simulated_goodput(auto._profile(), auto.decisions[-1].link_bps)
     assert simulated == pytest.approx(60e6, rel=0.1)
+
+
+def test_rank_zero_predicts_with_the_strategys_compression():
+    # The runtime's profile has the tensors' bytes; under compression="bf16" the predictions
+    # send the gradients in half of them.
+    plain = _auto_schedule.AutoSchedule(fake_extended(), replan_threshold=0.2)
+    half = _auto_schedule.AutoSchedule(fake_extended(compression="bf16"), replan_threshold=0.2)
+    predictions = []
+    for auto in (plain, half):
+        auto._compute = measured_compute()
+        predictions.append(auto._prediction(auto._profile(), "prophet", 1e8))
+    assert predictions[1].wire_bytes_per_step == pytest.approx(
+        predictions[0].wire_bytes_per_step / 2, rel=0.01)
+    assert predictions[1].step_s < predictions[0].step_s
 
 
 def test_nothing_to_decide_without_a_measurement():

@@ -4,6 +4,7 @@ run (the only test here that runs TensorFlow)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -152,6 +153,39 @@ def test_predict_one_tensor_on_two_workers_exactly():
         predict(one_tensor_profile(), workers=2, bandwidth_bps=0)
 
 
+def test_compressed_gradients_travel_in_half_the_bytes():
+    # The one tensor as fp16 or bf16: the push and the sum carry 50,000 bytes (50 ms each); a
+    # control collective and a gradient of 2-byte elements keep their bytes.
+    for compression in ("fp16", "bf16"):
+        options = dataclasses.replace(EXACT, compression=compression)
+        p = predict(one_tensor_profile(), workers=2, bandwidth_bps=8e6,
+                    schedule="priority_nocross", options=options)
+        assert p.step_s == pytest.approx(0.110, abs=1e-6)
+        assert p.wire_bytes_per_step == pytest.approx(50_000)
+        # mwms sends what TensorFlow sends: the tensor's bytes
+        mwms = predict(one_tensor_profile(), workers=2, bandwidth_bps=8e6, schedule="mwms",
+                       options=options)
+        assert mwms.wire_bytes_per_step == predict(
+            one_tensor_profile(), workers=2, bandwidth_bps=8e6, schedule="mwms",
+            options=EXACT).wire_bytes_per_step
+        b = ideal_bound(one_tensor_profile(), workers=2, bandwidth_bps=8e6, options=options)
+        assert b.step_s == pytest.approx(0.060, abs=1e-9) and b.gradient_bytes == 50_000
+    profile = one_tensor_profile()
+    profile.tensors += [ProfiledTensor("metrics/loss", 40_000, CONTROL, 0.0),
+                        ProfiledTensor("grad/dense/bias", 20_000, 2, 0.0, "dense", element_size=2)]
+    options = dataclasses.replace(EXACT, compression="bf16")
+    assert ideal_bound(profile, workers=2, bandwidth_bps=8e6, options=options).gradient_bytes == \
+        50_000 + 20_000
+    plain = predict(profile, workers=2, bandwidth_bps=8e6, schedule="priority_nocross",
+                    options=EXACT)
+    half = predict(profile, workers=2, bandwidth_bps=8e6, schedule="priority_nocross",
+                   options=options)
+    assert plain.wire_bytes_per_step - half.wire_bytes_per_step == pytest.approx(50_000)
+    with pytest.raises(PredictError, match="compression"):
+        predict(profile, workers=2, bandwidth_bps=8e6,
+                options=dataclasses.replace(EXACT, compression="int8"))
+
+
 def twelve_varied_layers(ms: float) -> Profile:
     """Twelve layers of varied sizes and backward times (``ms`` x 1, 2 or 4), the case of
     simulator_test's ProphetDoesNotDeadlockWhenWorkersPlanApart."""
@@ -258,6 +292,20 @@ def test_command_line_table_chart_and_json(tmp_path):
         assert 0 < b["step_s"] <= min(p["step_s"] for p in out["predictions"]
                                       if (p["workers"], p["bandwidth_bps"]) ==
                                       (b["workers"], b["bandwidth_bps"]))
+
+    # --compression: the gradients' pushes and sums carry half the bytes
+    half = run_cli(str(tmp_path / "profile.json"), "--workers", "2", "--bandwidth", "100M",
+                   "--schedule", "priority_nocross", "--compression", "bf16", "--output", "",
+                   "--json", str(tmp_path / "half.json"))
+    assert half.returncode == 0, half.stderr
+    assert "gradients compressed as bf16" in half.stdout
+    halved = json.loads((tmp_path / "half.json").read_text())
+    assert halved["options"]["compression"] == "bf16"
+    plain = [p for p in out["predictions"] if (p["workers"], p["bandwidth_bps"], p["schedule"]) ==
+             (2, 1e8, "priority_nocross")][0]
+    assert halved["predictions"][0]["wire_bytes_per_step"] < plain["wire_bytes_per_step"] * 0.6
+    bad = run_cli(str(tmp_path / "profile.json"), "--compression", "int8")
+    assert bad.returncode == 2 and "--compression must be one of none, fp16, bf16" in bad.stderr
 
     bad = run_cli(str(tmp_path / "profile.json"), "--schedule", "lifo")
     assert bad.returncode == 2 and "unknown schedule" in bad.stderr

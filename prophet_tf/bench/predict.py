@@ -85,6 +85,7 @@ def predict_options(opts: "train.SweepOptions", system: Optional["train.System"]
     for key in ("socket_buffer_bytes", "socket_unsent_bytes"):
         if key in runtime:
             setattr(options, key, int(runtime[key]))
+    options.compression = runtime.get("compression")   # prophet+bf16: half the gradient bytes
     # The hosts share this machine's kernel.
     options.max_socket_buffer_bytes = kernel_socket_buffer_cap()
     options.autotuned_socket_buffer_bytes = kernel_autotuned_socket_buffer()

@@ -1,14 +1,17 @@
 """Command line of the predictor.
 
     python -m prophet_tf.predict PROFILE.json [--workers 2,4,8,16,64] [--bandwidth 1G,10G,25G]
-        [--schedule all] [--output predict.png] [--json results.json] [--timeline trace.json]
+        [--schedule all] [--compression fp16|bf16] [--output predict.png] [--json results.json]
+        [--timeline trace.json]
 
 PROFILE.json is a trace recorded by one worker with ``PROPHET_PROFILE=PROFILE.json`` (or worker
 0's ``PROPHET_TIMELINE`` trace of a multi-worker run), or a profile saved with ``--save_profile``.
 Prints a table of the predicted step time and the speed-up over one worker per schedule, number
 of workers and link rate, and draws it (step time and speed-up against workers, one line per
 schedule and link rate). ``--timeline`` writes the synthetic Chrome trace of one setting, drawable
-next to a real one with ``python -m prophet_tf.timeline``.
+next to a real one with ``python -m prophet_tf.timeline``. ``--compression`` predicts
+``ProphetStrategy(compression=...)``: the gradients travel in half the bytes (``mwms`` stays
+uncompressed); the ideal column is then the bound of the compressed bytes.
 """
 
 from __future__ import annotations
@@ -158,6 +161,9 @@ def _define_flags() -> None:
                          "limit.")
     flags.DEFINE_float("payload_efficiency", defaults.payload_efficiency,
                        "Share of the link rate that carries data (Ethernet + TCP/IP headers).")
+    flags.DEFINE_string("compression", "none", "Gradient compression of ProphetStrategy: none, "
+                        "fp16 or bf16 (float32 gradients travel in half the bytes; mwms never "
+                        "compresses).")
     flags.DEFINE_integer("steps", defaults.steps, "Measured simulated steps (median).")
     flags.DEFINE_integer("warmup", defaults.warmup_steps, "Simulated steps before those.")
     flags.DEFINE_string("output", "predict.png", "PNG to draw (empty: none).")
@@ -194,6 +200,11 @@ def main(argv: Sequence[str]) -> int:
         bad = [s for s in schedules if s not in SCHEDULES]
         if bad:
             raise ValueError(f"unknown schedule(s) {bad}; choose from {', '.join(SCHEDULES)} or all")
+        from prophet_tf._library import runtime_constants
+        known = ("none",) + tuple(runtime_constants()["compressions"])
+        if FLAGS.compression not in known:
+            raise ValueError(f"--compression must be one of {', '.join(known)}, got "
+                             f"{FLAGS.compression!r}")
         options = PredictOptions(latency_s=parse_duration(FLAGS.latency),
                                  ingress_limited=not FLAGS.egress_only,
                                  partition_bytes=FLAGS.partition_bytes,
@@ -203,7 +214,9 @@ def main(argv: Sequence[str]) -> int:
                                  max_socket_buffer_bytes=FLAGS.max_socket_buffer_bytes,
                                  autotuned_socket_buffer_bytes=FLAGS.autotuned_socket_buffer_bytes,
                                  payload_efficiency=FLAGS.payload_efficiency,
-                                 steps=FLAGS.steps, warmup_steps=FLAGS.warmup)
+                                 steps=FLAGS.steps, warmup_steps=FLAGS.warmup,
+                                 compression=(None if FLAGS.compression == "none"
+                                              else FLAGS.compression))
         if FLAGS.timeline and (len(workers), len(bandwidths), len(schedules)) != (1, 1, 1):
             raise ValueError("--timeline draws one setting: give one value each to --workers, "
                              "--bandwidth and --schedule")
@@ -212,7 +225,8 @@ def main(argv: Sequence[str]) -> int:
         return 2
     try:
         profile = load_profile(argv[1], worker=FLAGS.worker)
-        print(_describe(profile))
+        print(_describe(profile) + (f"; gradients compressed as {options.compression}"
+                                    if options.compression else ""))
         for note in profile.notes:
             print(f"  note: {note}")
         if FLAGS.save_profile:

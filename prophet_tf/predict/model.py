@@ -113,6 +113,11 @@ class PredictOptions:
       apply_threads: threads running optimizer updates (TensorFlow's inter-op pool).
       ring_message_s: mwms: time each ring message costs on arrival (gRPC).
       warmup_steps, steps: simulated steps not measured, then measured (median).
+      compression: ``ProphetStrategy(compression=...)``: None, ``"fp16"`` or ``"bf16"``. The
+        gradients of 4-byte elements travel in half the bytes (pushes, sums, the credit, the
+        bandwidth estimate and the plan count those), control collectives exactly; the profile
+        keeps the tensors' bytes (``CompressGradients`` in ops/core/simulator.h). ``mwms`` never
+        compresses. The ideal bound counts the compressed bytes too.
     """
 
     latency_s: float = 0.0
@@ -137,6 +142,7 @@ class PredictOptions:
     ring_message_s: float = 0.0
     warmup_steps: int = 5
     steps: int = 20
+    compression: Optional[str] = None
 
 
 @dataclasses.dataclass
@@ -182,6 +188,7 @@ class IdealBound:
     compute_s: float              # the profile's step without any waiting
     comm_s: float                 # every gradient's 2(N-1)/N share of the link, at the payload rate
     wait_s: float                 # step_s - compute_s
+    gradient_bytes: int           # the gradients' bytes as they travel (compressed: half)
     binding_layer: Optional[str]  # the last layer whose gradients the bound waits for
     layer_done_s: list[Optional[float]]  # per layer: its gradients all-reduced, from the backward start
 
@@ -235,6 +242,7 @@ def _request(profile: Profile, workers: int, bandwidth_bps: float, schedule: str
         f"option ring_message_ns={_ns(options.ring_message_s)}",
         f"option warmup_steps={int(options.warmup_steps)}",
         f"option steps={int(options.steps)}",
+        f"option compression={options.compression or 'none'}",
         f"option launch_ns={_ns(profile.launch_s)}",
         f"option backward_ns={_ns(profile.backward_s)}",
         f"option tail_ns={_ns(profile.tail_s)}",
@@ -320,6 +328,6 @@ def ideal_bound(profile: Profile, *, workers: int, bandwidth_bps: Optional[float
     binding = data["binding_layer"]
     return IdealBound(workers=workers, bandwidth_bps=float(bandwidth_bps or 0.0),
                       step_s=data["step_s"], compute_s=data["compute_s"], comm_s=data["comm_s"],
-                      wait_s=data["wait_s"],
+                      wait_s=data["wait_s"], gradient_bytes=int(data["gradient_bytes"]),
                       binding_layer=profile.layers[binding].name if binding >= 0 else None,
                       layer_done_s=list(data["done_s"]))
