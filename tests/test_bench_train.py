@@ -117,7 +117,7 @@ def test_format_bandwidth():
 
 # ---------------------------------------------------------------- systems and their variants
 
-def test_system_names_options_and_modifiers(monkeypatch):
+def test_system_names_options_and_modifiers():
     from prophet_tf.bench.train import systems
     plain = train.parse_system("prophet")
     assert (plain.name, plain.schedule, plain.cross_barrier, plain.is_variant) == (
@@ -134,16 +134,77 @@ def test_system_names_options_and_modifiers(monkeypatch):
         "socket_buffer_bytes": 1048576, "credit_bytes": 8, "timeline_path": "/tmp/x"}
     assert train.parse_system('fifo[a=true,b=null,c="7",d=[1,2]]').options == (
         ("a", True), ("b", None), ("c", "7"), ("d", [1, 2]))
-    # modifiers name bundles of options (issue 21 registers fp16/bf16 compression)
-    monkeypatch.setitem(systems.MODIFIERS, "bf16", {"compression": "bf16"})
+    # modifiers name bundles of options: the gradient compressions the core offers
+    assert set(systems.MODIFIERS) == set(systems.compressions()) == {"fp16", "bf16"}
     bf16 = train.parse_system("prophet+bf16")
     assert bf16.name == "prophet+bf16" and bf16.strategy_options() == {"compression": "bf16"}
+    assert (bf16.compression, bf16.base, plain.compression) == ("bf16", "prophet", None)
+    assert train.parse_system("fifo+fp16[credit_bytes=8]").strategy_options() == {
+        "compression": "fp16", "credit_bytes": 8}
     for bad, why in (("lifo", "unknown base"), ("prophet+zip", "unknown modifier"),
                      ("mwms[a=1]", "only ProphetStrategy"), ("prophet[]", "empty"),
                      ("prophet[a]", "not KEY=VALUE"), ("prophet[a=1,a=2]", "twice"),
-                     ("prophet[schedule=fifo]", "sets the schedule"), ("Prophet", "expected")):
+                     ("prophet[schedule=fifo]", "sets the schedule"), ("Prophet", "expected"),
+                     ("prophet[compression=bf16]", "as a modifier"),
+                     ("prophet+fp16+bf16", "more than one compression"),
+                     ("mwms+bf16", "only ProphetStrategy")):
         with pytest.raises(ValueError, match=why):
             train.parse_system(bad)
+
+
+def test_compression_flag_adds_compressed_systems_beside_the_others():
+    opts = train.options_from_flags(_flags(compute="emulated", quick=True,
+                                           systems=["prophet", "priority[credit_bytes=8]", "mwms"],
+                                           compression=["fp16", "bf16"]))
+    assert [s.name for s in opts.systems] == [
+        "prophet", "prophet+fp16", "prophet+bf16", "priority[credit_bytes=8]",
+        "priority+fp16[credit_bytes=8]", "priority+bf16[credit_bytes=8]", "mwms"]
+    # a compressed system already named is not added twice
+    assert [s.name for s in train.options_from_flags(_flags(
+        compute="emulated", quick=True, systems=["prophet", "prophet+bf16"],
+        compression=["bf16"])).systems] == ["prophet", "prophet+bf16"]
+    with pytest.raises(ValueError, match="unknown compression"):
+        train.options_from_flags(_flags(compute="emulated", quick=True, compression=["int8"]))
+    with pytest.raises(ValueError, match="--compression"):
+        train.options_from_flags(_flags(compute="emulated", quick=True,
+                                        prophet_options='{"compression": "bf16"}'))
+
+
+def test_compressed_systems_have_bounds_of_their_own():
+    from prophet_tf.bench.netem import TBF_FRAME_EFFICIENCY
+    from prophet_tf.bench.train import sweep
+    specs = _two_layer_specs()
+    described = dict(sweep.describe_specs(specs, 10, 100.0), specs=specs)
+    opts = train.SweepOptions(models=["resnet50"], workers=[2], ratios=[1.0],
+                              systems=["prophet", "prophet+bf16"], compute="emulated")
+    profile = sweep._step_profile(described, 10, opts, compute_s=0.012)   # time scale 10
+    compressed = sweep._compressed_bounds(profile, 2, 8e8, opts, 0.012, opts.systems)
+    assert list(compressed) == ["bf16"]
+    # the first layer's 1 MB gradient travels in 0.5 MB: 5 ms of link instead of 10
+    assert compressed["bf16"]["gradient_bytes"] == 502_000
+    assert compressed["bf16"]["ideal_bound_s"] == pytest.approx(
+        0.008 + 0.005 / TBF_FRAME_EFFICIENCY + 0.004)
+    ideal = sweep._ideal(profile, 2, 8e8, opts, 0.012)
+    st = make_setting("m", 2, 8e8, 0.012, 1_004_000, 10, {"prophet": 0.03, "prophet+bf16": 0.02},
+                      compute="emulated", ideal_bound_s=ideal["step_s"], ideal=ideal,
+                      compressed=compressed)
+    plain, half = st["results"]["prophet"], st["results"]["prophet+bf16"]
+    assert "lower_bound_s" not in plain and plain["ratio_to_lower_bound"] == pytest.approx(
+        0.03 / 0.012)
+    # max(compute 12 ms, 2(N-1)/N x 502 kB at 800 Mbit/s = 5.02 ms)
+    assert half["lower_bound_s"] == pytest.approx(0.012)
+    assert half["ideal_bound_s"] == pytest.approx(compressed["bf16"]["ideal_bound_s"])
+    assert half["ratio_to_ideal_bound"] == pytest.approx(0.02 / half["ideal_bound_s"])
+    assert st["compressed_bounds"]["bf16"]["gradient_bytes"] == 502_000
+    validate_settings([json.loads(json.dumps(st))])
+    slow = make_setting("m", 2, 8e6, 0.012, 1_004_000, 10, {"prophet+bf16": 0.6},
+                        compressed={"bf16": {"gradient_bytes": 502_000}})
+    assert slow["results"]["prophet+bf16"]["lower_bound_s"] == pytest.approx(0.502)
+    assert slow["lower_bound_s"] == pytest.approx(1.004)
+    # the table puts a compressed system's own bounds on its row
+    row = [line for line in format_markdown([st]).splitlines() if "| prophet+bf16 |" in line][0]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[6] == "12" and cells[7] == f"{half['ideal_bound_s'] * 1e3:.0f}"
 
 
 def test_systems_flag_keeps_variants_whole():
@@ -413,7 +474,7 @@ def _flags(**overrides):
                   json=None, intra_threads=1, inter_threads=2, launch_timeout=600.0,
                   prophet_options="{}", model_options="{}", contended=None, retries=None,
                   noise_cores=0.3, netns_prefix="ptfbench", timeline=None, alone=False,
-                  verbose=False, rate_change=None, plan=False)
+                  verbose=False, rate_change=None, plan=False, compression=None)
     values.update(overrides)
     return SimpleNamespace(**values)
 
@@ -601,18 +662,25 @@ def test_end_to_end_loopback_smoke(tmp_path):
 
 def test_end_to_end_emulated_loopback_smoke(tmp_path):
     """Emulated compute: a small model's specs, 2 workers on loopback, prophet (with a
-    timeline) and mwms, one worker alone, 3 steps (about 40-60 s)."""
+    timeline), prophet+bf16 (--compression) and mwms, one worker alone, 3 steps (about
+    50-80 s)."""
     out, js = tmp_path / "out", tmp_path / "r.json"
     r = _run(["--loopback", "--compute", "emulated", "--models", "transformer", "--systems",
               "prophet,mwms", "--model_options", '{"transformer": {"blocks": 1, "d_model": 32, '
               '"ff": 64, "seq_len": 8, "vocab": 64}}', "--batch", "4", "--steps", "3",
               "--warmup", "1", "--alone", "--time_scale", "2", "--retries", "0", "--out",
-              str(out), "--json", str(js), "--timeline", str(tmp_path / "tl")], timeout=300)
+              str(out), "--json", str(js), "--timeline", str(tmp_path / "tl"),
+              "--compression", "bf16"], timeout=300)
     assert r.returncode == 0, r.stdout[-4000:]
     data = json.loads(js.read_text())
     validate_settings(data)
     st = data[0]
-    assert st["compute"] == "emulated" and set(st["results"]) == {"prophet", "mwms"}
+    assert st["compute"] == "emulated" and list(st["results"]) == ["prophet", "prophet+bf16",
+                                                                     "mwms"]
+    # the compressed system ran compressed, against bounds of its own (unshaped: the compute)
+    half = st["results"]["prophet+bf16"]
+    assert (half["compression"], st["results"]["prophet"]["compression"]) == ("bf16", None)
+    assert half["lower_bound_s"] == half["ideal_bound_s"] == st["compute_s"]
     em = st["emulation"]
     assert em["time_scale"] == 2.0 and em["accelerator_tflops"] == 100.0
     assert st["compute_s"] == pytest.approx(em["accelerator_s"])

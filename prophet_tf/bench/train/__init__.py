@@ -3,6 +3,7 @@
     python -m prophet_tf.bench.train [--compute real|emulated] [--quick | --full]
         [--models resnet50,vgg16,transformer,bert_base] [--workers 2,4,8] [--ratios 0.5,1]
         [--systems prophet,prophet_nocross,priority,fifo,auto,mwms,'prophet[KEY=VALUE]']
+        [--compression fp16,bf16]
         [--batch 64] [--steps 20]
         [--warmup 5] [--accelerator_tflops 100] [--time_scale 28] [--out bench_out/]
         [--json PATH] [--timeline DIR] [--rate_change STEP:FACTOR] [--loopback]
@@ -49,7 +50,9 @@ For every model and worker count N (2-8):
    CPU, cluster from the launcher's ``TF_CONFIG``). Variants of the ProphetStrategy systems run
    side by side in the same clusters: ``prophet[socket_buffer_bytes=1048576]`` is ``prophet``
    with that option over ``--prophet_options`` (:mod:`prophet_tf.bench.train.systems`); each
-   variant is a system of its own in the table and in the JSON ``results``.
+   variant is a system of its own in the table and in the JSON ``results``. ``--compression
+   fp16,bf16`` adds, after every ProphetStrategy system, the same system with
+   ``compression="fp16"`` / ``"bf16"``, named ``prophet+fp16`` / ``prophet+bf16``.
 4. Each worker trains on synthetic data with ``model.fit``; ``mwms`` uses the same train step as
    a custom loop, because Keras 3's ``fit`` fails under MultiWorkerMirroredStrategy
    (keras-team/keras#20585). A Keras callback timestamps every ``on_train_batch_begin``; a step's
@@ -68,6 +71,13 @@ and each system's ratio to both (``step/bound``, ``step/ideal``):
   all-reduce as a fluid on the links from the moment it is ready, in the order the next forward
   pass needs them, at the link's payload rate (1448 of every 1514 bytes tbf counts). It exceeds
   the lower bound where the gradients the next step needs first are produced last.
+
+A compressed system (``prophet+bf16``) has both bounds of its own, in its ``results`` entry
+(``lower_bound_s``, ``ideal_bound_s``; the setting's ``compressed_bounds``) and on its table row:
+the same bounds with the bytes its gradients travel in (float32 gradients in half their bytes,
+``IdealBound.gradient_bytes``), so that its ``step/bound`` and ``step/ideal`` say how close it
+comes to what any schedule of those bytes could reach. The link rates (comm/comp) are the
+setting's, from the uncompressed gradient bytes.
 
 Outputs in ``--out`` (default ``bench_out/``): ``results.md`` (Markdown table), ``results.csv``,
 ``results.json`` (``"compute": "real"|"emulated"`` per setting; emulated settings add

@@ -22,8 +22,9 @@ from prophet_tf.bench.train.settings import (DEFAULT_BATCH, DEFAULT_LINK_BUDGET_
                                              MAX_WORKERS, NETNS_PREFIX, QUICK_MODEL,
                                              SweepOptions, sweep_cells)
 from prophet_tf.bench.train.sweep import format_plan, run_sweep
-from prophet_tf.bench.train.systems import (EMULATED_DEFAULT_SYSTEMS, QUICK_SYSTEMS, SYSTEMS,
-                                            parse_systems)
+from prophet_tf.bench.train.systems import (COMPRESSION_OPTION, EMULATED_DEFAULT_SYSTEMS,
+                                            QUICK_SYSTEMS, SYSTEMS, parse_systems,
+                                            with_compressions)
 from prophet_tf.bench.train.worker import run_worker
 
 __all__ = ["define_flags", "options_from_flags", "worker_or_bad_arguments", "main"]
@@ -78,6 +79,10 @@ def define_flags() -> Any:
                   "(prophet_tf/bench/train/systems.py). Default: all; with --quick "
                   f"{','.join(QUICK_SYSTEMS)}; emulated compute without --full "
                   f"{','.join(EMULATED_DEFAULT_SYSTEMS)}.")
+    f.DEFINE_list("compression", None, "Gradient compressions (fp16, bf16): after every "
+                  "ProphetStrategy system of the run, the same system compressed, named "
+                  "SYSTEM+fp16 / SYSTEM+bf16 (e.g. prophet+bf16), in the same clusters; each with "
+                  "its own bounds (the bytes that travel).")
     f.DEFINE_bool("loopback", False, "Run on plain loopback (no root needed, no bandwidth "
                   "shaping: one setting per model and worker count).")
     f.DEFINE_string("out", "bench_out", "Output directory (results.md, .csv, .json, .png).")
@@ -142,7 +147,8 @@ def options_from_flags(flags_: Any) -> SweepOptions:
         raise ValueError(f"--ratios must be positive, got {ratios}")
     default_systems = (QUICK_SYSTEMS if quick else
                        EMULATED_DEFAULT_SYSTEMS if emulated and not flags_.full else SYSTEMS)
-    systems = parse_systems(flags_.systems or list(default_systems))
+    systems = with_compressions(parse_systems(flags_.systems or list(default_systems)),
+                                flags_.compression or [])
     steps = flags_.steps if flags_.steps is not None else (EMULATED_STEPS if emulated else 10)
     warmup = flags_.warmup if flags_.warmup is not None else (EMULATED_WARMUP if emulated
                                                               else 3)
@@ -160,6 +166,9 @@ def options_from_flags(flags_: Any) -> SweepOptions:
     model_overrides = json.loads(flags_.model_options or "{}")
     if not isinstance(prophet_options, dict) or not isinstance(model_overrides, dict):
         raise ValueError("--prophet_options and --model_options must be JSON objects")
+    if COMPRESSION_OPTION in prophet_options:
+        raise ValueError("--prophet_options: give the compression with --compression (systems "
+                         "named prophet+bf16 etc., with their own bounds), not as an option")
     rate_change: Optional[tuple[int, float]] = None
     if flags_.rate_change:
         try:

@@ -40,7 +40,8 @@ def format_markdown(settings: Sequence[Mapping[str, Any]]) -> str:
     parentheses N uncoupled workers at once when measured; emulated: the accelerator's time, in
     parentheses one worker alone when measured),
     lower bound ms, ideal bound ms, system, median step ms, samples/s, speed-up over mwms, step /
-    lower bound, step / ideal bound.
+    lower bound, step / ideal bound. A compressed system (``prophet+bf16``) has bounds of its own
+    (the bytes that travel): its row fills the bound columns with them.
     A system is flagged when other programs disturbed it or when the machine's CPU was the limit.
     """
     head = ("| model | N | batch | comm/comp | link | compute ms | bound ms | ideal ms | system | "
@@ -78,6 +79,10 @@ def format_markdown(settings: Sequence[Mapping[str, Any]]) -> str:
                      _fmt(ideal * 1e3 if ideal else None, ".0f")]
             if not first:
                 cells = [""] * len(cells)
+            if "lower_bound_s" in res:   # a compressed system's own bounds
+                own_lb, own_ib = res.get("lower_bound_s"), res.get("ideal_bound_s")
+                cells[-2] = _fmt(own_lb * 1e3 if own_lb else None, ".0f")
+                cells[-1] = _fmt(own_ib * 1e3 if own_ib else None, ".0f")
             step = res.get("step_s_median")
             cells += [label, _fmt(step * 1e3 if step is not None else None, ".0f"),
                       _fmt(res.get("samples_per_s"), ".1f"),
@@ -227,7 +232,9 @@ BOUNDS_TEXT = ("bound ms: max(compute, 2(N-1)/N x gradient bytes at the link rat
                "best step any schedule could reach on the same layers and links (every "
                "gradient's all-reduce as a fluid from the moment it is ready, in the order the "
                "next forward pass needs them, at tbf's payload rate; docs/design.md, \"The ideal "
-               "bound\"); step/bound and step/ideal: each system's median step over them.")
+               "bound\"); step/bound and step/ideal: each system's median step over them. A "
+               "compressed system (SYSTEM+fp16, SYSTEM+bf16) has its own bounds on its row: the "
+               "same with the bytes its gradients travel in (half).")
 
 
 def compute_summary(settings: Sequence[Mapping[str, Any]], opts: SweepOptions) -> str:

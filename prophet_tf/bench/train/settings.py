@@ -90,14 +90,15 @@ def lower_bound_s(compute_s: float, gradient_bytes: float, workers: int,
 
 
 def ideal_bound(profile: Any, workers: int, bandwidth_bps: Optional[float],
-                payload_efficiency: float) -> Any:
+                payload_efficiency: float, compression: Optional[str] = None) -> Any:
     """The ideal bound (:func:`prophet_tf.predict.ideal_bound`) of ``workers`` workers running
     ``profile``'s step (the layers' compute and gradients) on links of ``bandwidth_bps``, of
-    which ``payload_efficiency`` carries payload. Unshaped links (None or 0): no communication
-    limit, the bound is the profile's compute."""
+    which ``payload_efficiency`` carries payload; with ``compression`` (``"fp16"``, ``"bf16"``)
+    the gradients take the bytes they travel in (half; its ``gradient_bytes``). Unshaped links
+    (None or 0): no communication limit, the bound is the profile's compute."""
     from prophet_tf.predict import PredictOptions
     from prophet_tf.predict import ideal_bound as predictor_ideal_bound
-    options = PredictOptions(payload_efficiency=payload_efficiency)
+    options = PredictOptions(payload_efficiency=payload_efficiency, compression=compression)
     if not bandwidth_bps:
         return predictor_ideal_bound(profile, workers=1, bandwidth_bps=None, options=options)
     return predictor_ideal_bound(profile, workers=workers, bandwidth_bps=bandwidth_bps,
@@ -178,7 +179,8 @@ def make_setting(model: str, workers: int, bandwidth_bps: Optional[float], compu
                  extra: Optional[Mapping[str, Mapping[str, Any]]] = None,
                  notes: Sequence[str] = (), compute: str = "real",
                  ideal_bound_s: Optional[float] = None,
-                 ideal: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+                 ideal: Optional[Mapping[str, Any]] = None,
+                 compressed: Optional[Mapping[str, Mapping[str, Any]]] = None) -> dict[str, Any]:
     """One output object (one model, worker count and bandwidth) in the JSON schema.
 
     Args:
@@ -188,33 +190,54 @@ def make_setting(model: str, workers: int, bandwidth_bps: Optional[float], compu
         ``results[SYSTEM]``.
       compute: ``"real"`` or ``"emulated"`` (how the workers computed).
       ideal_bound_s: the ideal bound (None: not known); ``ideal``: how it was made.
+      compressed: per gradient compression of the systems that use one (``"bf16"``), the bytes
+        their gradients take on the wire (``"gradient_bytes"``; None: not known) and their ideal
+        bound (``"ideal_bound_s"``, ``"ideal"``). Such a system's ``lower_bound_s`` and
+        ``ideal_bound_s`` are its own, in its ``results`` entry, and its ratios are to those:
+        no schedule of the compressed bytes can beat them, while the uncompressed bounds can be
+        beaten. The setting keeps them under ``"compressed_bounds"``.
 
     Returns ``{"model", "workers", "bandwidth_bps", "compute_s", "lower_bound_s",
     "ideal_bound_s", "compute", "results": {SYSTEM: {"step_s_median", "samples_per_s",
     "speedup_vs_mwms", "ratio_to_lower_bound", "ratio_to_ideal_bound", ...}}, ...}`` plus context
     fields (``comm_compute_ratio``, ``global_batch``, ``gradient_bytes``, ``comm_s``, ``ideal``,
-    ``notes``).
+    ``notes``, ``compressed_bounds``).
     """
     if compute not in COMPUTE_MODES:
         raise ValueError(f"compute must be one of {COMPUTE_MODES}, got {compute!r}")
     global_batch = batch_per_worker * workers
     lb = lower_bound_s(compute_s, gradient_bytes, workers, bandwidth_bps)
-    ib = float(ideal_bound_s) if finite(ideal_bound_s) and ideal_bound_s > 0 else None
+    ib = _positive(ideal_bound_s)
+    bounds: dict[str, dict[str, Any]] = {}
+    for compression, c in (compressed or {}).items():
+        wire = c.get("gradient_bytes")
+        bounds[compression] = {
+            "gradient_bytes": int(wire) if finite(wire) else None,
+            "lower_bound_s": (lower_bound_s(compute_s, wire or 0, workers, bandwidth_bps)
+                              if finite(wire) or not bandwidth_bps else None),
+            "ideal_bound_s": _positive(c.get("ideal_bound_s")),
+            "ideal": dict(c["ideal"]) if c.get("ideal") else None}
     mwms = step_s.get("mwms")
     results: dict[str, dict[str, Any]] = {}
     for system, s in step_s.items():
-        name = parse_system(system).name
+        parsed = parse_system(system)
         ok = finite(s) and s > 0
-        entry: dict[str, Any] = {
+        own_lb, own_ib = lb, ib
+        entry: dict[str, Any] = {}
+        if parsed.compression is not None:
+            own = bounds.get(parsed.compression) or {}
+            own_lb, own_ib = own.get("lower_bound_s"), own.get("ideal_bound_s")
+            entry.update(lower_bound_s=own_lb, ideal_bound_s=own_ib)
+        entry.update({
             "step_s_median": float(s) if ok else None,
             "samples_per_s": global_batch / s if ok else None,
             "speedup_vs_mwms": (mwms / s) if ok and finite(mwms) and mwms > 0 else None,
-            "ratio_to_lower_bound": (s / lb) if ok and lb > 0 else None,
-            "ratio_to_ideal_bound": (s / ib) if ok and ib else None,
-        }
+            "ratio_to_lower_bound": (s / own_lb) if ok and own_lb else None,
+            "ratio_to_ideal_bound": (s / own_ib) if ok and own_ib else None,
+        })
         if extra and system in extra:
             entry.update(extra[system])
-        results[name] = entry
+        results[parsed.name] = entry
     return {
         "model": model,
         "workers": int(workers),
@@ -231,8 +254,13 @@ def make_setting(model: str, workers: int, bandwidth_bps: Optional[float], compu
         "global_batch": global_batch,
         "gradient_bytes": int(gradient_bytes),
         "ideal": dict(ideal) if ideal else None,
+        "compressed_bounds": bounds or None,
         "notes": list(notes),
     }
+
+
+def _positive(x: Any) -> Optional[float]:
+    return float(x) if finite(x) and x > 0 else None
 
 
 def validate_settings(settings: Sequence[Mapping[str, Any]]) -> None:

@@ -406,13 +406,16 @@ def run_sweep(opts: SweepOptions) -> list[dict]:
                 plan = list(zip(ratios, bws))
             for ratio, bw in plan:
                 ideal = _ideal(step_profile, n, bw, opts, compute_s)
+                compressed = _compressed_bounds(step_profile, n, bw, opts, compute_s,
+                                                systems_at(ratio, fitting))
                 if opts.plan:
                     opts.meta.setdefault("plan", []).append(_plan_setting(
                         model, n, ratio, bw, compute_s, gbytes, systems_at(ratio, fitting), opts,
                         emulation, ideal))
                     continue
                 st = _run_setting(model, n, cfg, batch, ratio, bw, compute_s, gbytes,
-                                  systems_at(ratio, fitting), opts, progress, emulation, ideal)
+                                  systems_at(ratio, fitting), opts, progress, emulation, ideal,
+                                  compressed)
                 st["compute_contended_s"] = contended
                 # The same bound with the compute time of N workers sharing this machine.
                 st["lower_bound_contended_s"] = (None if contended is None else
@@ -496,26 +499,42 @@ def _step_profile(described: Optional[Mapping[str, Any]], batch: int, opts: Swee
 
 
 def _ideal(profile: Optional[Any], n: int, bw: Optional[float], opts: SweepOptions,
-           compute_s: float) -> Optional[dict[str, Any]]:
+           compute_s: float, compression: Optional[str] = None) -> Optional[dict[str, Any]]:
     """The ideal bound of a setting and what it is made of: on unshaped links the compute time;
-    otherwise from the step profile (None without one)."""
+    otherwise from the step profile (None without one). With ``compression``, the bound of the
+    systems that compress their gradients so (``gradient_bytes``: the bytes that travel)."""
     if not bw:
         return {"step_s": compute_s, "wait_s": 0.0, "comm_s": 0.0, "binding_layer": None,
-                "payload_efficiency": None, "per_layer": None}
+                "payload_efficiency": None, "per_layer": None, "gradient_bytes": None}
     if profile is None:
         return None
     from prophet_tf.bench.netem import TBF_FRAME_EFFICIENCY
     efficiency = TBF_FRAME_EFFICIENCY
     try:
-        b = ideal_bound(profile, n, bw, efficiency)
+        b = ideal_bound(profile, n, bw, efficiency, compression)
     except Exception as e:  # noqa: BLE001 - the bound is reported missing, the run goes on
         sys.stderr.write(f"  (no ideal bound: {type(e).__name__}: {e})\n")
         return None
     return {"step_s": b.step_s, "wait_s": b.wait_s, "comm_s": b.comm_s,
             "binding_layer": b.binding_layer, "payload_efficiency": efficiency,
+            "gradient_bytes": b.gradient_bytes,
             # where the layers' times come from: the emulated accelerator's, or the measured
             # step split by FLOPs
             "per_layer": "accelerator" if opts.compute == "emulated" else "flops"}
+
+
+def _compressed_bounds(profile: Optional[Any], n: int, bw: Optional[float], opts: SweepOptions,
+                       compute_s: float, systems: Sequence[System]
+                       ) -> dict[str, dict[str, Any]]:
+    """Per gradient compression among ``systems`` (``prophet+bf16``): the bytes its gradients
+    travel in and its ideal bound (:func:`make_setting`'s ``compressed``); the lower bound
+    follows from the bytes."""
+    out: dict[str, dict[str, Any]] = {}
+    for c in dict.fromkeys(s.compression for s in systems if s.compression):
+        ideal = _ideal(profile, n, bw, opts, compute_s, c)
+        out[c] = {"gradient_bytes": (ideal or {}).get("gradient_bytes"),
+                  "ideal_bound_s": (ideal or {}).get("step_s"), "ideal": ideal}
+    return out
 
 
 def _emulation_facts(described: Mapping[str, Any], emulation: Mapping[str, Any],
@@ -625,14 +644,19 @@ def _run_setting(model: str, n: int, cfg: Any, batch: int, ratio: Optional[float
                  bw: Optional[float], compute_s: float, gbytes: int, systems: Sequence[System],
                  opts: SweepOptions, progress: _Progress,
                  emulation: Optional[Mapping[str, Any]] = None,
-                 ideal: Optional[Mapping[str, Any]] = None) -> dict:
+                 ideal: Optional[Mapping[str, Any]] = None,
+                 compressed: Optional[Mapping[str, Mapping[str, Any]]] = None) -> dict:
     step_s: dict[str, Optional[float]] = {}
     extra: dict[str, dict[str, Any]] = {}
     where = f"{model}, N={n}, " + (f"comm/comp {ratio:g} at {format_bandwidth(bw)}" if bw
                                    else "loopback (unshaped)")
-    lb = lower_bound_s(compute_s, gbytes, n, bw)
-    bounds = f"bound {lb * 1e3:.0f} ms" + (f", ideal {ideal['step_s'] * 1e3:.0f} ms"
-                                           if ideal else "")
+    def bounds_text(gradient_bytes: Optional[float], ideal: Optional[Mapping[str, Any]]) -> str:
+        lb = (lower_bound_s(compute_s, gradient_bytes or 0, n, bw)
+              if gradient_bytes or not bw else None)
+        return (f"bound {lb * 1e3:.0f} ms" if lb else "bound n/a") + (
+            f", ideal {ideal['step_s'] * 1e3:.0f} ms" if ideal else "")
+
+    bounds = bounds_text(gbytes, ideal)
     # Worst case of the slowest system, plus start-up; generous.
     expected = compute_s * (1 + (ratio or 0)) * (opts.warmup + opts.steps + 1)
     timeout = min(opts.launch_timeout, max(300.0, 120.0 + 4.0 * expected))
@@ -667,6 +691,7 @@ def _run_setting(model: str, n: int, cfg: Any, batch: int, ratio: Optional[float
             if spec.is_prophet:
                 info["schedule_effective"] = res.get("schedule_effective")
                 info["cross_barrier"] = res.get("cross_barrier")
+                info["compression"] = res.get("compression")
                 if res.get("runtime_options"):
                     info["runtime_options"] = res["runtime_options"]
                 if spec.base == "auto" and res.get("schedule_in_use"):
@@ -697,12 +722,16 @@ def _run_setting(model: str, n: int, cfg: Any, batch: int, ratio: Optional[float
                     res.get("step_s") or [], opts.warmup, opts.rate_change, compute_s, gbytes, n,
                     bw)
                 after = " " + info["rate_change"]["text"]
-            progress.finish(f"{res['step_s_median'] * 1e3:.0f} ms/step ({bounds}; "
+            own = bounds
+            if spec.compression:  # its own bounds: the bytes that travel
+                c = (compressed or {}).get(spec.compression) or {}
+                own = f"{spec.compression} " + bounds_text(c.get("gradient_bytes"), c.get("ideal"))
+            progress.finish(f"{res['step_s_median'] * 1e3:.0f} ms/step ({own}; "
                             f"launch {launch_text(facts['launch_s'], res)}){after}"
                             f"{noise_text(facts)}")
     return make_setting(model, n, bw, compute_s, gbytes, batch, step_s, ratio=ratio, extra=extra,
                         compute=opts.compute, ideal_bound_s=(ideal or {}).get("step_s"),
-                        ideal=ideal)
+                        ideal=ideal, compressed=compressed)
 
 
 def _draw_one_step(pattern: str, n: int, step: int, title: str) -> Optional[str]:

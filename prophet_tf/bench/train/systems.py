@@ -6,12 +6,15 @@ A system is a base system, optionally with modifiers and with ProphetStrategy op
 
 * ``BASE`` is one of :data:`BASE_SYSTEMS`: ``ProphetStrategy`` with a schedule and barrier
   crossing (:data:`PROPHET_BASES`), or TensorFlow's ``mwms``.
-* ``MODIFIER`` names a bundle of ProphetStrategy options registered in :data:`MODIFIERS` (none
-  yet; issue 21's gradient compression adds ``fp16`` and ``bf16``, so that ``prophet+bf16`` runs
-  ``prophet`` with ``compression="bf16"``).
+* ``MODIFIER`` names a bundle of ProphetStrategy options registered in :data:`MODIFIERS`: the
+  gradient compressions, ``fp16`` and ``bf16`` (``prophet+bf16`` runs ``prophet`` with
+  ``compression="bf16"``). ``--compression fp16,bf16`` adds ``BASE+fp16`` and ``BASE+bf16``
+  after every ProphetStrategy system of the run (:func:`with_compressions`). A compressed
+  system's bounds are its own: they count the bytes that travel (:attr:`System.compression`).
 * ``[KEY=VALUE,...]`` sets ProphetStrategy keyword arguments for this system only, over
   ``--prophet_options``; each VALUE is read as JSON (numbers, ``true``/``false``, ``null``,
   quoted strings) or else taken as a plain string: ``prophet[socket_buffer_bytes=1048576]``.
+  ``compression`` is not an option: the name must say it (``+fp16``), as the bounds depend on it.
 
 Several variants of one base run side by side in one sweep, e.g. ``--systems
 'prophet,prophet[socket_buffer_bytes=1048576],priority'``. A system's name, exactly as
@@ -26,9 +29,9 @@ import json
 import re
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
-__all__ = ["BASE_SYSTEMS", "SYSTEMS", "PROPHET_BASES", "MODIFIERS", "QUICK_SYSTEMS",
-           "EMULATED_DEFAULT_SYSTEMS", "System", "parse_system", "parse_systems",
-           "split_systems"]
+__all__ = ["BASE_SYSTEMS", "SYSTEMS", "PROPHET_BASES", "MODIFIERS", "COMPRESSION_OPTION",
+           "QUICK_SYSTEMS", "EMULATED_DEFAULT_SYSTEMS", "System", "parse_system", "parse_systems",
+           "split_systems", "compressions", "with_compressions"]
 
 #: ProphetStrategy schedule and barrier crossing of each ProphetStrategy base system.
 PROPHET_BASES = {
@@ -49,8 +52,19 @@ QUICK_SYSTEMS = ("prophet", "prophet_nocross", "priority", "fifo", "mwms")
 #: against priority, fifo and MultiWorkerMirroredStrategy); ``prophet_nocross`` and ``auto`` add a
 #: launch per setting each and come with ``--full`` or ``--systems``.
 EMULATED_DEFAULT_SYSTEMS = ("prophet", "priority", "fifo", "mwms")
+#: The ProphetStrategy option the compression modifiers set.
+COMPRESSION_OPTION = "compression"
+
+
+def compressions() -> tuple[str, ...]:
+    """The gradient compressions the runtime offers (``"fp16"``, ``"bf16"``), from the core
+    (the TensorFlow-free library: no TensorFlow needed to name a system)."""
+    from prophet_tf._library import runtime_constants
+    return tuple(runtime_constants()["compressions"])
+
+
 #: Modifier -> the ProphetStrategy options it stands for (see the module docstring).
-MODIFIERS: dict[str, dict[str, Any]] = {}
+MODIFIERS: dict[str, dict[str, Any]] = {c: {COMPRESSION_OPTION: c} for c in compressions()}
 
 _NAME = re.compile(r"^([a-z_]+)((?:\+[A-Za-z0-9_]+)*)(?:\[(.*)\])?$")
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -84,6 +98,14 @@ class System:
     @property
     def cross_barrier(self) -> Optional[bool]:
         return PROPHET_BASES[self.base][1] if self.is_prophet else None
+
+    @property
+    def compression(self) -> Optional[str]:
+        """The gradient compression its modifiers ask for (None: exact)."""
+        found = None
+        for m in self.modifiers:
+            found = MODIFIERS[m].get(COMPRESSION_OPTION, found)
+        return found
 
     @property
     def is_variant(self) -> bool:
@@ -157,9 +179,15 @@ def parse_system(text: str) -> System:
             if key == "schedule":
                 raise ValueError(f"system {text!r}: the base system sets the schedule; name "
                                  f"another base ({', '.join(PROPHET_BASES)}) instead")
+            if key == COMPRESSION_OPTION:
+                raise ValueError(f"system {text!r}: name the compression as a modifier "
+                                 f"({' or '.join(f'{base}+{c}' for c in compressions())}), so "
+                                 "that its name and bounds say it")
             if any(k == key for k, _ in options):
                 raise ValueError(f"system {text!r}: option {key!r} given twice")
             options.append((key, _parse_value(value.strip())))
+    if sum(1 for m in modifiers if COMPRESSION_OPTION in MODIFIERS[m]) > 1:
+        raise ValueError(f"system {text!r}: more than one compression")
     if (modifiers or options) and base not in PROPHET_BASES:
         raise ValueError(f"system {text!r}: only ProphetStrategy systems "
                          f"({', '.join(PROPHET_BASES)}) take modifiers or options")
@@ -207,3 +235,30 @@ def parse_systems(value: Union[str, Sequence[str], Iterable[System]]) -> list[Sy
     if not systems:
         raise ValueError("no system to run")
     return systems
+
+
+def with_compressions(systems: Sequence[System], names: Sequence[str]) -> list[System]:
+    """``systems`` with, after each ProphetStrategy system without a compression, the same
+    system compressed with each of ``names`` (``--compression``): ``prophet, mwms`` with
+    ``fp16, bf16`` -> ``prophet, prophet+fp16, prophet+bf16, mwms``. A system already in
+    ``systems`` is not added twice.
+
+    Raises:
+      ValueError: an unknown compression name.
+    """
+    known = compressions()
+    bad = [c for c in names if c not in known]
+    if bad:
+        raise ValueError(f"unknown compression(s) {bad}; choose from {', '.join(known)}")
+    out: list[System] = []
+    present = {s.name for s in systems}
+    for s in systems:
+        out.append(s)
+        if not s.is_prophet or s.compression is not None:
+            continue
+        for c in names:
+            extra = System(s.base, s.modifiers + (c,), s.options)
+            if extra.name not in present:
+                out.append(extra)
+                present.add(extra.name)
+    return out

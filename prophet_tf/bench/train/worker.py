@@ -56,6 +56,7 @@ def make_strategy(system: str, tf: Any, prophet_options: Mapping[str, Any]) -> t
     strategy = ProphetStrategy(schedule=spec.schedule, **kwargs)
     facts["schedule_effective"] = strategy.schedule
     facts["cross_barrier"] = bool(kwargs["cross_barrier"])
+    facts["compression"] = strategy.compression
     from prophet_tf import runtime
     started = runtime.config()
     # The runtime options this system set, as the runtime was started with them.
