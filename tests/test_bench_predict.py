@@ -40,6 +40,10 @@ def test_the_emulated_cluster_is_modelled_as_shaped():
     variant = train.parse_system("priority[credit_bytes=4096,socket_buffer_bytes=65536]")
     options = bench_predict.predict_options(opts, variant)
     assert options.credit_bytes == 4096 and options.socket_buffer_bytes == 65536
+    # a compressed system is predicted compressed
+    assert options.compression is None
+    assert bench_predict.predict_options(opts, train.parse_system("prophet+bf16")).compression == \
+        "bf16"
 
 
 def test_auto_against_the_best_fixed_schedule():
