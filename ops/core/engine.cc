@@ -86,7 +86,7 @@ struct Engine::Impl : public Connection::Handler,
   bool credit_returned = false;  // since the last Pump
   int64_t next_timeout_check = 0;
   Timeline timeline;
-  BufferPool buffers;  // payloads held in memory (early frames)
+  BufferPool buffers;  // payloads held in memory (early frames, staged contributions)
 
   // Statistics (read by StatsJson from other threads).
   std::atomic<uint64_t> ops_done{0}, ops_failed{0};

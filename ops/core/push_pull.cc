@@ -18,9 +18,11 @@ void PushPull::Start() {
   set_pending(static_cast<int>(np));
   push_state_.assign(np, PushState::kQueued);
   push_released_ns_.assign(np, 0);
-  contributions_.assign(np, 0);
+  added_.assign(np, 0);
   result_sends_left_.assign(np, 0);
   contributed_.assign(np, {});
+  held_.clear();
+  held_.resize(np);
   seeded_.assign(np, 0);
   encoded_.clear();
   encoded_.resize(np);
@@ -40,7 +42,8 @@ void PushPull::Start() {
       if (r.output == r.input) seeded_[p] = parts()[p].bytes;
       contributed_[p].assign(n(), false);
       contributed_[p][rank()] = true;
-      contributions_[p] = 1;
+      added_[p] = 1;
+      held_[p].resize(n());
       continue;
     }
     host()->Schedule(PushTask(p));
@@ -125,11 +128,13 @@ PayloadSink PushPull::OnFrame(int peer, const FrameMeta& meta) {
   PayloadSink::Consumer add = [this, part, scale_exp](uint64_t at, const char* data, uint64_t len) {
     Accumulate(part, at, data, len, scale_exp);
   };
-  // With two workers the peer's contribution is the only one: it can land in the output itself,
-  // and the local values are added to each piece as it lands (out = received + in, one pass,
-  // no staging copy). Not when the output is the input (it holds the local values), nor with
-  // more workers (the other contributions add into the same bytes), nor when it travels encoded.
-  if (n() == 2 && req_.output != req_.input && seeded_[part] == 0 && !codec().compresses())
+  // Before its turn: held whole, added when the contributions before it are (OnWholeFrame).
+  if (!InTurn(part, peer)) return PayloadSink::Buffer();
+  // The first peer in the order (the only one with two workers) can land in the output itself,
+  // and the local values are added to each piece as it lands (out = received + in, one pass, no
+  // staging copy). Not when the output is the input (it holds the local values), nor when it
+  // travels encoded.
+  if (SumPosition(peer) == 1 && req_.output != req_.input && seeded_[part] == 0 && !codec().compresses())
     return PayloadSink::Into(static_cast<char*>(req_.output) + meta.offset, id(), std::move(add));
   return PayloadSink::Stream(std::move(add), id());
 }
@@ -151,8 +156,14 @@ void PushPull::OnPayloadDone(int peer, const FrameMeta& meta) {
 
 void PushPull::OnWholeFrame(int peer, const FrameMeta& meta, ByteBuffer* data) {
   if (!Admit(peer, meta)) return;
-  Accumulate(meta.partition, 0, data->data(), meta.payload_bytes, meta.scale_exp);
-  ContributionDone(meta.partition, peer);
+  const uint32_t part = meta.partition;
+  if (InTurn(part, peer)) {
+    Accumulate(part, 0, data->data(), meta.payload_bytes, meta.scale_exp);
+    ContributionDone(part, peer);
+    return;
+  }
+  contributed_[part][peer] = true;
+  held_[part][SumPosition(peer)] = Held{std::move(*data), meta.payload_bytes, meta.scale_exp, true};
 }
 
 void PushPull::Accumulate(uint32_t part, uint64_t wire_at, const char* data, uint64_t wire_len, int scale_exp) {
@@ -178,13 +189,17 @@ void PushPull::Accumulate(uint32_t part, uint64_t wire_at, const char* data, uin
 
 void PushPull::ContributionDone(uint32_t part, int peer) {
   contributed_[part][peer] = true;
-  contributions_[part]++;
-  MaybeFinishPartition(part);
+  int& added = ++added_[part];
+  for (; added < n() && held_[part][added].held; ++added) {
+    Held& h = held_[part][added];
+    Accumulate(part, 0, h.data.data(), h.bytes, h.scale_exp);
+    host()->GiveBuffer(std::move(h.data));
+    h = Held{};
+  }
+  if (added == n()) FinishPartition(part);
 }
 
-void PushPull::MaybeFinishPartition(uint32_t part) {
-  if (contributions_[part] != n()) return;
-  contributions_[part] = n() + 1;  // finished: never again
+void PushPull::FinishPartition(uint32_t part) {
   const Partition& p = parts()[part];
   char* out = static_cast<char*>(req_.output) + p.offset;
   if (req_.average) DivideBy(req_.dtype, out, p.bytes / element_bytes(), n());
@@ -212,7 +227,7 @@ std::vector<bool> PushPull::WaitingFor() const {
   std::vector<bool> missing(n(), false);
   for (size_t p = 0; p < parts().size(); ++p) {
     if (parts()[p].owner == rank()) {
-      if (contributions_[p] <= n())
+      if (added_[p] < n())
         for (int r = 0; r < n(); ++r)
           if (!contributed_[p].empty() && !contributed_[p][r]) missing[r] = true;
     } else if (push_state_[p] != PushState::kDone) {
@@ -228,6 +243,9 @@ void PushPull::Complete(const Status& status) {
     if (push_state_[p] == PushState::kReleased) host()->PushLeft(PushTask(static_cast<uint32_t>(p)));
   // Encoded payloads of frames that never left (the engine dropped or copied them: Abandon).
   for (uint32_t p = 0; p < encoded_.size(); ++p) ReleaseEncoded(p);
+  for (std::vector<Held>& held : held_)
+    for (Held& h : held)
+      if (h.held) host()->GiveBuffer(std::move(h.data));
   Collective::Complete(status);
 }
 

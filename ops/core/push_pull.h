@@ -9,6 +9,13 @@
 // of the partition's wire size (no copy of the whole tensor); the owner adds the decoded codes to
 // its own float32 values, encodes the sum once for every peer, and decodes that same payload into
 // its own output, so every worker holds the same bits (docs/design.md, "Compression").
+//
+// The owner adds the contributions in one fixed order, whatever order they arrive in: float
+// addition is not associative, so an arrival-order sum of 3 or more contributions differs in its
+// last bits from run to run. The order is the owner's own values, then its peers from rank + 1
+// upwards, wrapping around (own + first peer may land in either order: a + b == b + a exactly).
+// The contribution whose turn it is streams into the output as it arrives; one that arrives
+// before its turn is held whole (a pooled buffer) and added when its turn comes.
 #ifndef PROPHET_OPS_CORE_PUSH_PULL_H_
 #define PROPHET_OPS_CORE_PUSH_PULL_H_
 
@@ -47,9 +54,14 @@ class PushPull : public Collective {
   // Adds payload bytes [at, at + len) of a contribution to owned partition `part` (encoded with
   // scale exponent `scale_exp` when compressed).
   void Accumulate(uint32_t part, uint64_t at, const char* data, uint64_t len, int scale_exp);
+  // Where `peer`'s contribution comes in the summation order (0: this worker's own values).
+  int SumPosition(int peer) const { return (peer - rank() + n()) % n(); }
+  // Whether `peer`'s contribution to owned partition `part` is the next one to add.
+  bool InTurn(uint32_t part, int peer) const { return SumPosition(peer) == added_[part]; }
+  // The contribution in turn is summed: add the held ones whose turn follows, then finish.
   void ContributionDone(uint32_t part, int peer);
-  // With every contribution in: average if asked, send the RESULT to every other rank.
-  void MaybeFinishPartition(uint32_t part);
+  // With every contribution added: average if asked, send the RESULT to every other rank.
+  void FinishPartition(uint32_t part);
   // Bytes of partition `part` on the wire (what the scheduler, the credit and the bandwidth
   // monitor count).
   uint64_t WireBytes(uint32_t part) const { return codec().WireBytes(parts()[part].bytes); }
@@ -58,14 +70,22 @@ class PushPull : public Collective {
 
   std::vector<PushState> push_state_;
   std::vector<int64_t> push_released_ns_;
+  // A contribution that arrived before its turn, held until then.
+  struct Held {
+    ByteBuffer data;
+    uint64_t bytes = 0;  // on the wire (encoded when compressed)
+    int scale_exp = 0;
+    bool held = false;
+  };
   // Owned partitions.
-  std::vector<std::vector<bool>> contributed_;  // by rank
-  std::vector<int> contributions_;              // n() + 1 once finished
+  std::vector<std::vector<bool>> contributed_;  // by rank: received (summed or held)
+  std::vector<int> added_;                      // contributions summed, in SumPosition order
+  std::vector<std::vector<Held>> held_;         // by SumPosition
   std::vector<int> result_sends_left_;
-  // Output bytes [0, seeded) of an owned partition already hold the local values plus some
-  // contributions; beyond that the output is not written yet. Contributions stream in from
-  // offset 0 in order, so the one furthest ahead extends this prefix with out = in + received
-  // (one pass, no separate copy of the local values) and every other adds into it.
+  // Output bytes [0, seeded) of an owned partition already hold the local values plus the
+  // contributions summed so far; beyond that the output is not written yet. The first peer's
+  // contribution streams in from offset 0 in order and extends this prefix with out = in +
+  // received (one pass, no separate copy of the local values); every later one adds into it.
   std::vector<uint64_t> seeded_;
   // Compressed: by partition, the encoded PUSH or RESULT payload until it has been sent.
   std::vector<ByteBuffer> encoded_;

@@ -3,7 +3,10 @@
 // arrive whole; the sum, the RESULTs, the scheduling, the credit and the failures are checked.
 #include "ops/core/push_pull.h"
 
+#include <algorithm>
+#include <cstdio>
 #include <cstring>
+#include <set>
 #include <memory>
 #include <string>
 #include <utility>
@@ -177,10 +180,42 @@ Contribution Contribute(const PayloadCodec& codec, FrameMeta meta, const std::ve
   return c;
 }
 
+// One peer's PUSH on its way in, received as a Connection would: into the sink the operation
+// chose when its header arrived, piece by piece; a held (kBuffer) frame is handed over whole.
+struct Incoming {
+  Incoming(PushPull& op, int peer, const FrameMeta& meta, const char* from)
+      : op(op), peer(peer), meta(meta), from(from), sink(op.OnFrame(peer, meta)) {
+    if (sink.kind == PayloadSink::Kind::kBuffer) held = ByteBuffer(meta.payload_bytes);
+  }
+  // Bytes [at, at + len) of the payload arrive.
+  void Receive(uint64_t at, uint64_t len) {
+    switch (sink.kind) {
+      case PayloadSink::Kind::kInto:
+        std::memcpy(sink.into + at, from + at, len);
+        if (sink.consume) sink.consume(at, sink.into + at, len);
+        break;
+      case PayloadSink::Kind::kStream: sink.consume(at, from + at, len); break;
+      case PayloadSink::Kind::kBuffer: std::memcpy(held.data() + at, from + at, len); break;
+      case PayloadSink::Kind::kDiscard: break;
+    }
+  }
+  // The last byte arrived.
+  void Done() {
+    if (sink.kind == PayloadSink::Kind::kBuffer) op.OnWholeFrame(peer, meta, &held);
+    else if (sink.kind != PayloadSink::Kind::kDiscard) op.OnPayloadDone(peer, meta);
+  }
+  PushPull& op;
+  int peer;
+  FrameMeta meta;
+  const char* from;
+  PayloadSink sink;
+  ByteBuffer held;
+};
+
 // Rank 0 of 3. Peers' contributions to rank 0's partitions stream in interleaved pieces (one
 // peer ahead of the other), or arrive whole (early frames); RESULTs come back for the others.
-// Compressed, the owner adds the decoded codes to its own float32 values (rank 2's first: it runs
-// ahead), sends the encoded sum and holds its decoding itself.
+// Compressed, the owner adds the decoded codes to its own float32 values (in its order: rank 1's,
+// then rank 2's, held while it ran ahead), sends the encoded sum and holds its decoding itself.
 void SumOfThree(bool in_place, bool whole, Encoding compression = Encoding::kNone) {
   const size_t elements = 3 * (1 << 20) / 4 + 5;  // 3 MiB + 20 bytes: 24 partitions, uneven
   Run run(0, 3, elements, in_place, compression);
@@ -203,8 +238,8 @@ void SumOfThree(bool in_place, bool whole, Encoding compression = Encoding::kNon
       std::copy(in2.begin() + first, in2.begin() + first + count, d2.begin());
     }
     for (size_t i = 0; i < count; ++i) {
-      volatile float seeded = run.input[first + i] + d2[i];
-      expected[first + i] = seeded + d1[i];
+      volatile float seeded = run.input[first + i] + d1[i];
+      expected[first + i] = seeded + d2[i];
     }
   }
   std::vector<float> travelled = expected;  // what every worker ends with
@@ -241,27 +276,32 @@ void SumOfThree(bool in_place, bool whole, Encoding compression = Encoding::kNon
       EXPECT_EQ(run.host.SentTo(1, FrameType::kResult).size(), ++summed);
       continue;
     }
-    PayloadSink s1 = run.op->OnFrame(1, c1.meta), s2 = run.op->OnFrame(2, c2.meta);
-    EXPECT_TRUE(s1.kind == PayloadSink::Kind::kStream && s2.kind == PayloadSink::Kind::kStream);
+    // Rank 2 comes after rank 1 in rank 0's summation order: while rank 1's contribution is
+    // in, rank 2's is held. Rank 1's streams (straight into the output when it is separate and
+    // not encoded).
+    Incoming in2(*run.op, 2, c2.meta, c2.payload.data()), in1(*run.op, 1, c1.meta, c1.payload.data());
+    EXPECT_TRUE(in2.sink.kind == PayloadSink::Kind::kBuffer);
+    EXPECT_TRUE(in1.sink.kind == (in_place || codec.compresses() ? PayloadSink::Kind::kStream : PayloadSink::Kind::kInto));
     // Rank 2 runs 3 pieces ahead of rank 1; pieces of 1025 elements.
     const uint64_t piece = codec.WireBytes(4100), bytes = c1.payload.size();
     uint64_t at1 = 0, at2 = 0;
     while (at1 < bytes || at2 < bytes) {
       if (at2 < bytes && (at2 <= at1 + 3 * piece || at1 >= bytes)) {
         const uint64_t len = std::min(piece, bytes - at2);
-        s2.consume(at2, c2.payload.data() + at2, len);
+        in2.Receive(at2, len);
         at2 += len;
       } else {
         const uint64_t len = std::min(piece, bytes - at1);
-        s1.consume(at1, c1.payload.data() + at1, len);
+        in1.Receive(at1, len);
         at1 += len;
       }
     }
-    run.op->OnPayloadDone(2, c2.meta);
+    in2.Done();
     EXPECT_EQ(run.host.SentTo(1, FrameType::kResult).size(), summed);  // one contribution missing
-    run.op->OnPayloadDone(1, c1.meta);
+    in1.Done();
     EXPECT_EQ(run.host.SentTo(1, FrameType::kResult).size(), ++summed);
   }
+  const int held = static_cast<int>(owned);  // rank 2's contribution to each, before its turn
   // Every owned partition was summed and sent back to both peers: from the output, or encoded
   // once (the same buffer for both peers) with the codes of the sum.
   const char* first_payload = nullptr;
@@ -334,9 +374,10 @@ void SumOfThree(bool in_place, bool whole, Encoding compression = Encoding::kNon
   EXPECT_TRUE(run.status.ok());
   EXPECT_EQ(run.host.credit_returned, pushed);  // once per push
   EXPECT_TRUE(std::memcmp(run.out(), travelled.data(), 4 * elements) == 0);
-  // Every encoded payload (one per PUSH, one per owned partition's RESULT) went back to the pool.
+  // Every encoded payload (one per PUSH, one per owned partition's RESULT) and every held
+  // contribution went back to the pool.
   EXPECT_EQ(run.host.buffers_taken, codec.compresses() ? static_cast<int>(parts.size()) : 0);
-  EXPECT_EQ(run.host.buffers_given, run.host.buffers_taken);
+  EXPECT_EQ(run.host.buffers_given, run.host.buffers_taken + held);
   if (codec.compresses()) {  // it did travel in 16 bits: the low mantissa bits are gone
     size_t rounded = 0;
     for (size_t i = 0; i < elements; ++i) rounded += travelled[i] != expected[i];
@@ -394,6 +435,136 @@ void SumOfTwo(bool in_place) {
 
 TEST(TwoWorkersReceiveStraightIntoTheOutput) { SumOfTwo(/*in_place=*/false); }
 TEST(TwoWorkersInPlaceStageTheContribution) { SumOfTwo(/*in_place=*/true); }
+
+// Contributions whose float32 sum depends on the order of the additions: 1e8 absorbs 1 and 3
+// (its ulp is 8), so ((1e8 + 1) - 1e8) + 3 == 3 but ((1e8 - 1e8) + 1) + 3 == 4.
+std::vector<float> OrderSensitive(size_t elements, int rank) {
+  static const float kTerms[] = {1e8f, 1.0f, -1e8f, 3.0f};
+  std::vector<float> v(elements);
+  for (size_t i = 0; i < elements; ++i) v[i] = kTerms[(i / 3 + i + static_cast<size_t>(rank)) % 4];
+  return v;
+}
+
+enum class Arrival { kWhole, kStreamed };
+
+// This worker is `rank` of `n`; the peers' contributions to its partitions arrive in `order`
+// (whole, as early frames do, or streamed with every peer's pieces interleaved in that order).
+// Returns its output.
+std::vector<float> SumInArrivalOrder(int rank, int n, const std::vector<int>& order, Arrival arrival, bool in_place) {
+  const size_t elements = 10000 + 3;  // 16 partitions of at most 4 KiB, uneven
+  Run run(rank, n, elements, in_place);
+  run.host.options_.partition_bytes = 4096;
+  const std::vector<float> own = OrderSensitive(elements, rank);
+  std::copy(own.begin(), own.end(), run.input.begin());  // in place, the request points at it
+  run.op->Start();
+  std::vector<std::vector<float>> values(n);
+  for (int r = 0; r < n; ++r) values[r] = OrderSensitive(elements, r);
+  const std::vector<Partition> parts = MakePartitions("grad/dense", 4 * elements, 4, n, 4096);
+  int owned = 0;
+  for (uint32_t p = 0; p < parts.size(); ++p) {
+    if (parts[p].owner != rank) continue;
+    ++owned;
+    const FrameMeta meta = PartMeta(FrameType::kPush, parts, p, elements);
+    std::vector<std::unique_ptr<Incoming>> in;
+    for (int peer : order) {
+      const char* from = reinterpret_cast<const char*>(values[peer].data()) + parts[p].offset;
+      in.push_back(std::make_unique<Incoming>(*run.op, peer, meta, from));
+      if (arrival == Arrival::kWhole) {
+        in.back()->Receive(0, parts[p].bytes);
+        in.back()->Done();
+      }
+    }
+    if (arrival == Arrival::kStreamed) {
+      for (uint64_t at = 0; at < parts[p].bytes; at += 1000)
+        for (auto& c : in) c->Receive(at, std::min<uint64_t>(1000, parts[p].bytes - at));
+      for (auto& c : in) c->Done();
+    }
+    EXPECT_EQ(run.host.SentTo((rank + 1) % n, FrameType::kResult).size(), static_cast<size_t>(owned));
+  }
+  EXPECT_TRUE(owned > 0);
+  return std::vector<float>(run.out(), run.out() + elements);
+}
+
+// The owner sums in one order whatever the order of arrival: every permutation of the peers, whole
+// or streamed, in place or not, gives the same bits, those of own + (rank+1) + (rank+2) + ...
+TEST(SumDoesNotDependOnArrivalOrder) {
+  for (int n : {3, 4}) {
+    // The terms are chosen so that the order matters: arrival-order sums differ.
+    std::set<std::vector<uint32_t>> arrival_sums;
+    std::vector<int> peers;
+    for (int r = 1; r < n; ++r) peers.push_back(r);
+    do {
+      std::vector<float> sum = OrderSensitive(64, 0);
+      for (int peer : peers) {
+        const std::vector<float> v = OrderSensitive(64, peer);
+        for (size_t i = 0; i < sum.size(); ++i) sum[i] += v[i];
+      }
+      std::vector<uint32_t> bits(sum.size());
+      std::memcpy(bits.data(), sum.data(), 4 * sum.size());
+      arrival_sums.insert(bits);
+    } while (std::next_permutation(peers.begin(), peers.end()));
+    EXPECT_TRUE(arrival_sums.size() > 1);
+
+    for (int rank = 0; rank < n; ++rank) {
+      const size_t elements = 10003;
+      std::vector<float> expected = OrderSensitive(elements, rank);
+      for (int k = 1; k < n; ++k) {
+        const std::vector<float> v = OrderSensitive(elements, (rank + k) % n);
+        for (size_t i = 0; i < elements; ++i) expected[i] += v[i];
+      }
+      std::vector<int> order;
+      for (int r = 0; r < n; ++r)
+        if (r != rank) order.push_back(r);
+      do {
+        for (Arrival arrival : {Arrival::kWhole, Arrival::kStreamed})
+          for (bool in_place : {false, true}) {
+            const std::vector<float> got = SumInArrivalOrder(rank, n, order, arrival, in_place);
+            // Only the owned partitions are summed here; the rest of the output is not this test's.
+            const std::vector<Partition> parts = MakePartitions("grad/dense", 4 * elements, 4, n, 4096);
+            bool same = true;
+            for (const Partition& p : parts)
+              if (p.owner == rank)
+                same = same && std::memcmp(reinterpret_cast<const char*>(got.data()) + p.offset,
+                                           reinterpret_cast<const char*>(expected.data()) + p.offset, p.bytes) == 0;
+            if (!same)
+              std::printf("  n=%d rank=%d %s%s: the sum depends on the arrival order\n", n, rank,
+                          arrival == Arrival::kWhole ? "whole" : "streamed", in_place ? " in place" : "");
+            EXPECT_TRUE(same);
+          }
+      } while (std::next_permutation(order.begin(), order.end()));
+    }
+  }
+}
+
+// Streaming is kept where the order allows it: with more than two workers the first peer in the
+// owner's order still lands straight in the output, the others stream when their turn has come
+// (and are held only when they arrive before it).
+TEST(FirstPeerInOrderStreamsIntoTheOutput) {
+  const size_t elements = 1000;  // one partition
+  const std::vector<Partition> parts = MakePartitions("grad/dense", 4 * elements, 4, 4, 1 << 20);
+  EXPECT_EQ(parts.size(), 1u);
+  const int owner = parts[0].owner;
+  Run run(owner, 4, elements, /*in_place=*/false);
+  run.op->Start();
+  const std::vector<float> values = Values(elements, 9);
+  const char* from = reinterpret_cast<const char*>(values.data());
+  const FrameMeta meta = PartMeta(FrameType::kPush, parts, 0, elements);
+  Incoming first(*run.op, (owner + 1) % 4, meta, from);
+  EXPECT_TRUE(first.sink.kind == PayloadSink::Kind::kInto && first.sink.consume != nullptr);
+  first.Receive(0, parts[0].bytes);
+  first.Done();
+  Incoming third(*run.op, (owner + 3) % 4, meta, from);  // before its turn
+  EXPECT_TRUE(third.sink.kind == PayloadSink::Kind::kBuffer);
+  Incoming second(*run.op, (owner + 2) % 4, meta, from);  // its turn
+  EXPECT_TRUE(second.sink.kind == PayloadSink::Kind::kStream);
+  third.Receive(0, parts[0].bytes);
+  third.Done();
+  EXPECT_TRUE(run.host.SentTo((owner + 1) % 4, FrameType::kResult).empty());
+  second.Receive(0, parts[0].bytes);
+  second.Done();
+  EXPECT_EQ(run.host.SentTo((owner + 1) % 4, FrameType::kResult).size(), 1u);
+  EXPECT_EQ(run.host.buffers_given, 1);
+}
 
 TEST(MismatchesFailEverywhereNamingBothSides) {
   Run run(0, 2, 1000, false);
