@@ -49,6 +49,26 @@ def exact(info: cluster.ClusterInfo, small: bool = False) -> None:
     got = ops.push_pull(tf.constant([2.0 * (r + 1), 4.0]), name="exact/mean", average=True)
     check("mean", np.allclose(got.numpy(), [float(n + 1), 4.0]))
 
+    # The owner sums in a fixed order (its own values, then the next ranks in turn), not in the
+    # order contributions arrive: terms whose float32 sum depends on the order (1e8 absorbs 1 and
+    # 3) give, in every element, the sum in one of those orders, and the same bits every round.
+    terms = np.array([1e8, 1.0, -1e8, 3.0], np.float32)
+    idx = np.arange(1 << 20)
+    values = [terms[(idx // 3 + idx + k) % 4] for k in range(n)]
+    rotations = []
+    for owner in range(n):
+        total = values[owner].copy()
+        for k in range(1, n):
+            total += values[(owner + k) % n]
+        rotations.append(total)
+    rounds = [ops.push_pull(tf.constant(values[r]), name="exact/order").numpy() for _ in range(5)]
+    check("sum order: the same bits every round", all(np.array_equal(x, rounds[0]) for x in rounds))
+    in_order = np.zeros(idx.shape, bool)
+    for total in rotations:
+        in_order |= rounds[0] == total
+    check("sum order: own values, then the next ranks", bool(in_order.all()),
+          f"{int((~in_order).sum())} elements summed in another order")
+
     # The same name used again is matched by round.
     for step in range(3):
         got = ops.push_pull(tf.constant([float(step + r)]), name="exact/repeated")
