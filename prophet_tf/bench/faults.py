@@ -74,8 +74,8 @@ flags.DEFINE_bool("restarts", False, "Run the restart trials (instead of the fau
 flags.DEFINE_integer("restart_trials", 10, "Restart trials per fault (SIGTERM, kill -9); --quick: one run "
                      "interrupted once by each.")
 flags.DEFINE_list("restart_workers", ["2", "3"], "Worker counts the restart trials draw from "
-                  "(2: every run's weights can be compared bitwise; 3+ workers' sums depend on "
-                  "arrival order).")
+                  "(the weights of a worker count are compared only if its two uninterrupted runs "
+                  "agree bitwise).")
 flags.DEFINE_string("restart_worker", None, "Internal: run as a worker of the restart trials.")
 
 EVENT = "FAULTS_EVENT"
