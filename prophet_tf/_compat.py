@@ -211,3 +211,15 @@ def check_library_matches_tensorflow(path: pathlib.Path, variable: str = "PROPHE
         f"TensorFlow {running['tensorflow']} (C++11 ABI {running['cxx11_abi']}) from "
         f"{os.path.dirname(tf.__file__)}. An op library only loads into the TensorFlow it was "
         f"compiled against. Rebuild it for this TensorFlow: {_rebuild_command(path, variable)}.")
+
+
+def epoch_steps(item: tuple, steps_per_execution: int) -> tuple[int, int, Any]:
+    """One item of Keras' ``EpochIterator._enumerate_iterator`` as ``(begin, end, iterator)``.
+
+    Keras 3.8 yields ``(step, iterator)`` (the execution's first step); later releases yield
+    ``(begin_step, end_step, iterator)`` with ``end_step`` the last step of the execution.
+    """
+    if len(item) == 3:
+        return item
+    begin, data = item
+    return begin, begin + steps_per_execution - 1, data

@@ -33,7 +33,7 @@ import os
 import threading
 from typing import Any, Optional
 
-from prophet_tf import _input_order, preemption
+from prophet_tf import _compat, _input_order, preemption
 
 logger = logging.getLogger("prophet_tf")
 
@@ -314,7 +314,8 @@ def enumerate_epoch(original: Any, iterator: Any):
     for _ in range(plan.epoch - session.first_epoch):
         _replay_epoch(original, iterator)
     skipped = 0
-    for begin, end, data in original(iterator):
+    for item in original(iterator):
+        begin, end, data = _compat.epoch_steps(item, iterator.steps_per_execution)
         if end < plan.steps:
             if not _read(data, iterator.steps_per_execution):
                 raise _short_input(plan, skipped)
@@ -322,7 +323,7 @@ def enumerate_epoch(original: Any, iterator: Any):
             continue
         if skipped != plan.steps:
             raise _short_input(plan, skipped)
-        yield begin, end, data
+        yield item
     if skipped < plan.steps:
         raise _short_input(plan, skipped)
 
@@ -346,7 +347,8 @@ def _replay_epoch(original: Any, iterator: Any) -> None:
     length: its end is found by reading)."""
     reading = iterator.steps_per_epoch is not None or iterator._num_batches is None
     with iterator.catch_stop_iteration():
-        for _begin, _end, data in original(iterator):
+        for item in original(iterator):
+            _begin, _end, data = _compat.epoch_steps(item, iterator.steps_per_execution)
             if reading and not _read(data, iterator.steps_per_execution):
                 raise StopIteration  # what Keras' train function raises at the end of the input
 
