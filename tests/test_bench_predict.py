@@ -67,3 +67,18 @@ def test_measured_settings_bring_their_run_options():
     before = (opts.steps, opts.inter_threads)
     bench_predict._use_run_facts(opts, [{"model": "resnet50"}])    # an older results.json
     assert (opts.steps, opts.inter_threads) == before
+
+
+def test_measured_takes_the_parts_of_one_sweep_and_names_a_bad_one(tmp_path):
+    import json, os, subprocess, sys
+    from pathlib import Path
+    good = tmp_path / "a.json"
+    good.write_text(json.dumps([]))
+    bad = tmp_path / "b.json"
+    bad.write_text(json.dumps({"not": "a list"}))
+    repo = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "prophet_tf.bench.predict", "--measured",
+                        f"{good},{bad}", "--out", str(tmp_path / "out")], cwd=repo,
+                       env=dict(os.environ, PYTHONPATH=str(repo), TF_CPP_MIN_LOG_LEVEL="2"),
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+    assert r.returncode == 2 and f"--measured {bad}: the output must be a list" in r.stdout

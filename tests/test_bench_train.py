@@ -19,6 +19,7 @@ from prophet_tf.bench import train
 from prophet_tf.bench.train import (SYSTEMS, choose_bandwidth, choose_bandwidths, comm_bytes,
                                     comm_time_s, emulated_time_scale, format_bandwidth,
                                     format_markdown, lower_bound_s, make_setting, median,
+                                    merge_results,
                                     parse_results, step_periods, validate_settings, write_csv,
                                     write_json)
 
@@ -350,6 +351,37 @@ def test_write_json_schema(tmp_path):
     assert data[1]["bandwidth_bps"] is None
     assert data[1]["results"]["mwms"]["step_s_median"] is None   # NaN -> null
     validate_settings(data)
+
+
+def test_merge_joins_parts_of_one_sweep(tmp_path):
+    vgg = _setting()
+    vgg["run"] = {"steps": 10, "warmup": 3}
+    resnet = dict(_setting(prophet=0.7), model="resnet50")
+    resnet["run"] = dict(vgg["run"])
+    for name, st in (("a", vgg), ("b", resnet)):
+        write_json(str(tmp_path / name / "results.json"), [st])
+    (tmp_path / "a" / "results.md").write_text("# x\n\nStarted 10:00, took 5 s; load 0.1\n")
+    merged = merge_results([str(tmp_path / "a" / "results.json"),
+                            str(tmp_path / "b" / "results.json")], str(tmp_path / "all"))
+    assert [st["model"] for st in merged] == ["vgg16", "resnet50"]
+    validate_settings(json.loads((tmp_path / "all" / "results.json").read_text()))
+    md = (tmp_path / "all" / "results.md").read_text()
+    assert "Started 10:00, took 5 s" in md and "(no results.md beside it)" in md
+    assert "| resnet50 |" in md and "| vgg16 |" in md
+    assert (tmp_path / "all" / "results.csv").exists()
+    # the same setting twice, or parts measured with other options, are refused by name
+    write_json(str(tmp_path / "c" / "results.json"), [vgg])
+    with pytest.raises(ValueError, match="vgg16 N=2 comm/comp 1.0 is in both"):
+        merge_results([str(tmp_path / "a" / "results.json"), str(tmp_path / "c" / "results.json")],
+                      str(tmp_path / "bad"))
+    other = dict(resnet, run={"steps": 4, "warmup": 3})
+    write_json(str(tmp_path / "d" / "results.json"), [other])
+    with pytest.raises(ValueError, match="other steps, threads, options"):
+        merge_results([str(tmp_path / "a" / "results.json"), str(tmp_path / "d" / "results.json")],
+                      str(tmp_path / "bad"))
+    r = _run(["--merge", f"{tmp_path / 'a' / 'results.json'},{tmp_path / 'nope.json'}",
+              "--out", str(tmp_path / "bad")], timeout=60)
+    assert r.returncode == 2 and "nope.json" in r.stdout
 
 
 @pytest.mark.parametrize("mutate", [

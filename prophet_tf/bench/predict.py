@@ -2,7 +2,8 @@
 
     python -m prophet_tf.bench.predict [--quick] [--modes emulated,real] [--out bench_out]
         [any flag of python -m prophet_tf.bench.train]
-    python -m prophet_tf.bench.predict --measured bench_out/results.json [--out bench_out]
+    python -m prophet_tf.bench.predict --measured bench_out/results.json[,part2/results.json]
+        [--out bench_out]
 
 For each compute mode (``--modes``; ``--quick``: emulated only) this runs the settings of
 ``python -m prophet_tf.bench.train`` with the same flags (its default sweep of that mode, or
@@ -311,8 +312,9 @@ def _define_flags() -> None:
     train.define_flags()
     flags.DEFINE_list("modes", ["emulated", "real"], "Compute modes to validate (the training "
                       "benchmark's --compute); --quick: emulated.")
-    flags.DEFINE_string("measured", None, "A results.json of python -m prophet_tf.bench.train: "
-                        "predict its settings instead of measuring them again.")
+    flags.DEFINE_list("measured", None, "results.json of python -m prophet_tf.bench.train (one, "
+                      "or the parts of one sweep, comma separated): predict its settings instead "
+                      "of measuring them again.")
 
 
 def main(argv: Sequence[str]) -> int:
@@ -337,13 +339,17 @@ def main(argv: Sequence[str]) -> int:
         return 2
     measured: Optional[list] = None
     if FLAGS.measured:
-        try:
-            with open(FLAGS.measured) as f:
-                measured = json.load(f)
-            train.validate_settings(measured)
-        except (OSError, ValueError) as e:
-            print(f"error: --measured {FLAGS.measured}: {e}", file=sys.stderr)
-            return 2
+        measured = []
+        for path in FLAGS.measured:
+            try:
+                with open(path) as f:
+                    part = json.load(f)
+                train.validate_settings(part)
+            except (OSError, ValueError) as e:
+                print(f"error: --measured {path}: {e}", file=sys.stderr)
+                return 2
+            measured.extend(part)
+        measured_from = ",".join(FLAGS.measured)
         modes = list(dict.fromkeys(st.get("compute", "real") for st in measured))
     out = os.path.join(FLAGS.out, "predict")
     os.makedirs(out, exist_ok=True)
@@ -367,9 +373,9 @@ def main(argv: Sequence[str]) -> int:
             try:
                 _use_run_facts(opts, settings)
             except ValueError as e:
-                print(f"error: --measured {FLAGS.measured}: {e}", file=sys.stderr)
+                print(f"error: --measured {measured_from}: {e}", file=sys.stderr)
                 return 2
-            print(f"[{mode} compute] {len(settings)} settings measured by {FLAGS.measured}",
+            print(f"[{mode} compute] {len(settings)} settings measured by {measured_from}",
                   flush=True)
         else:
             cells = "; ".join(f"{m} N={[n for n, _ in r]}" for m, r in train.sweep_cells(opts))

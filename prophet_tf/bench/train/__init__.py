@@ -137,7 +137,8 @@ from prophet_tf.bench.train.cli import (define_flags, main, options_from_flags,
                                         worker_or_bad_arguments)
 from prophet_tf.bench.train.report import (CSV_FIELDS, compute_summary, format_bandwidth,
                                            format_markdown, launch_text, noise_text, plot,
-                                           rate_change_summary, write_csv, write_outputs)
+                                           merge_results, rate_change_summary, write_csv,
+                                           write_outputs)
 from prophet_tf.bench.train.settings import (CPU_LIMITED_FRACTION, DEFAULT_BATCH,
                                              DEFAULT_LINK_BUDGET_BPS, DEFAULT_MODELS,
                                              DEFAULT_RATIOS, EMULATED_BATCH,
@@ -164,7 +165,7 @@ __all__ = [
     "COMPUTE_MODES", "MODEL_NAMES", "define_flags", "main", "options_from_flags",
     "worker_or_bad_arguments", "CSV_FIELDS", "compute_summary", "format_bandwidth",
     "format_markdown", "launch_text", "noise_text", "plot", "rate_change_summary", "write_csv",
-    "write_outputs", "CPU_LIMITED_FRACTION", "DEFAULT_BATCH", "DEFAULT_LINK_BUDGET_BPS",
+    "write_outputs", "merge_results", "CPU_LIMITED_FRACTION", "DEFAULT_BATCH", "DEFAULT_LINK_BUDGET_BPS",
     "DEFAULT_MODELS", "DEFAULT_RATIOS", "EMULATED_BATCH", "EMULATED_DEFAULT_GRID",
     "EMULATED_DEFAULT_MODELS", "EMULATED_FULL_RATIOS", "EMULATED_QUICK_MODEL", "EMULATED_RATIOS",
     "EMULATED_STEPS", "EMULATED_WARMUP", "MAX_WORKERS", "NETNS_PREFIX", "NOISY_CORES",

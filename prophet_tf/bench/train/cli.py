@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence
 
 from prophet_tf.bench.emulated import DEFAULT_ACCELERATOR_TFLOPS
 from prophet_tf.bench.models import COMPUTE_MODES, MODEL_NAMES
-from prophet_tf.bench.train.report import BOUNDS_TEXT, format_markdown
+from prophet_tf.bench.train.report import BOUNDS_TEXT, format_markdown, merge_results
 from prophet_tf.bench.train.settings import (DEFAULT_BATCH, DEFAULT_LINK_BUDGET_BPS,
                                              DEFAULT_MODELS, DEFAULT_RATIOS, EMULATED_BATCH,
                                              EMULATED_DEFAULT_GRID, EMULATED_DEFAULT_MODELS,
@@ -115,6 +115,8 @@ def define_flags() -> Any:
     f.DEFINE_bool("plan", False, "Emulated compute: print every setting the flags select (time "
                   "scale, link, bounds, the systems that fit in memory) and an estimate of how "
                   "long the sweep takes, without running it (builds the layer specs if needed).")
+    f.DEFINE_list("merge", None, "Run nothing: join the results.json of several runs (parts of "
+                  "one sweep, e.g. one per --models) into one report in --out.")
     f.DEFINE_bool("verbose", False, "Echo the workers' output.")
     f.DEFINE_string("worker", None, "Internal: run as a worker with this JSON configuration.")
     return flags.FLAGS
@@ -223,6 +225,15 @@ def main(argv: Sequence[str]) -> int:
     done = worker_or_bad_arguments(argv, FLAGS)
     if done is not None:
         return done
+    if FLAGS.merge:
+        try:
+            settings = merge_results(FLAGS.merge, FLAGS.out)
+        except ValueError as e:
+            print(f"error: --merge: {e}", file=sys.stderr)
+            return 2
+        print(format_markdown(settings))
+        print(f"\n{len(settings)} settings from {len(FLAGS.merge)} parts; results in {FLAGS.out}/")
+        return 0
     try:
         opts = options_from_flags(FLAGS)
     except ValueError as e:

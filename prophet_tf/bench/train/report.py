@@ -14,7 +14,7 @@ from prophet_tf.bench.train.systems import parse_system
 
 __all__ = ["format_bandwidth", "format_markdown", "CSV_FIELDS", "BOUNDS_TEXT", "write_csv", "plot",
            "launch_text", "noise_text", "rate_change_summary", "compute_summary",
-           "write_outputs"]
+           "write_outputs", "merge_results"]
 
 
 def format_bandwidth(bps: Optional[float]) -> str:
@@ -239,7 +239,12 @@ BOUNDS_TEXT = ("bound ms: max(compute, 2(N-1)/N x gradient bytes at the link rat
 
 def compute_summary(settings: Sequence[Mapping[str, Any]], opts: SweepOptions) -> str:
     """One paragraph saying how the workers computed (and, emulated, what the times model)."""
-    if opts.compute != "emulated":
+    return _compute_text(settings, opts.compute, opts.accelerator_tflops)
+
+
+def _compute_text(settings: Sequence[Mapping[str, Any]], compute: str,
+                  accelerator_tflops: float) -> str:
+    if compute != "emulated":
         return ("Compute: real (this machine's CPU runs the model); compute ms = one worker "
                 "alone, in parentheses N uncoupled workers at once.")
     parts = []
@@ -253,7 +258,7 @@ def compute_summary(settings: Sequence[Mapping[str, Any]], opts: SweepOptions) -
         parts.append(f"{st['model']} N={st['workers']}: time scale {em['time_scale']:g}, "
                      f"accelerator {em['modelled_accelerator_s'] * 1e3:.1f} ms per step "
                      f"({em['accelerator_s'] * 1e3:.0f} ms scaled)")
-    return (f"Compute: emulated (an accelerator at {opts.accelerator_tflops:g} TFLOP/s; every "
+    return (f"Compute: emulated (an accelerator at {accelerator_tflops:g} TFLOP/s; every "
             "time x the time scale, every link / the time scale; link column: tc rate "
             "(modelled rate)); compute ms = the emulated accelerator's time per step (in "
             "parentheses: one worker alone, no strategy, when measured). "
@@ -290,3 +295,65 @@ def write_outputs(settings: Sequence[dict], opts: SweepOptions, final: bool) -> 
     write_csv(os.path.join(opts.out, "results.csv"), settings)
     if settings:
         plot(settings, os.path.join(opts.out, "results.png"), title=opts.label)
+
+
+def merge_results(paths: Sequence[str], out: str) -> list[dict]:
+    """Joins the ``results.json`` of several runs of the benchmark into one report in ``out``
+    (results.md, .csv, .json, .png), so that a sweep longer than one sitting can be measured in
+    parts (``--models resnet50 --out part1``, ...). Every part must come from runs with the same
+    steps, threads and options and of the same compute mode, and no setting may appear twice:
+    otherwise the table would put numbers measured differently side by side. results.md keeps
+    each part's own header line (when, how long, the load, the source) below the table's title.
+    Raises ``ValueError`` naming the part at fault."""
+    from prophet_tf.bench.train.settings import validate_settings
+    import json
+    settings: list[dict] = []
+    headers: list[str] = []
+    seen: dict[tuple, str] = {}
+    runs: dict[str, str] = {}
+    for path in paths:
+        try:
+            with open(path) as f:
+                part = json.load(f)
+            validate_settings(part)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path}: {e}") from None
+        for st in part:
+            key = (st["model"], st["workers"], st.get("comm_compute_ratio"), st.get("compute"),
+                   st.get("bandwidth_bps"))
+            where = f"{st['model']} N={st['workers']} comm/comp {st.get('comm_compute_ratio')}"
+            if key in seen:
+                raise ValueError(f"{where} is in both {seen[key]} and {path}: give each setting "
+                                 "once")
+            seen[key] = path
+            facts = json.dumps({"compute": st.get("compute"), **(st.get("run") or {})},
+                               sort_keys=True)
+            runs.setdefault(facts, path)
+            if len(runs) > 1:
+                raise ValueError(f"{where} ({path}) was measured with other steps, threads, "
+                                 f"options or compute mode than {next(iter(runs.values()))}: "
+                                 "merge only parts of one sweep")
+        settings.extend(part)
+        header = "(no results.md beside it)"
+        md = os.path.join(os.path.dirname(path), "results.md")
+        if os.path.exists(md):
+            with open(md) as f:
+                header = next((ln.strip() for ln in f if ln.startswith("Started ")), header)
+        headers.append(f"- `{path}` ({len(part)} settings): {header}")
+    if not settings:
+        raise ValueError("the parts hold no setting")
+    os.makedirs(out, exist_ok=True)
+    write_json(os.path.join(out, "results.json"), settings)
+    tflops = next((st["emulation"]["accelerator_tflops"] for st in settings
+                   if st.get("emulation")), 0.0)
+    notes = sorted({n for st in settings for n in st.get("notes", [])})
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write("# Training benchmark (merged)\n\nParts:\n" + "\n".join(headers) + "\n\n")
+        f.write(_compute_text(settings, settings[0].get("compute", "real"), tflops) + "\n\n")
+        f.write(BOUNDS_TEXT + "\n\n")
+        f.write(format_markdown(settings))
+        if notes:
+            f.write("\n" + "\n".join(f"- {n}" for n in notes) + "\n")
+    write_csv(os.path.join(out, "results.csv"), settings)
+    plot(settings, os.path.join(out, "results.png"), title="merged")
+    return settings
