@@ -33,7 +33,7 @@ if [ ! -d tests ]; then
 fi
 log "$PY -m pytest -q tests/"
 rc=0
-"$PY" -m pytest -q tests/ || rc=$?
+"$PY" -m pytest -q --durations=12 tests/ || rc=$?  # the slowest tests: where suite time goes
 if [ "$rc" -eq 5 ]; then
   # 5 = no tests collected: an error only if there are test files to collect.
   if [ -n "$(find tests \( -name 'test_*.py' -o -name '*_test.py' \) -print -quit)" ]; then
