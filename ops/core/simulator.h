@@ -41,6 +41,7 @@
 #include "ops/core/codec.h"
 #include "ops/core/common.h"
 #include "ops/core/engine_options.h"
+#include "ops/core/fusion.h"
 
 namespace prophet {
 
@@ -133,6 +134,9 @@ struct RuntimeModel {
   uint64_t ring_chunk_bytes = 4u << 20;
   int ring_max_subdivs = 2;
   int64_t ring_message_ns = 0;
+  // Fusion (fusion.h): kFusionAuto sizes buckets with FusionBucketBytes for the workers and the
+  // link rate; 0 sends every tensor on its own; otherwise the bucket size in bytes.
+  int64_t fusion_bytes = 0;
 };
 
 struct SimulationOptions {
