@@ -17,22 +17,27 @@ uint64_t FusionBucketBytes(int world_size, double link_Bps, int64_t message_cost
   return static_cast<uint64_t>(world_size) * FusionOwnerBytes(link_Bps, message_cost_ns);
 }
 
-std::vector<Partition> BucketPartitions(const FusionBucket& bucket, int world_size, uint64_t partition_bytes,
-                                        uint64_t bucket_bytes) {
+std::vector<Partition> BucketPartitions(const std::string& name, uint64_t bytes, uint32_t element_size, int world_size,
+                                        uint64_t partition_bytes, uint64_t bucket_bytes) {
   const uint64_t n = static_cast<uint64_t>(std::max(world_size, 1));
-  const uint64_t elem = std::max<uint32_t>(bucket.element_size, 1);
-  if (!bucket.fused()) return MakePartitions(bucket.name, bucket.bytes, elem, world_size, partition_bytes);
+  const uint64_t elem = std::max<uint32_t>(element_size, 1);
   const uint64_t owner_bytes = std::max<uint64_t>(elem, bucket_bytes / n);
   // k owners: each receives (N-1) B / k bytes, which take (N-1) B / (k R), and every worker sends
   // and receives about 2k messages of cost c each; the sum is least at k = sqrt((N-1) B / (2 R c)),
   // and R c = owner_bytes / kFusionAmortisation.
   const double best = std::sqrt(kFusionAmortisation / 2 * static_cast<double>(n - 1) *
-                                static_cast<double>(bucket.bytes) / static_cast<double>(owner_bytes));
+                                static_cast<double>(bytes) / static_cast<double>(owner_bytes));
   const uint64_t k = std::min<uint64_t>(n, std::max<uint64_t>(1, static_cast<uint64_t>(std::ceil(best))));
   // Partitions of at most ceil(bytes / k), on element boundaries, give k of them.
-  const uint64_t elements = bucket.bytes / elem;
+  const uint64_t elements = bytes / elem;
   const uint64_t cut = std::max<uint64_t>(1, (elements + k - 1) / k) * elem;
-  return MakePartitions(bucket.name, bucket.bytes, elem, world_size, std::min(partition_bytes, cut), owner_bytes);
+  return MakePartitions(name, bytes, elem, world_size, std::min(partition_bytes, cut), owner_bytes);
+}
+
+std::vector<Partition> PlanPartitions(const FusionBucket& bucket, int world_size, uint64_t partition_bytes,
+                                      uint64_t bucket_bytes) {
+  if (!bucket.fused()) return MakePartitions(bucket.name, bucket.bytes, bucket.element_size, world_size, partition_bytes);
+  return BucketPartitions(bucket.name, bucket.bytes, bucket.element_size, world_size, partition_bytes, bucket_bytes);
 }
 
 uint64_t ResolveFusionBytes(int64_t setting, int world_size, double link_Bps) {

@@ -70,10 +70,12 @@ uint64_t FusionBucketBytes(int world_size, double link_Bps, int64_t message_cost
 // (R c = bucket_bytes / N / kFusionAmortisation), which minimises (N-1) B / (k R), the time the
 // busiest owner's link takes, plus 2 k c, the messages each worker handles; a full bucket gets
 // all N owners. More partitions when `partition_bytes` or MakePartitions' pipelining asks for
-// them; owners round-robin from the bucket name's hash (MakePartitions does the cutting). A lone
-// tensor (a bucket of one) is cut by MakePartitions alone, exactly as without fusion.
-std::vector<Partition> BucketPartitions(const FusionBucket& bucket, int world_size, uint64_t partition_bytes,
-                                        uint64_t bucket_bytes);
+// them; owners round-robin from the bucket name's hash (MakePartitions does the cutting).
+std::vector<Partition> BucketPartitions(const std::string& name, uint64_t bytes, uint32_t element_size, int world_size,
+                                        uint64_t partition_bytes, uint64_t bucket_bytes);
+// BucketPartitions for a fused bucket, MakePartitions for a lone tensor.
+std::vector<Partition> PlanPartitions(const FusionBucket& bucket, int world_size, uint64_t partition_bytes,
+                                      uint64_t bucket_bytes);
 
 // The bucket size a setting gives: FusionBucketBytes for kFusionAuto, 0 when off or for one
 // worker, else the setting.

@@ -73,7 +73,7 @@ TEST(BucketsSpreadOverEveryOwnerTheyCanFeed) {
   for (int n : {2, 3, 16, 64, 256}) {
     const uint64_t full = FusionBucketBytes(n, 125e6);
     // A full bucket: every worker owns a part.
-    std::vector<Partition> parts = BucketPartitions(Fused(full), n, 4u << 20, full);
+    std::vector<Partition> parts = PlanPartitions(Fused(full), n, 4u << 20, full);
     std::set<int> owners;
     uint64_t covered = 0;
     for (const Partition& p : parts) {
@@ -85,7 +85,7 @@ TEST(BucketsSpreadOverEveryOwnerTheyCanFeed) {
     EXPECT_EQ(owners.size(), static_cast<size_t>(n));
     // A small bucket: as many owners as minimise the busiest link's time plus the messages.
     const uint64_t small = full / 64 / 4 * 4 + 4;
-    parts = BucketPartitions(Fused(small), n, 4u << 20, full);
+    parts = PlanPartitions(Fused(small), n, 4u << 20, full);
     const double best = std::sqrt(4.5 * (n - 1) * static_cast<double>(small) / static_cast<double>(full / n));
     EXPECT_EQ(parts.size(), static_cast<size_t>(std::min<double>(n, std::ceil(best))));
     EXPECT_TRUE(parts.size() < static_cast<size_t>(n) || n <= 16);
@@ -96,7 +96,7 @@ TEST(BucketsSpreadOverEveryOwnerTheyCanFeed) {
   lone.bytes = 1000;
   lone.members = {0};
   lone.offsets = {0};
-  const std::vector<Partition> parts = BucketPartitions(lone, 8, 4u << 20, FusionBucketBytes(8, 125e6));
+  const std::vector<Partition> parts = PlanPartitions(lone, 8, 4u << 20, FusionBucketBytes(8, 125e6));
   const std::vector<Partition> plain = MakePartitions("grad/x", 1000, 4, 8, 4u << 20);
   EXPECT_EQ(parts.size(), plain.size());
   EXPECT_EQ(parts[0].owner, plain[0].owner);

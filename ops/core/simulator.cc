@@ -701,7 +701,7 @@ void Simulation::PlanUnits() {
     for (const int m : b.members) unit_of_[m] = static_cast<int>(units_.size());
     units_.push_back(unit);
     unit_members_.push_back(b.members);
-    partitions_.push_back(BucketPartitions(b, n_, runtime_.partition_bytes, bucket_bytes));
+    partitions_.push_back(PlanPartitions(b, n_, runtime_.partition_bytes, bucket_bytes));
   }
 }
 
