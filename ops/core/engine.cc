@@ -72,6 +72,7 @@ struct Engine::Impl : public Connection::Handler,
   // DeclareFusion calls, applied where they came among the submissions (`at`: submitted.size()).
   struct Declaration {
     size_t at = 0;
+    std::string group;
     std::vector<FusionDeclaration> tensors;
     uint64_t bucket_bytes = 0;
     std::function<void(const Status&)> done;
@@ -302,13 +303,13 @@ void Engine::Submit(OpRequest request) {
   m.Wake();
 }
 
-void Engine::DeclareFusion(std::vector<FusionDeclaration> tensors, uint64_t bucket_bytes,
+void Engine::DeclareFusion(const std::string& group, std::vector<FusionDeclaration> tensors, uint64_t bucket_bytes,
                            std::function<void(const Status&)> done) {
   Impl& m = *impl_;
   {
     std::lock_guard<std::mutex> lock(m.mu);
     if (m.stopped.empty()) {
-      m.declarations.push_back({m.submitted.size(), std::move(tensors), bucket_bytes, std::move(done)});
+      m.declarations.push_back({m.submitted.size(), group, std::move(tensors), bucket_bytes, std::move(done)});
       done = nullptr;
     }
   }
@@ -490,7 +491,7 @@ void Engine::Impl::DrainSubmissions() {
   auto declare_up_to = [&](size_t at) {
     for (; next_declaration < declared.size() && declared[next_declaration].at <= at; ++next_declaration) {
       Declaration& d = declared[next_declaration];
-      const Status s = fuser.Declare(d.tensors, world_size(), d.bucket_bytes);
+      const Status s = fuser.Declare(d.group, d.tensors, world_size(), d.bucket_bytes);
       if (!s.ok()) PROPHET_INFO("fusion declaration refused: %s", s.message().c_str());
       if (d.done) d.done(s);
     }

@@ -90,10 +90,10 @@ class Engine {
   void Submit(OpRequest request);
   // From the next submission on, push_pulls of these tensors travel fused into buckets of about
   // `bucket_bytes` (fusion.h, fuser.h; 0: none fused). Every worker must declare the same tensors
-  // and size, before submitting them; a declaration replaces the previous one and is refused
-  // (the status says why, asynchronously through `done`) while a member of the previous one waits
-  // for the rest of its bucket.
-  void DeclareFusion(std::vector<FusionDeclaration> tensors, uint64_t bucket_bytes,
+  // and size, before submitting them. A declaration replaces the previous one of its `group`
+  // (e.g. one optimizer's gradients); it is refused (the status says why, through `done`, on the
+  // engine thread) while a member of the previous one waits for the rest of its bucket.
+  void DeclareFusion(const std::string& group, std::vector<FusionDeclaration> tensors, uint64_t bucket_bytes,
                      std::function<void(const Status&)> done = nullptr);
   // Schedules with policy `schedule` from the next moment no partition is queued (between steps),
   // keeping the bandwidth measured so far. Fails for an unknown name.

@@ -39,16 +39,23 @@ std::string Digest(const std::vector<FusionDeclaration>& members) {
 
 }  // namespace
 
-Status Fuser::Declare(const std::vector<FusionDeclaration>& tensors, int world_size, uint64_t bucket_bytes) {
-  if (held() > 0)
-    return Status(Code::kFailedPrecondition,
-                  "a fusion declaration came while tensors of the previous one wait for the rest of their bucket; "
-                  "declare between steps");
+Status Fuser::Declare(const std::string& group, const std::vector<FusionDeclaration>& tensors, int world_size,
+                     uint64_t bucket_bytes) {
+  for (const Bucket& b : buckets_) {
+    if (b.group != group) continue;
+    for (const auto& q : b.queued)
+      if (!q.empty())
+        return Status(Code::kFailedPrecondition,
+                      "fusion declaration '" + group + "' came while '" + q.front().name +
+                          "' of its previous one waits for the rest of its bucket; declare between steps");
+  }
   std::vector<FusionInput> inputs;
   std::unordered_map<std::string, int> seen;
   for (const FusionDeclaration& d : tensors) {
-    if (!seen.emplace(d.name, 1).second)
-      return Status(Code::kInvalidArgument, "fusion declaration names tensor '" + d.name + "' twice");
+    const auto other = member_of_.find(d.name);
+    if (!seen.emplace(d.name, 1).second || (other != member_of_.end() && buckets_[other->second.first].group != group))
+      return Status(Code::kInvalidArgument, "fusion declaration '" + group + "' names tensor '" + d.name +
+                                                "' that is declared already (twice, or in another group)");
     const size_t elem = DataTypeSize(d.dtype);
     if (elem == 0 || d.bytes % elem != 0)
       return Status(Code::kInvalidArgument, "fusion declaration of '" + d.name + "': " + std::to_string(d.bytes) +
@@ -64,22 +71,24 @@ Status Fuser::Declare(const std::vector<FusionDeclaration>& tensors, int world_s
     in.fusable = d.priority < kControlPriority;
     inputs.push_back(in);
   }
-  buckets_.clear();
-  member_of_.clear();
-  bucket_bytes_ = bucket_bytes;
-  world_size_ = world_size;
+  buckets_.erase(std::remove_if(buckets_.begin(), buckets_.end(), [&](const Bucket& b) { return b.group == group; }),
+                 buckets_.end());
   for (FusionBucket& plan : PlanFusion(inputs, world_size, bucket_bytes)) {
     if (!plan.fused()) continue;  // travels alone, as without fusion
     Bucket b;
+    b.group = group;
+    b.bucket_bytes = bucket_bytes;
     for (const int m : plan.members) b.members.push_back(tensors[m]);
     b.name = plan.name + "~" + Digest(b.members);
     b.queued.resize(b.members.size());
     b.since_ns.resize(b.members.size());
     b.refuse_next.resize(b.members.size());
-    for (size_t slot = 0; slot < b.members.size(); ++slot) member_of_[b.members[slot].name] = {buckets_.size(), slot};
     b.plan = std::move(plan);
     buckets_.push_back(std::move(b));
   }
+  member_of_.clear();
+  for (size_t i = 0; i < buckets_.size(); ++i)
+    for (size_t slot = 0; slot < buckets_[i].members.size(); ++slot) member_of_[buckets_[i].members[slot].name] = {i, slot};
   return Status::OK();
 }
 
@@ -164,7 +173,7 @@ OpRequest Fuser::Launch(Bucket& b) {
   r.priority = b.plan.priority;
   r.average = first.average;
   r.compression = first.compression;
-  r.fusion_bucket_bytes = bucket_bytes_;
+  r.fusion_bucket_bytes = b.bucket_bytes;
   const std::vector<uint64_t> offsets = b.plan.offsets;
   const std::string what = "fused bucket '" + b.name + "' of " + MemberList(b.members);
   r.done = [run, offsets, what](const Status& status, const GatherResult*) {

@@ -34,8 +34,11 @@ class Fuser {
   // A member's request that cannot go on, with the status it ends with.
   using Refusal = std::pair<OpRequest, Status>;
 
-  // Replaces the plan (fails if a member of the current plan is held: declare between steps).
-  Status Declare(const std::vector<FusionDeclaration>& tensors, int world_size, uint64_t bucket_bytes);
+  // Replaces the plan of `group` (one optimizer step's gradients; other groups stay). Fails if a
+  // member of the group's current plan is held (declare between steps) or a tensor is declared
+  // twice, in this group or another.
+  Status Declare(const std::string& group, const std::vector<FusionDeclaration>& tensors, int world_size,
+                 uint64_t bucket_bytes);
   // Whether `request` is a push_pull of a tensor that travels in a fused bucket.
   bool Fuses(const OpRequest& request) const;
   // Holds a member's request. Appends the bucket's request when this completes a round of its
@@ -52,6 +55,8 @@ class Fuser {
 
  private:
   struct Bucket {
+    std::string group;
+    uint64_t bucket_bytes = 0;  // the plan's bucket size: how the bucket is cut
     FusionBucket plan;
     std::string name;                           // plan.name + the members' digest
     std::vector<FusionDeclaration> members;     // in bucket order
@@ -66,8 +71,6 @@ class Fuser {
 
   std::vector<Bucket> buckets_;
   std::unordered_map<std::string, std::pair<size_t, size_t>> member_of_;  // name -> (bucket, slot)
-  uint64_t bucket_bytes_ = 0;
-  int world_size_ = 1;
 };
 
 // "a, b and c" of the members' names, for error messages.

@@ -163,7 +163,7 @@ TEST(FusedSumsAreTheSameEverywhereRunToRunAndInAnyOrder) {
     auto engines = Cluster(n);
     if (engines.size() != static_cast<size_t>(n) || !engines.back()) return;
     const std::vector<FusionDeclaration> decl = Declarations("any" + std::to_string(n));
-    for (auto& e : engines) e->DeclareFusion(decl, Bucket(n) / 8);  // several buckets
+    for (auto& e : engines) e->DeclareFusion("g", decl, Bucket(n) / 8);  // several buckets
     std::vector<Step> first = RunStep(engines, decl, 1);
     const std::vector<std::vector<float>> a = SameEverywhere(first, decl);
     // They travelled fused: far fewer operations than tensors.
@@ -204,7 +204,7 @@ TEST(TwoWorkersFusedIsBitwiseUnfused) {
   auto engines = Cluster(2);
   if (engines.size() != 2 || !engines[1]) return;
   const std::vector<FusionDeclaration> fused = Declarations("two/fused"), plain = Declarations("two/plain");
-  for (auto& e : engines) e->DeclareFusion(fused, Bucket(2));
+  for (auto& e : engines) e->DeclareFusion("g", fused, Bucket(2));
   std::vector<Step> f = RunStep(engines, fused, 5), p = RunStep(engines, plain, 5);
   const std::vector<std::vector<float>> a = SameEverywhere(f, fused), b = SameEverywhere(p, plain);
   for (size_t i = 0; i < fused.size(); ++i)
@@ -215,7 +215,7 @@ TEST(CompressedBucketsAreTheSameEverywhere) {
   auto engines = Cluster(3);
   if (engines.size() != 3 || !engines[2]) return;
   const std::vector<FusionDeclaration> decl = Declarations("fp16", Encoding::kFloat16);
-  for (auto& e : engines) e->DeclareFusion(decl, Bucket(3));
+  for (auto& e : engines) e->DeclareFusion("g", decl, Bucket(3));
   std::vector<Step> s = RunStep(engines, decl, 9);
   SameEverywhere(s, decl);
 }
@@ -225,7 +225,7 @@ TEST(AMemberThatDiffersFromItsDeclarationFailsItsBucketEverywhereNamingIt) {
   if (engines.size() != 3 || !engines[2]) return;
   std::vector<FusionDeclaration> decl = Declarations("differs");
   for (FusionDeclaration& d : decl) d.average = false;
-  for (auto& e : engines) e->DeclareFusion(decl, Bucket(3) * 100);  // one bucket of all 24
+  for (auto& e : engines) e->DeclareFusion("g", decl, Bucket(3) * 100);  // one bucket of all 24
   // Rank 2 submits grad5 with one float fewer than declared.
   std::vector<FusionDeclaration> wrong = decl;
   wrong[5].bytes -= 4;
@@ -258,7 +258,7 @@ TEST(AMemberNeverSubmittedFailsTheHeldOnesNamingIt) {
   std::vector<FusionDeclaration> decl = Declarations("missing");
   decl.resize(3);
   for (FusionDeclaration& d : decl) d.average = false;
-  for (auto& e : engines) e->DeclareFusion(decl, Bucket(2) * 100);
+  for (auto& e : engines) e->DeclareFusion("g", decl, Bucket(2) * 100);
   std::vector<std::future<Status>> done;
   std::vector<std::vector<float>> data;
   for (int r = 0; r < 2; ++r) {
@@ -282,19 +282,27 @@ TEST(DeclarationsAreCheckedAndOneWorkerNeverFuses) {
   Fuser fuser;
   std::vector<FusionDeclaration> decl = Declarations("check");
   decl.push_back(decl.front());
-  EXPECT_TRUE(!fuser.Declare(decl, 4, 1 << 20).ok());
+  EXPECT_TRUE(!fuser.Declare("g", decl, 4, 1 << 20).ok());
   decl.pop_back();
   decl[0].bytes = 7;  // not whole float32 elements
-  EXPECT_TRUE(!fuser.Declare(decl, 4, 1 << 20).ok());
+  EXPECT_TRUE(!fuser.Declare("g", decl, 4, 1 << 20).ok());
   decl = Declarations("check");
-  EXPECT_TRUE(fuser.Declare(decl, 1, 1 << 20).ok());
+  EXPECT_TRUE(fuser.Declare("g", decl, 1, 1 << 20).ok());
   OpRequest q;
   q.name = decl[0].name;
   EXPECT_TRUE(!fuser.Fuses(q));
-  EXPECT_TRUE(fuser.Declare(decl, 4, 1 << 20).ok());
+  EXPECT_TRUE(fuser.Declare("g", decl, 4, 1 << 20).ok());
   EXPECT_TRUE(fuser.Fuses(q));
   q.kind = OpKind::kAllgather;
   EXPECT_TRUE(!fuser.Fuses(q));
+  // Groups: another group may not declare the same tensor; its own re-declaration replaces it.
+  EXPECT_TRUE(!fuser.Declare("h", decl, 4, 1 << 20).ok());
+  EXPECT_TRUE(fuser.Declare("h", Declarations("other"), 4, 1 << 20).ok());
+  EXPECT_TRUE(fuser.Declare("g", decl, 4, 0).ok());  // none fused any more
+  q.kind = OpKind::kPushPull;
+  EXPECT_TRUE(!fuser.Fuses(q));
+  q.name = "other/grad0";
+  EXPECT_TRUE(fuser.Fuses(q));
 }
 
 }  // namespace

@@ -42,7 +42,7 @@ std::vector<Partition> PlanPartitions(const FusionBucket& bucket, int world_size
 
 uint64_t ResolveFusionBytes(int64_t setting, int world_size, double link_Bps) {
   if (world_size <= 1 || setting == 0) return 0;
-  if (setting == kFusionAuto) return FusionBucketBytes(world_size, link_Bps);
+  if (setting == kFusionAuto) return FusionBucketBytes(world_size, link_Bps > 0 ? link_Bps : kFusionAssumedLink_Bps);
   return static_cast<uint64_t>(std::max<int64_t>(0, setting));
 }
 

@@ -77,8 +77,13 @@ std::vector<Partition> BucketPartitions(const std::string& name, uint64_t bytes,
 std::vector<Partition> PlanPartitions(const FusionBucket& bucket, int world_size, uint64_t partition_bytes,
                                       uint64_t bucket_bytes);
 
-// The bucket size a setting gives: FusionBucketBytes for kFusionAuto, 0 when off or for one
-// worker, else the setting.
+// The link rate kFusionAuto assumes where the rate is not known alike on every worker (the
+// engine: a bandwidth estimate differs from worker to worker, and the plan must not): 10 Gbit/s.
+constexpr double kFusionAssumedLink_Bps = 1.25e9;
+
+// The bucket size a setting gives: FusionBucketBytes for kFusionAuto (at `link_Bps`, or
+// kFusionAssumedLink_Bps when that is not positive), 0 when off or for one worker, else the
+// setting.
 uint64_t ResolveFusionBytes(int64_t setting, int world_size, double link_Bps);
 
 // Buckets in priority order (most urgent first; equal priorities by name): runs of consecutive
