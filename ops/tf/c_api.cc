@@ -52,10 +52,12 @@ __attribute__((visibility("default"))) int prophet_set_schedule(const char* sche
 
 // Engine::DeclareFusion. `tensors`: one line per tensor, "DTYPE BYTES PRIORITY AVERAGE COMPRESSION
 // NAME" (DTYPE as DataTypeName, AVERAGE 0/1, COMPRESSION none/fp16/bf16; NAME to the end of the
-// line); `bucket_bytes` as ResolveFusionBytes's setting (-1: automatic, 0: none fused). Waits for
-// the engine to apply it. Returns 0, or the status code with the message in `error`.
+// line); `bucket_bytes` as ResolveFusionBytes's setting (-1: automatic, for links of `link_Bps`
+// bytes/s, 0: the assumed rate; 0: none fused). Waits for the engine to apply it. Returns 0, or the
+// status code with the message in `error`.
 __attribute__((visibility("default"))) int prophet_declare_fusion(const char* group, const char* tensors,
-                                                                  long long bucket_bytes, char* error, int error_len) {
+                                                                  long long bucket_bytes, double link_Bps,
+                                                                  char* error, int error_len) {
   prophet::Engine* e = prophet::GlobalEngine();
   prophet::Status s = e ? prophet::Status::OK()
                         : prophet::Status(prophet::Code::kFailedPrecondition, "the runtime is not running");
@@ -82,7 +84,7 @@ __attribute__((visibility("default"))) int prophet_declare_fusion(const char* gr
   if (s.ok()) {
     auto applied = std::make_shared<std::promise<prophet::Status>>();
     std::future<prophet::Status> answer = applied->get_future();
-    const uint64_t bytes = prophet::ResolveFusionBytes(bucket_bytes, e->world_size(), 0);
+    const uint64_t bytes = prophet::ResolveFusionBytes(bucket_bytes, e->world_size(), link_Bps);
     e->DeclareFusion(group ? group : "", std::move(declared), bytes,
                      [applied](const prophet::Status& status) { applied->set_value(status); });
     s = answer.wait_for(std::chrono::seconds(60)) == std::future_status::ready
