@@ -101,6 +101,7 @@ struct Engine::Impl : public Connection::Handler,
 
   // Statistics (read by StatsJson from other threads).
   std::atomic<uint64_t> ops_done{0}, ops_failed{0};
+  std::atomic<uint64_t> fused_submitted{0};  // push_pulls held for a fused bucket
 
   // --- the thread ------------------------------------------------------------------------------
   void Run();
@@ -374,7 +375,8 @@ std::string Engine::StatsJson() const {
   std::ostringstream os;
   os << "{\"rank\": " << m.rank() << ", \"world_size\": " << m.world_size() << ", \"schedule\": \""
      << schedule << "\", \"bytes_sent\": " << sent << ", \"bytes_received\": " << received
-     << ", \"ops_done\": " << m.ops_done.load() << ", \"ops_failed\": " << m.ops_failed.load() << "}";
+     << ", \"ops_done\": " << m.ops_done.load() << ", \"ops_failed\": " << m.ops_failed.load()
+     << ", \"fused_submitted\": " << m.fused_submitted.load() << "}";
   return os.str();
 }
 
@@ -520,6 +522,7 @@ void Engine::Impl::Route(OpRequest request, uint64_t round, std::vector<uint64_t
     if (const uint64_t id = StartOperation(std::move(request), round)) started->push_back(id);
     return;
   }
+  fused_submitted.fetch_add(1);
   std::vector<OpRequest> ready;
   std::vector<Fuser::Refusal> refused;
   std::string notice;

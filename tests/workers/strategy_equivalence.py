@@ -143,9 +143,9 @@ def run_case(strategy, name):
             model.compile(optimizer=make_opt(), loss="sparse_categorical_crossentropy",
                           metrics=["accuracy"], steps_per_execution=spe)
         initial = model.get_weights()
-        ops_before = _runtime_ops()
+        ops_before, fused_before = _runtime_ops()
         hist = fit(model, x, y, input_kind, GLOBAL_BATCH)
-        ops = _runtime_ops() - ops_before
+        ops_after, fused_after = _runtime_ops()
     finally:
         strategy.extended._sparse_as_dense_bytes = default_sparse
     final = model.get_weights()
@@ -168,7 +168,8 @@ def run_case(strategy, name):
         ref_loss=common.floats(ref_hist.history["loss"]),
         accuracy=common.floats(hist.history["accuracy"]),
         ref_accuracy=common.floats(ref_hist.history["accuracy"]),
-        ops=ops,
+        ops=ops_after - ops_before,
+        fused=fused_after - fused_before,
         gradients=len(model.trainable_weights),
         steps=EPOCHS * NUM_SAMPLES // GLOBAL_BATCH,
         seconds=round(time.time() - t0, 2),
@@ -176,10 +177,12 @@ def run_case(strategy, name):
     )
 
 
-def _runtime_ops() -> int:
-    """Operations this worker's runtime finished so far (a fused bucket is one)."""
+def _runtime_ops() -> tuple[int, int]:
+    """Operations this worker's runtime finished so far (a fused bucket is one), and push_pulls
+    that travelled in a fused bucket."""
     from prophet_tf import runtime
-    return int(runtime.stats().get("ops_done", 0))
+    stats = runtime.stats()
+    return int(stats.get("ops_done", 0)), int(stats.get("fused_submitted", 0))
 
 
 def main():
