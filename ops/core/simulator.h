@@ -5,7 +5,8 @@
 // MakePolicy gives the engine (fifo, priority, prophet with its online profiler, planner and
 // bandwidth monitor), fed the same events the engine feeds it (OnTensorReady, Enqueue,
 // Dequeue under the byte credit, OnTransferDone, NextWakeupNs) with simulated time; tensors are
-// cut and owned by MakePartitions, as in the engine.
+// cut and owned by MakePartitions, as in the engine, and with fusion (RuntimeModel::fusion_bytes)
+// packed into buckets by PlanFusion and cut by PlanPartitions (fusion.h), as the engine's Fuser.
 //
 // What is modelled (the engine's behaviour, ops/core/engine.cc, and TensorFlow's around it):
 //  - compute, per worker and step: a launch delay, the forward pass layer by layer, the backward
