@@ -256,6 +256,7 @@ class FusedTensor:
 
     name: str
     dtype: str          # the wire dtype's name: float32, float16, bfloat16, float64, int32, int64
+    shape: tuple        # its dimensions
     bytes: int
     priority: int
     average: bool = False
@@ -295,7 +296,8 @@ def declare_fusion(group: str, tensors: Sequence[FusedTensor], bucket_bytes: int
     for t in tensors:
         if any(c in t.name for c in "\n\r"):
             raise ValueError(f"tensor name {t.name!r} has a line break")
-        lines.append(f"{t.dtype} {int(t.bytes)} {int(t.priority)} {int(bool(t.average))} "
+        shape = ",".join(str(int(d)) for d in t.shape) or "-"
+        lines.append(f"{t.dtype} {shape} {int(t.bytes)} {int(t.priority)} {int(bool(t.average))} "
                      f"{t.compression or 'none'} {t.name}")
     error = ctypes.create_string_buffer(1024)
     if c_api().prophet_declare_fusion(group.encode(), "\n".join(lines).encode(), int(bucket_bytes),

@@ -452,7 +452,7 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
             deferred = defer
             wire = value.dtype if deferred else _wire_dtype(value.dtype)
             declared.append(_runtime().FusedTensor(
-                name=gradient.name, dtype=wire.name,
+                name=gradient.name, dtype=wire.name, shape=tuple(value.shape.as_list()),
                 bytes=int(value.shape.num_elements()) * wire.size, priority=int(gradient.priority),
                 average=not deferred and reduce_op == reduce_util.ReduceOp.MEAN,
                 compression=self._compression))

@@ -70,6 +70,7 @@ struct OpRequest {
 struct FusionDeclaration {
   std::string name;
   DataType dtype = DataType::kFloat32;
+  std::vector<int64_t> shape;
   uint64_t bytes = 0;
   int64_t priority = 0;
   bool average = false;

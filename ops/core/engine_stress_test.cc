@@ -164,6 +164,7 @@ std::string RunCluster(int n, const char* schedule, uint64_t partition, uint64_t
       FusionDeclaration d;
       d.name = "grad/L" + std::to_string(k);
       d.bytes = LayerElements(k) * sizeof(float);
+      d.shape = {static_cast<int64_t>(LayerElements(k))};
       d.priority = kLayers - k;
       gradients.push_back(d);
     }

@@ -22,8 +22,8 @@ std::string MemberList(const std::vector<FusionDeclaration>& members) {
 namespace {
 
 std::string Describe(const FusionDeclaration& d) {
-  return std::to_string(d.bytes) + " bytes of " + DataTypeName(d.dtype) + (d.average ? ", averaged" : ", summed") +
-         ", compression " + EncodingName(d.compression);
+  return "shape " + ShapeString(d.shape) + " " + DataTypeName(d.dtype) + " (" + std::to_string(d.bytes) + " bytes)" +
+         (d.average ? ", averaged" : ", summed") + ", compression " + EncodingName(d.compression);
 }
 
 // A digest of the members' declarations: workers that declared differently get different bucket
@@ -57,9 +57,12 @@ Status Fuser::Declare(const std::string& group, const std::vector<FusionDeclarat
       return Status(Code::kInvalidArgument, "fusion declaration '" + group + "' names tensor '" + d.name +
                                                 "' that is declared already (twice, or in another group)");
     const size_t elem = DataTypeSize(d.dtype);
-    if (elem == 0 || d.bytes % elem != 0)
+    int64_t elements = 1;
+    for (const int64_t dim : d.shape) elements = dim < 0 ? -1 : elements * dim;
+    if (elem == 0 || elements < 0 || d.bytes != static_cast<uint64_t>(elements) * elem)
       return Status(Code::kInvalidArgument, "fusion declaration of '" + d.name + "': " + std::to_string(d.bytes) +
-                                                " bytes is not a whole number of " + DataTypeName(d.dtype) + " elements");
+                                                " bytes is not shape " + ShapeString(d.shape) + " of " +
+                                                DataTypeName(d.dtype));
     FusionInput in;
     in.name = d.name;
     in.bytes = d.bytes;
@@ -113,10 +116,11 @@ void Fuser::Hold(OpRequest request, int64_t now_ns, std::vector<OpRequest>* read
     b.refuse_next[slot].pop_front();
     return;
   }
-  if (request.dtype != d.dtype || request.bytes != d.bytes || request.average != d.average ||
-      request.compression != d.compression) {
+  if (request.dtype != d.dtype || request.shape != d.shape || request.bytes != d.bytes ||
+      request.average != d.average || request.compression != d.compression) {
     FusionDeclaration got = d;
     got.dtype = request.dtype;
+    got.shape = request.shape;
     got.bytes = request.bytes;
     got.average = request.average;
     got.compression = request.compression;

@@ -6,7 +6,7 @@
 // bytes, dtype, priority, averaging, compression), so PlanFusion gives every worker the same
 // buckets, members, order and byte offsets. A bucket's name carries a digest of its members'
 // declarations, so workers whose declarations differ never add each other's bytes: their buckets
-// have different names. A member submitted with other bytes, dtype, averaging or compression
+// have different names. A member submitted with another shape, dtype, averaging or compression
 // than declared fails at once with an error naming it, and so does the rest of its bucket's round,
 // on every worker (an error notice under the bucket's key). A bucket whose members do not all
 // arrive within the operation timeout fails its held members, naming the missing ones.

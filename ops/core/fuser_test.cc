@@ -53,6 +53,7 @@ std::vector<FusionDeclaration> Declarations(const std::string& prefix, Encoding 
     FusionDeclaration d;
     d.name = prefix + "/grad" + std::to_string(i);
     d.bytes = 4 * static_cast<uint64_t>(1 + (i * 977) % 3000);
+    d.shape = {static_cast<int64_t>(d.bytes / 4)};
     d.priority = 24 - i;
     d.average = i < 12;  // two runs: averaging must agree inside a bucket
     d.compression = compression;
@@ -229,6 +230,7 @@ TEST(AMemberThatDiffersFromItsDeclarationFailsItsBucketEverywhereNamingIt) {
   // Rank 2 submits grad5 with one float fewer than declared.
   std::vector<FusionDeclaration> wrong = decl;
   wrong[5].bytes -= 4;
+  wrong[5].shape[0] -= 1;
   std::vector<Step> steps(3);
   std::vector<std::thread> threads;
   for (int r = 0; r < 3; ++r) {
@@ -285,6 +287,8 @@ TEST(DeclarationsAreCheckedAndOneWorkerNeverFuses) {
   EXPECT_TRUE(!fuser.Declare("g", decl, 4, 1 << 20).ok());
   decl.pop_back();
   decl[0].bytes = 7;  // not whole float32 elements
+  EXPECT_TRUE(!fuser.Declare("g", decl, 4, 1 << 20).ok());
+  decl[0].bytes = 8;  // not its shape
   EXPECT_TRUE(!fuser.Declare("g", decl, 4, 1 << 20).ok());
   decl = Declarations("check");
   EXPECT_TRUE(fuser.Declare("g", decl, 1, 1 << 20).ok());
