@@ -832,8 +832,9 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
         element (README, "Gradient compression"; docs/design.md).
       fusion: ``None`` (the default) or ``"off"``: every gradient is its own collective;
         ``"auto"``: the optimizer's small dense gradients travel fused into buckets of consecutive
-        priorities sized for the number of workers (docs/design.md, "Fusion"), so each bucket is
-        summed by every worker instead of a few; or a bucket size in bytes. Results stay
+        priorities sized for the number of workers and the link rate in ``$PROPHET_LINK_GBPS``
+        (10 Gbit/s when unset; docs/design.md, "Fusion"), so each bucket is summed by every worker
+        instead of a few; or a bucket size in bytes. Results stay
         deterministic and the same on every worker; with 3 or more workers a fused element may be
         summed by another owner than unfused (another fixed order: other last bits).
       sync_random_seed: when no TensorFlow global seed is set, set one (drawn on rank 0) on every
