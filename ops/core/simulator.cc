@@ -170,7 +170,8 @@ class Simulation {
   void MaybeSum(int owner, uint64_t key, int partition);
   void SumDone(int owner, uint64_t key, int partition);
   void PartitionDone(int w, uint64_t key);
-  void OpDone(int w, int step, int tensor);
+  void OpDone(int w, int step, int unit);          // every member of the unit is summed
+  void TensorDone(int w, int step, int tensor);
   void Arrive(int dst, int src, uint64_t frame);
   // mwms.
   void RingStart(int w, int step, int which);
@@ -179,6 +180,8 @@ class Simulation {
   uint64_t RingBytes(int which) const;
 
   Op& OpAt(int w, uint64_t key);
+  // units_ and their members from the fusion plan (PlanFusion, as the engine plans).
+  void PlanUnits();
   // The scheduler's task for worker `w`'s push `info` to `owner`.
   SendTask PushTask(int w, int owner, const FrameInfo& info);
   // Worker 0's first measured step: one tensor's milestones, for StepPrediction::tensor_times.
@@ -202,7 +205,13 @@ class Simulation {
   uint64_t seq_ = 0;
   int64_t now_ns_ = 0;
   std::vector<Worker> workers_;
-  std::vector<std::vector<Partition>> partitions_;  // per tensor
+  // What travels: one unit per fusion bucket (fusion.h), a lone tensor as itself. Ops, frames
+  // and partitions are per unit; FrameInfo::tensor and OpKey's tensor index a unit.
+  std::vector<ModelTensor> units_;
+  std::vector<std::vector<int>> unit_members_;      // tensors of each unit
+  std::vector<int> unit_of_;                        // per tensor
+  std::vector<std::unordered_map<uint64_t, size_t>> unit_ready_;  // per worker, by OpKey(step, unit)
+  std::vector<std::vector<Partition>> partitions_;  // per unit
   std::vector<FrameInfo> frames_;
   std::vector<uint64_t> free_frames_;
   int controls_ = 0;
@@ -228,7 +237,7 @@ Op& Simulation::OpAt(int w, uint64_t key) {
 }
 
 SendTask Simulation::PushTask(int w, int owner, const FrameInfo& info) {
-  const ModelTensor& t = profile_.tensors[info.tensor];
+  const ModelTensor& t = units_[info.tensor];
   const Op& op = OpAt(w, OpKey(info.step, info.tensor));
   SendTask task;
   task.name = t.name;
@@ -298,7 +307,13 @@ void Simulation::Ready(int w, int step, int tensor) {
   if (mwms()) return;  // the all-reduce packs every gradient after the backward pass
   if (worker.timeline) worker.timeline->Instant("ready", t.name, now_ns_);
   if (crossing() && t.layer >= 0 && !IsControl(tensor)) ++worker.updates_pending[t.layer];
-  Submit(w, step, tensor);
+  const int unit = unit_of_[tensor];
+  if (unit_members_[unit].size() > 1) {  // a fused bucket goes once its last member is ready
+    auto it = unit_ready_[w].emplace(OpKey(step, unit), 0).first;
+    if (++it->second < unit_members_[unit].size()) return;
+    unit_ready_[w].erase(it);
+  }
+  Submit(w, step, unit);
 }
 
 void Simulation::BackwardDone(int w, int step) {
@@ -384,7 +399,7 @@ void Simulation::ApplyDone(int w, int step, int tensor) {
 
 void Simulation::Submit(int w, int step, int tensor) {
   Worker& worker = workers_[w];
-  const ModelTensor& t = profile_.tensors[tensor];
+  const ModelTensor& t = units_[tensor];
   if (n_ == 1) {  // the engine's one-worker path: the sum of one contribution is the input
     OpDone(w, step, tensor);
     return;
@@ -501,9 +516,9 @@ void Simulation::SumDone(int owner, uint64_t key, int partition) {
   info.step = KeyStep(key);
   info.tensor = tensor;
   info.partition = partition;
-  info.bytes = profile_.tensors[tensor].WireBytes(partitions_[tensor][partition].bytes);
+  info.bytes = units_[tensor].WireBytes(partitions_[tensor][partition].bytes);
   for (int peer = 0; peer < n_; ++peer) {
-    if (peer != owner) SendFrame(owner, peer, profile_.tensors[tensor].priority, info);
+    if (peer != owner) SendFrame(owner, peer, units_[tensor].priority, info);
   }
 }
 
@@ -513,7 +528,7 @@ void Simulation::PartitionDone(int w, uint64_t key) {
   const int step = KeyStep(key), tensor = KeyTensor(key);
   Worker& worker = workers_[w];
   if (worker.timeline) {
-    const ModelTensor& t = profile_.tensors[tensor];
+    const ModelTensor& t = units_[tensor];
     worker.timeline->Complete("op", t.name, op.submit_ns, now_ns_,
                               "{\"round\": " + std::to_string(step) + ", \"bytes\": " + std::to_string(t.bytes) +
                                   ", \"priority\": " + std::to_string(t.priority) + ", \"ok\": true}");
@@ -523,7 +538,11 @@ void Simulation::PartitionDone(int w, uint64_t key) {
   OpDone(w, step, tensor);
 }
 
-void Simulation::OpDone(int w, int step, int tensor) {
+void Simulation::OpDone(int w, int step, int unit) {
+  for (const int tensor : unit_members_[unit]) TensorDone(w, step, tensor);
+}
+
+void Simulation::TensorDone(int w, int step, int tensor) {
   Note(w, step, tensor, &TensorTiming::done_s);
   if (IsControl(tensor)) {
     StepWorkDone(w, step);
@@ -656,6 +675,37 @@ void Simulation::RingDone(int w, int step, int which) {
 }
 
 // ------------------------------------------------------------------------------------------------
+// Fusion: the engine's plan over the profile's tensors
+
+void Simulation::PlanUnits() {
+  std::vector<FusionInput> inputs;
+  for (size_t t = 0; t < profile_.tensors.size(); ++t) {
+    const ModelTensor& tensor = profile_.tensors[t];
+    FusionInput in;
+    in.name = tensor.name;
+    in.bytes = tensor.bytes;
+    in.element_size = tensor.element_size;
+    in.priority = tensor.priority;
+    in.fuse_key = static_cast<uint64_t>(tensor.encoding);
+    in.fusable = !mwms() && !IsControl(static_cast<int>(t));
+    inputs.push_back(in);
+  }
+  const uint64_t bucket_bytes = ResolveFusionBytes(runtime_.fusion_bytes, n_, network_.link_Bps);
+  unit_of_.assign(profile_.tensors.size(), -1);
+  for (const FusionBucket& b : PlanFusion(inputs, n_, bucket_bytes)) {
+    const ModelTensor& first = profile_.tensors[b.members.front()];
+    ModelTensor unit = first;
+    unit.name = b.name;
+    unit.bytes = b.bytes;
+    unit.priority = b.priority;
+    for (const int m : b.members) unit_of_[m] = static_cast<int>(units_.size());
+    units_.push_back(unit);
+    unit_members_.push_back(b.members);
+    partitions_.push_back(PlanPartitions(b, n_, runtime_.partition_bytes, bucket_bytes));
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
 // The event loop
 
 void Simulation::HandleLink(const LinkEvent& e) {
@@ -702,10 +752,10 @@ void Simulation::Handle(const Event& e) {
 Status Simulation::Run(StepPrediction* prediction) {
   for (const ModelLayer& layer : profile_.layers) forward_ns_ += layer.forward_ns;
   for (size_t t = 0; t < profile_.tensors.size(); ++t) {
-    const ModelTensor& tensor = profile_.tensors[t];
-    partitions_.push_back(MakePartitions(tensor.name, tensor.bytes, tensor.element_size, n_, runtime_.partition_bytes));
     if (IsControl(static_cast<int>(t))) ++controls_; else ++gradients_;
   }
+  PlanUnits();
+  unit_ready_.resize(n_);
   workers_.resize(n_);
   timings_.resize(profile_.tensors.size());
   for (size_t t = 0; t < profile_.tensors.size(); ++t) timings_[t].name = profile_.tensors[t].name;
