@@ -189,10 +189,12 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--schedule", default="priority")
-    p.add_argument("--fusion", default=None, help="ProphetStrategy(fusion=...): auto or bytes")
+    p.add_argument("--fusion", default=None,
+                   help="ProphetStrategy(fusion=...): auto, off or bytes (default: the strategy's)")
     args = p.parse_args()
-    fusion = None if args.fusion is None else (args.fusion if args.fusion == "auto" else int(args.fusion))
-    strategy = ProphetStrategy(schedule=args.schedule, fusion=fusion)
+    fusion = ({} if args.fusion is None else
+              {"fusion": args.fusion if args.fusion in ("auto", "off") else int(args.fusion)})
+    strategy = ProphetStrategy(schedule=args.schedule, **fusion)
     for name in args.cases.split(","):
         run_case(strategy, name)
     print("WORKER DONE", flush=True)
