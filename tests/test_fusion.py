@@ -13,12 +13,21 @@ pytest.importorskip("tensorflow")
 from test_strategy_equivalence import _check_case  # noqa: E402
 
 
-def test_many_small_gradients_fused_on_three_workers_match_one_process(run_workers):
+def test_many_small_gradients_fused_on_three_workers_match_one_process(run_workers, tmp_path):
     # many_small and momentum: updates deferred past the barrier (ProphetAsyncApply); adam
     # (steps_per_execution=2): synchronous push_pulls of the averaged gradients.
     cases = ["many_small", "momentum", "adam"]
+    trace = tmp_path / "trace.{rank}.json"
     run = run_workers("strategy_equivalence.py", 3, "--cases", ",".join(cases), "--fusion", "4096",
-                      timeout=240).check_ok()
+                      timeout=240, env={"PROPHET_TIMELINE": str(trace)}).check_ok()
+    # Every fused gradient keeps its own "ready" and "op" events on the trace (users see its
+    # wait; a trace read as a profile needs its bytes), beside its bucket's.
+    from prophet_tf import timeline
+    ops = timeline.events_by_track(timeline.load_trace(tmp_path / "trace.0.json"))["op"]
+    members = {e["name"] for e in ops if (e.get("args") or {}).get("fused")}
+    buckets = {e["name"] for e in ops if str(e["name"]).startswith("fused:")}
+    assert buckets and len(members) > len(buckets), (sorted(buckets), sorted(members))
+    assert all(not m.startswith("fused:") for m in members)
     for case in cases:
         _check_case(run, case)
         for rank in range(3):

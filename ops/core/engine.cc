@@ -523,6 +523,20 @@ void Engine::Impl::Route(OpRequest request, uint64_t round, std::vector<uint64_t
     return;
   }
   fused_submitted.fetch_add(1);
+  if (timeline.enabled()) {
+    // A member keeps its own "ready" and "op" events, as if it travelled alone: users read a
+    // tensor's wait in the trace, and a multi-worker trace read as a profile needs each
+    // gradient's bytes. Its span ends when its bucket's sum is copied back.
+    const int64_t held_ns = NowNs();
+    timeline.Instant("ready", request.name, held_ns);
+    const std::string args = "{\"bytes\": " + std::to_string(request.bytes) + ", \"priority\": " +
+                             std::to_string(request.priority) + ", \"fused\": true, \"ok\": ";
+    request.done = [this, done = std::move(request.done), name = request.name, args, held_ns](
+                       const Status& status, const GatherResult* gather) {
+      timeline.Complete("op", name, held_ns, NowNs(), args + (status.ok() ? "true}" : "false}"));
+      done(status, gather);
+    };
+  }
   std::vector<OpRequest> ready;
   std::vector<Fuser::Refusal> refused;
   std::string notice;

@@ -532,6 +532,14 @@ void Simulation::PartitionDone(int w, uint64_t key) {
     worker.timeline->Complete("op", t.name, op.submit_ns, now_ns_,
                               "{\"round\": " + std::to_string(step) + ", \"bytes\": " + std::to_string(t.bytes) +
                                   ", \"priority\": " + std::to_string(t.priority) + ", \"ok\": true}");
+    // The members of a fused bucket keep "op" spans of their own, as the engine writes them.
+    const std::vector<int>& members = unit_members_[tensor];
+    for (size_t m = 0; members.size() > 1 && m < members.size(); ++m) {
+      const ModelTensor& member = profile_.tensors[members[m]];
+      worker.timeline->Complete("op", member.name, op.submit_ns, now_ns_,
+                                "{\"bytes\": " + std::to_string(member.bytes) + ", \"priority\": " +
+                                    std::to_string(member.priority) + ", \"fused\": true, \"ok\": true}");
+    }
   }
   worker.op_of_request.erase(op.request);
   worker.ops.erase(key);
