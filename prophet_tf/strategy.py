@@ -830,11 +830,12 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
         other collective are never compressed. fp16 scales each partition by a power of two, so
         no finite value becomes infinite. The difference from exact summation is bounded per
         element (README, "Gradient compression"; docs/design.md).
-      fusion: ``None`` (the default) or ``"off"``: every gradient is its own collective;
-        ``"auto"``: the optimizer's small dense gradients travel fused into buckets of consecutive
+      fusion: ``"auto"`` (the default): the optimizer's small dense gradients travel fused into
+        buckets of consecutive
         priorities sized for the number of workers and the link rate in ``$PROPHET_LINK_GBPS``
         (10 Gbit/s when unset; docs/design.md, "Fusion"), so each bucket is summed by every worker
-        instead of a few; or a bucket size in bytes. Results stay
+        instead of a few; a bucket size in bytes; or ``None``/``"off"``: every gradient is its
+        own collective. Results stay
         deterministic and the same on every worker; with 3 or more workers a fused element may be
         summed by another owner than unfused (another fixed order: other last bits).
       sync_random_seed: when no TensorFlow global seed is set, set one (drawn on rank 0) on every
@@ -881,7 +882,7 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
                  preemption_grace_s: Optional[float] = None,
                  checkpoint_dir: Optional[str] = None,
                  compression: Optional[str] = None,
-                 fusion: Any = None,
+                 fusion: Any = "auto",
                  **runtime_options):
         from prophet_tf import _auto_schedule
         runtime = _runtime()

@@ -179,9 +179,9 @@ def _define_flags() -> None:
     flags.DEFINE_string("compression", "none", "Gradient compression of ProphetStrategy: none, "
                         "fp16 or bf16 (float32 gradients travel in half the bytes; mwms never "
                         "compresses).")
-    flags.DEFINE_string("fusion", "off", "Fusion of small gradients into buckets: off, auto "
-                        "(bucket size from the workers and the link rate) or a bucket size in "
-                        "bytes.")
+    flags.DEFINE_string("fusion", "auto", "Fusion of small gradients into buckets: auto (the "
+                        "runtime's default: bucket size from the workers and the link rate), off "
+                        "or a bucket size in bytes.")
     flags.DEFINE_integer("steps", defaults.steps, "Measured simulated steps (median).")
     flags.DEFINE_integer("warmup", defaults.warmup_steps, "Simulated steps before those.")
     flags.DEFINE_string("output", "predict.png", "PNG to draw (empty: none).")

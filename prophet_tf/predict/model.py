@@ -118,7 +118,8 @@ class PredictOptions:
         bandwidth estimate and the plan count those), control collectives exactly; the profile
         keeps the tensors' bytes (``CompressGradients`` in ops/core/simulator.h). ``mwms`` never
         compresses. The ideal bound counts the compressed bytes too.
-      fusion_bytes: small gradients travel fused into buckets (ops/core/fusion.h): -1 sizes the
+      fusion_bytes: small gradients travel fused into buckets (ops/core/fusion.h): -1 (the
+        default, as ``ProphetStrategy``'s) sizes the
         buckets from the workers and the link rate (``FusionBucketBytes``), 0 sends every tensor
         on its own, otherwise the bucket size in bytes. Control collectives and ``mwms`` never
         fuse.
@@ -147,7 +148,7 @@ class PredictOptions:
     warmup_steps: int = 5
     steps: int = 20
     compression: Optional[str] = None
-    fusion_bytes: int = 0
+    fusion_bytes: int = -1
 
 
 @dataclasses.dataclass
