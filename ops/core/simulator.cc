@@ -129,7 +129,9 @@ class Simulation {
  private:
   static LinkOptions MakeLinkOptions(const NetworkModel& network) {
     LinkOptions o;
-    o.hosts = network.workers;
+    o.workers = network.workers;
+    o.workers_per_host = network.workers_per_host;
+    o.loopback_Bps = network.loopback_Bps;
     o.egress_Bps = network.link_Bps;
     o.ingress_Bps = network.ingress_limited ? network.link_Bps : 0;
     o.payload_efficiency = network.payload_efficiency;
@@ -180,7 +182,7 @@ class Simulation {
 
   Op& OpAt(int w, uint64_t key);
   // The scheduler's task for worker `w`'s push `info` to `owner`.
-  SendTask PushTask(int w, int owner, const FrameInfo& info);
+  const SendTask& PushTask(int w, int owner, const FrameInfo& info);
   // Worker 0's first measured step: one tensor's milestones, for StepPrediction::tensor_times.
   double* Milestone(int w, int step, int tensor, double TensorTiming::*field) {
     if (w != 0 || step != options_.warmup_steps) return nullptr;
@@ -212,7 +214,10 @@ class Simulation {
   int64_t busy_begin_ns_ = 0, busy_end_ns_ = 0;
   double wire_begin_ = 0, wire_end_ = 0;
   std::vector<TensorTiming> timings_;
-  std::vector<double> bandwidth_samples_;  // worker 0's estimate as each measured step begins
+  std::vector<double> bandwidth_samples_;
+  SendTask scratch_task_;              // PushTask's
+  TransferDone scratch_done_;          // Arrive's
+  std::vector<SendTask> released_;     // Pump's  // worker 0's estimate as each measured step begins
 };
 
 Op& Simulation::OpAt(int w, uint64_t key) {
@@ -227,10 +232,11 @@ Op& Simulation::OpAt(int w, uint64_t key) {
   return op;
 }
 
-SendTask Simulation::PushTask(int w, int owner, const FrameInfo& info) {
+const SendTask& Simulation::PushTask(int w, int owner, const FrameInfo& info) {
   const ModelTensor& t = profile_.tensors[info.tensor];
   const Op& op = OpAt(w, OpKey(info.step, info.tensor));
-  SendTask task;
+  // One task rebuilt in place: assigning the name reuses its buffer (no allocation per push).
+  SendTask& task = scratch_task_;
   task.name = t.name;
   task.round = static_cast<uint64_t>(info.step);
   task.request_id = op.request;
@@ -239,6 +245,7 @@ SendTask Simulation::PushTask(int w, int owner, const FrameInfo& info) {
   task.priority = t.priority;
   task.bytes = info.bytes;
   task.ready_ns = op.submit_ns;
+  task.enqueue_seq = 0;
   return task;
 }
 
@@ -430,7 +437,8 @@ void Simulation::Pump(int w) {
   Worker& worker = workers_[w];
   if (worker.policy->queued() > 0) {
     const uint64_t credit = runtime_.credit_bytes;
-    std::vector<SendTask> tasks;
+    std::vector<SendTask>& tasks = released_;
+    tasks.clear();
     worker.policy->Dequeue(worker.unsent_push_bytes < credit ? credit - worker.unsent_push_bytes : 0, now_ns_, &tasks);
     for (const PolicySpan& span : worker.policy->TakeSpans()) {
       if (worker.timeline) {
@@ -551,7 +559,7 @@ void Simulation::Arrive(int dst, int src, uint64_t frame) {
   // A result: this worker's push of the partition is done.
   Worker& worker = workers_[dst];
   Op& op = OpAt(dst, key);
-  TransferDone done;
+  TransferDone& done = scratch_done_;  // assigned in place, as PushTask's task
   done.task = PushTask(dst, src, info);
   done.sent_ns = op.push_sent_ns[info.partition];
   done.done_ns = now_ns_;
