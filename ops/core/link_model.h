@@ -44,7 +44,7 @@ struct LinkOptions {
   int workers_per_host = 1;        // workers / workers_per_host hosts (the last may have fewer)
   double egress_Bps = 125e6;       // bytes per second each NIC sends (1 Gbit/s = 125e6)
   double ingress_Bps = 125e6;      // bytes per second each NIC receives; 0 = unlimited
-  double loopback_Bps = 5e9;       // bytes per second between the workers of one host, shared
+  double loopback_Bps = 12.5e9;    // bytes per second between the workers of one host, shared
   double payload_efficiency = 1.0; // share of the link rate left for frame bytes (0, 1]
   uint64_t frame_overhead_bytes = 0;
   uint64_t socket_window_bytes = 0;

@@ -89,11 +89,12 @@ void CompressGradients(Encoding compression, StepProfile* profile);
 struct NetworkModel {
   int workers = 2;
   // Workers placed on one host (worker w on host w / workers_per_host): they share the host's
-  // NIC, and talk to each other over loopback at loopback_Bps, shared by the host's local
-  // connections. Default: 5 GB/s, about what one TCP stream over Linux loopback moves on a
-  // current server core (the copy through the kernel bounds it; shared memory is faster).
+  // NIC, and talk to each other over loopback at loopback_Bps, shared by the host's connections
+  // between its own workers. Default 12.5 GB/s (100 Gbit/s), an assumption: about what several
+  // TCP streams over Linux loopback move together on a current multi-core server (one stream
+  // about 30-50 Gbit/s, bounded by the kernel's copies); shared memory would be faster.
   int workers_per_host = 1;
-  double loopback_Bps = 5e9;
+  double loopback_Bps = 12.5e9;
   double link_Bps = 125e6;          // per host and direction
   bool ingress_limited = true;      // false: only egress is shaped (emulated clusters)
   int64_t latency_ns = 0;           // one way, per frame

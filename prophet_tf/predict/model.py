@@ -116,9 +116,10 @@ class PredictOptions:
         they share the host's NIC (egress and ingress), and traffic between them goes over
         loopback at ``loopback_bytes_per_s``, shared by the host's connections between its own
         workers. 1: every worker has a host of its own (the default, and all runs here).
-      loopback_bytes_per_s: that loopback rate in bytes per second; default 5e9 (40 Gbit/s),
-        about what one TCP stream over Linux loopback moves on a current server core (the
-        kernel's copies bound it; shared memory would be faster).
+      loopback_bytes_per_s: that loopback rate in bytes per second; default 12.5e9 (100
+        Gbit/s), an assumption: about what several TCP streams over Linux loopback move
+        together on a current multi-core server (one stream about 30-50 Gbit/s, bounded by the
+        kernel's copies); shared memory would be faster.
       hierarchical: PREDICTED ONLY, the engine does not implement it: the two-level path
         (``RuntimeModel::hierarchical`` in ops/core/simulator.h): every partition is summed on
         each host first (by the partition's leader there, over loopback), then across hosts
@@ -153,7 +154,7 @@ class PredictOptions:
     apply_threads: int = 2
     ring_message_s: float = 0.0
     workers_per_host: int = 1
-    loopback_bytes_per_s: float = 5e9
+    loopback_bytes_per_s: float = 12.5e9
     hierarchical: bool = False
     warmup_steps: int = 5
     steps: int = 20
