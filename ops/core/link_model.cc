@@ -273,14 +273,38 @@ int64_t LinkModel::NextEventNs() {
   return heap_.empty() ? std::numeric_limits<int64_t>::max() : connections_[senders_[heap_.front()].first].finish_ns;
 }
 
+bool LinkModel::SharesPending(int connection) const {
+  const Connection& c = connections_[connection];
+  const Host& from = hosts_[host_of(Src(connection))];
+  if (c.local) return from.local_dirty;
+  return from.egress_dirty || (options_.ingress_Bps > 0 && hosts_[host_of(Dst(connection))].ingress_dirty);
+}
+
 void LinkModel::AdvanceTo(int64_t now_ns, std::vector<LinkEvent>* out) {
   if (!dirty_hosts_.empty()) ApplyShares(now_ns_);
   for (const LinkEvent& e : pending_) out->push_back(e);
   pending_.clear();
-  while (!heap_.empty() && connections_[senders_[heap_.front()].first].finish_ns <= now_ns) {
+  // Connections that end at one instant change their siblings' shares once, not once each: the
+  // shares are applied when time moves on, and before that only to a connection about to finish
+  // at this instant (what applying them at once would give it: its rate, and a finish pushed
+  // past this instant when bytes are left). Ends only raise shares, so each sibling's last
+  // new rate, and its finish, are what one pass gives.
+  int64_t ended_at = -1;
+  while (!heap_.empty()) {
     const int connection = senders_[heap_.front()].first;
     Connection& c = connections_[connection];
     const int64_t time_ns = c.finish_ns;
+    if (ended_at >= 0 && time_ns > ended_at) {
+      ApplyShares(ended_at);
+      ended_at = -1;
+      continue;
+    }
+    if (time_ns > now_ns) break;
+    if (ended_at >= 0 && SharesPending(connection)) {
+      Rerate(connection, time_ns);
+      FixSenders();
+      if (senders_[heap_.front()].first != connection || c.finish_ns != time_ns) continue;
+    }
     now_ns_ = std::max(now_ns_, time_ns);
     const Queued done = c.frames.front();
     c.frames.pop_front();
@@ -291,7 +315,8 @@ void LinkModel::AdvanceTo(int64_t now_ns, std::vector<LinkEvent>* out) {
     if (c.frames.empty()) {
       c.head_left = 0;
       SetActive(connection, false, time_ns);
-      ApplyShares(time_ns);
+      ended_at = time_ns;
+      FixSenders();
     } else {
       // Same shares: only this connection's next finish changes.
       c.head_left = c.frames.front().wire_bytes;
@@ -303,6 +328,7 @@ void LinkModel::AdvanceTo(int64_t now_ns, std::vector<LinkEvent>* out) {
     for (const LinkEvent& e : pending_) out->push_back(e);
     pending_.clear();
   }
+  if (ended_at >= 0) ApplyShares(ended_at);
   now_ns_ = std::max(now_ns_, now_ns);
 }
 

@@ -160,6 +160,8 @@ class LinkModel {
   // New shares for every connection through the dirty resources.
   void ApplyShares(int64_t now_ns);
   void Rerate(int connection, int64_t now_ns);
+  // Whether a resource of `connection` has new shares not yet applied.
+  bool SharesPending(int connection) const;
   void FinishChanged(int connection);
   void SetActive(int connection, bool active, int64_t now_ns);
   void FixSenders();
