@@ -475,7 +475,7 @@ void Simulation::Submit(int w, int step, int tensor) {
 void Simulation::EnqueuePush(int w, int step, int tensor, int partition, int owner) {
   Worker& worker = workers_[w];
   const ModelTensor& t = profile_.tensors[tensor];
-  SendTask task;
+  SendTask& task = scratch_task_;  // the policy copies it; the name's buffer is reused
   task.name = t.name;
   task.round = static_cast<uint64_t>(step);
   task.request_id = OpAt(w, OpKey(step, tensor)).request;
