@@ -131,7 +131,28 @@ def test_scaling_table_efficiency_and_shortfalls():
     assert "| 10 Gbit/s | 64 | 30.0 (33%) | 20.0 (50%) | 10.5 (95%) |" in table
     assert "deadlock" in table
     lines = shortfalls(points, ["prophet", "mwms"])
-    assert lines[0].startswith("prophet: below 90% where the ideal bound reaches it: 1 settings")
-    assert "m 10 Gbit/s N=64 (33%, ideal 95%)" in lines[0]
-    assert "1 settings: m 10 Gbit/s N=64 (1.50x the ring)" in lines[1]
-    assert lines[2] == "prophet: simulated deadlock: m 10 Gbit/s N=256"
+    assert lines == [
+        "prophet: below 90% efficiency where the ideal bound reaches it: 1 settings "
+        "(efficiency %): m 10 Gbit/s: N = 64 (33)",
+        "prophet: step more than 1.11x the ideal bound: 1 settings (x the ideal): "
+        "m 10 Gbit/s: N = 64 (2.86)",
+        "prophet: slower than the ring (mwms) by more than 1%: 1 settings (x the ring): "
+        "m 10 Gbit/s: N = 64 (1.50)",
+        "prophet: simulated deadlock: m 10 Gbit/s N=256"]
+
+
+def test_scaling_runs_join(tmp_path):
+    from prophet_tf.bench.scaling import ScalingPoint, load_points
+    run = tmp_path / "a" / "scaling"
+    run.mkdir(parents=True)
+    point = ScalingPoint("m", 10e9, 2, 0.010, 0.010, {"prophet": 0.0105, "mwms": 0.020}, 1.5)
+    (run / "scaling.json").write_text(json.dumps({"command": "x", "points": [point.to_json()]}))
+    assert load_points(str(run / "scaling.json")) == [point]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    done = subprocess.run([sys.executable, "-m", "prophet_tf.bench.scaling", "--merge",
+                           str(tmp_path / "a"), "--out", str(tmp_path / "joined")], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "joined" / "scaling" / "scaling.png").exists()
+    assert "| 10 Gbit/s | 2 | 10.5 (95%) | 20.0 (50%) | 10.0 (100%) |" in (
+        tmp_path / "joined" / "scaling" / "scaling.md").read_text()

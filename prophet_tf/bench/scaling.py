@@ -20,7 +20,8 @@ Scaling efficiency = throughput at N / (N x one worker's throughput) = one worke
 step at N. The ideal bound (docs/design.md) is the best step any schedule could reach; its
 efficiency is the ceiling. Outputs in ``OUT/scaling/``: ``scaling.md`` (a table per model and the
 settings where a schedule falls below 90% efficiency, or behind the ring), ``scaling.json``,
-``scaling.png`` (efficiency against N).
+``scaling.png`` (efficiency against N). ``--merge DIR,...`` joins earlier runs (e.g. one per
+model, run apart) into one table and chart without predicting again.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
-__all__ = ["ScalingPoint", "scaling_points", "format_tables", "shortfalls", "plot", "main"]
+__all__ = ["ScalingPoint", "scaling_points", "format_tables", "shortfalls", "load_points", "plot",
+           "main"]
 
 DEFAULT_MODELS = ("resnet50", "vgg16", "bert_base")
 DEFAULT_BANDWIDTHS = ("10G", "25G", "100G")
@@ -140,32 +142,53 @@ def format_tables(points: Sequence[ScalingPoint], names: Sequence[str]) -> str:
     return "\n".join(out)
 
 
+def _grouped(items: Sequence[tuple[ScalingPoint, float]], unit: str) -> str:
+    """``model link: N=a (x), N=b (y)`` per (model, link), for the compact shortfall lines."""
+    groups: dict[tuple[str, float], list[str]] = {}
+    for p, value in items:
+        groups.setdefault((p.model, p.bandwidth_bps), []).append(f"{p.workers} ({value:{unit}})")
+    return "; ".join(f"{m} {_rate(bw)}: N = " + ", ".join(v) for (m, bw), v in groups.items())
+
+
 def shortfalls(points: Sequence[ScalingPoint], names: Sequence[str]) -> list[str]:
     """Where each runtime schedule falls short, in lines: below :data:`EFFICIENCY_GOAL` where
-    the ideal bound reaches it, and slower than the ring (mwms)."""
+    the ideal bound reaches it (the issue's goal); more than 1 / :data:`EFFICIENCY_GOAL` times the
+    ideal bound's step (below 90% of what any schedule could reach); slower than the ring."""
     lines = []
     for name in names:
         if name == "mwms":
             continue
-        below, behind, stuck = [], [], []
+        below, far, behind, stuck = [], [], [], []
         for p in points:
             s, e = p.step_s.get(name), p.efficiency(name)
-            where = f"{p.model} {_rate(p.bandwidth_bps)} N={p.workers}"
             if s is None:
-                stuck.append(where)
+                stuck.append(f"{p.model} {_rate(p.bandwidth_bps)} N={p.workers}")
                 continue
             if e < EFFICIENCY_GOAL <= p.ideal_efficiency:
-                below.append(f"{where} ({100 * e:.0f}%, ideal {100 * p.ideal_efficiency:.0f}%)")
+                below.append((p, 100 * e))
+            if s * EFFICIENCY_GOAL > p.ideal_s:
+                far.append((p, s / p.ideal_s))
             ring = p.step_s.get("mwms")
             if ring and s > ring * 1.01:
-                behind.append(f"{where} ({s / ring:.2f}x the ring)")
-        lines.append(f"{name}: below {EFFICIENCY_GOAL:.0%} where the ideal bound reaches it: "
-                     f"{len(below)} settings" + (": " + "; ".join(below) if below else ""))
-        lines.append(f"{name}: slower than the ring (mwms) by more than 1%: {len(behind)} settings"
-                     + (": " + "; ".join(behind) if behind else ""))
+                behind.append((p, s / ring))
+        lines.append(f"{name}: below {EFFICIENCY_GOAL:.0%} efficiency where the ideal bound "
+                     f"reaches it: {len(below)} settings" +
+                     (" (efficiency %): " + _grouped(below, ".0f") if below else ""))
+        lines.append(f"{name}: step more than {1 / EFFICIENCY_GOAL:.2f}x the ideal bound: "
+                     f"{len(far)} settings" + (" (x the ideal): " + _grouped(far, ".2f") if far else ""))
+        lines.append(f"{name}: slower than the ring (mwms) by more than 1%: {len(behind)} settings" +
+                     (" (x the ring): " + _grouped(behind, ".2f") if behind else ""))
         if stuck:
             lines.append(f"{name}: simulated deadlock: " + "; ".join(stuck))
     return lines
+
+
+def load_points(path: str) -> list[ScalingPoint]:
+    """The points a run wrote to ``OUT/scaling/scaling.json``."""
+    with open(path) as f:
+        data = json.load(f)
+    fields = {f.name for f in dataclasses.fields(ScalingPoint)}
+    return [ScalingPoint(**{k: v for k, v in p.items() if k in fields}) for p in data["points"]]
 
 
 def plot(points: Sequence[ScalingPoint], names: Sequence[str], path: str) -> None:
@@ -224,6 +247,8 @@ def _define_flags() -> None:
     flags.DEFINE_integer("warmup", 4, "Simulated steps before those (Prophet plans after two).")
     flags.DEFINE_integer("threads", 0, "Simulations at once (0: one per core).")
     flags.DEFINE_string("out", "bench_out", "Output directory (tables go to OUT/scaling).")
+    flags.DEFINE_list("merge", [], "Instead of predicting, join the scaling.json of these earlier "
+                      "runs (e.g. one per model, run apart) into one table and chart in OUT.")
 
 
 def main(argv: Sequence[str]) -> int:
@@ -256,6 +281,8 @@ def main(argv: Sequence[str]) -> int:
         return 2
     out = os.path.join(FLAGS.out, "scaling")
     os.makedirs(out, exist_ok=True)
+    if FLAGS.merge:
+        return _merge(FLAGS.merge, out)
     t0 = time.monotonic()
     profiles = _profiles(FLAGS.models, FLAGS.out, FLAGS.accelerator_tflops, None)
     options = PredictOptions(steps=FLAGS.steps, warmup_steps=FLAGS.warmup, workers_per_host=k)
@@ -294,6 +321,41 @@ def main(argv: Sequence[str]) -> int:
     cpu = sum(p.cpu_s for p in points)
     print(f"\ndone in {wall:.0f} s ({cpu:.0f} s of simulation CPU); {out}/ (scaling.md, "
           "scaling.json, scaling.png)")
+    return 0
+
+
+def _merge(paths: Sequence[str], out: str) -> int:
+    """Joins earlier runs' points (their own order kept, a model once) into ``out``."""
+    points: list[ScalingPoint] = []
+    commands = []
+    for path in paths:
+        path = path if path.endswith(".json") else os.path.join(path, "scaling", "scaling.json")
+        try:
+            with open(path) as f:
+                commands.append(json.load(f)["command"])
+            points += load_points(path)
+        except (OSError, KeyError, TypeError, ValueError) as e:
+            print(f"error: cannot read {path}: {e}", file=sys.stderr)
+            return 2
+    seen = {(p.model, p.bandwidth_bps, p.workers) for p in points}
+    if len(seen) != len(points):
+        print("error: the runs predict some settings twice", file=sys.stderr)
+        return 2
+    names = list(dict.fromkeys(n for p in points for n in p.step_s))
+    tables = format_tables(points, names)
+    lines = shortfalls(points, names)
+    with open(os.path.join(out, "scaling.md"), "w") as f:
+        f.write("# Predicted scaling (joined: " + "; ".join(commands) + ")\n\nPREDICTIONS, not "
+                "measurements. Each cell: predicted step ms and, in parentheses, scaling "
+                "efficiency (one worker's step / the step at N).\n\n" + tables + "\n"
+                + "\n".join(lines) + "\n")
+    with open(os.path.join(out, "scaling.json"), "w") as f:
+        json.dump({"command": "; ".join(commands), "points": [p.to_json() for p in points],
+                   "shortfalls": lines}, f, indent=1)
+    plot(points, names, os.path.join(out, "scaling.png"))
+    print(tables)
+    print("\n".join(lines))
+    print(f"\n{out}/ (scaling.md, scaling.json, scaling.png)")
     return 0
 
 
