@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import dataclasses
 import json
 import os
 from typing import Any, Optional, Sequence
@@ -246,6 +247,61 @@ def set_schedule(schedule: str) -> None:
         raise ValueError(f"schedule must be one of {schedules()}, got {schedule!r}")
     error = ctypes.create_string_buffer(1024)
     if c_api().prophet_set_schedule(schedule.encode(), error, len(error)) != 0:
+        raise ProphetError(error.value.decode(errors="replace"))
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedTensor:
+    """One push_pull a fusion declaration announces (every field as the push_pull will have it)."""
+
+    name: str
+    dtype: str          # the wire dtype's name: float32, float16, bfloat16, float64, int32, int64
+    shape: tuple        # its dimensions
+    bytes: int
+    priority: int
+    average: bool = False
+    compression: Optional[str] = None
+
+
+#: The link rate (Gbit/s per host and direction) automatic fusion sizes buckets for; the same on
+#: every worker (the launcher passes one environment). Unset: 10 Gbit/s.
+LINK_GBPS_ENV = "PROPHET_LINK_GBPS"
+
+
+def fusion_link_bps() -> float:
+    """The link rate in bytes/s that ``declare_fusion(bucket_bytes=-1)`` sizes buckets for
+    (``$PROPHET_LINK_GBPS``); 0.0 when unset (the runtime then assumes 10 Gbit/s)."""
+    text = os.environ.get(LINK_GBPS_ENV, "").strip()
+    if not text:
+        return 0.0
+    try:
+        gbps = float(text)
+    except ValueError:
+        gbps = -1.0
+    if not gbps > 0:
+        raise ValueError(f"${LINK_GBPS_ENV}={text!r}: expected the link rate in Gbit/s, e.g. 25")
+    return gbps * 1e9 / 8
+
+
+def declare_fusion(group: str, tensors: Sequence[FusedTensor], bucket_bytes: int = -1) -> None:
+    """From now on, the push_pulls of ``tensors`` travel fused into buckets (docs/design.md,
+    "Fusion"): each waits until every member of its bucket is submitted, then they travel as one.
+
+    Every worker must declare the same tensors with the same ``bucket_bytes`` (-1: sized from the
+    workers and the link rate in ``$PROPHET_LINK_GBPS``, else 10 Gbit/s; 0: none fused) before
+    submitting them; a declaration replaces the previous one of ``group``. Raises ProphetError
+    when the runtime refuses it."""
+    _require()
+    lines = []
+    for t in tensors:
+        if any(c in t.name for c in "\n\r"):
+            raise ValueError(f"tensor name {t.name!r} has a line break")
+        shape = ",".join(str(int(d)) for d in t.shape) or "-"
+        lines.append(f"{t.dtype} {shape} {int(t.bytes)} {int(t.priority)} {int(bool(t.average))} "
+                     f"{t.compression or 'none'} {t.name}")
+    error = ctypes.create_string_buffer(1024)
+    if c_api().prophet_declare_fusion(group.encode(), "\n".join(lines).encode(), int(bucket_bytes),
+                                      fusion_link_bps(), error, len(error)) != 0:
         raise ProphetError(error.value.decode(errors="replace"))
 
 

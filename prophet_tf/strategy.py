@@ -182,8 +182,11 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
     def __init__(self, container_strategy, device: str, rank: int, world_size: int,
                  sparse_as_dense_bytes: int = _DEFAULT_SPARSE_AS_DENSE_BYTES,
                  cross_barrier: bool = False, recording: bool = False,
-                 compression: Optional[str] = None):
+                 compression: Optional[str] = None, fusion_bytes: Optional[int] = None):
         super().__init__(container_strategy, device)
+        # Fusion of the optimizer's dense gradients (docs/design.md, "Fusion"): None: off; else the
+        # bucket size given to runtime.declare_fusion (-1: automatic).
+        self._fusion_bytes = fusion_bytes
         self._cross_barrier = bool(cross_barrier)
         # How gradients travel (None, "fp16", "bf16"); control collectives never compress.
         self._compression = compression
@@ -410,6 +413,7 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
                 f"{len(site)} ({', '.join(site.paths()[:6])}...): cannot tell which gradient "
                 "belongs to which variable.")
         defer = self._can_defer(site.optimizer)
+        self._declare_fusion(site, reduce_op, values, defer)
         out = []
         for gradient, value in zip(site.gradients, values):
             sparse = isinstance(value, indexed_slices.IndexedSlices)
@@ -429,6 +433,30 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
             return clip(out)
         return [g if gradient.reduced == _gradients.DEFERRED else clip([g])[0]
                 for gradient, g in zip(site.gradients, out)]
+
+    def _declare_fusion(self, site, reduce_op, values, defer) -> None:
+        """Declares the dense floating gradients of a fixed size to the runtime for fusion, each as
+        its push_pull will be (deferred: summed by ProphetAsyncApply; else ``_push_pull``), at trace
+        time, before any of them is submitted. Every worker traces the same step, so every worker
+        declares the same tensors; the others travel alone."""
+        if self._fusion_bytes is None or self._world_size < 2:
+            return
+        if isinstance(reduce_op, str):
+            reduce_op = reduce_util.ReduceOp(reduce_op.upper())
+        declared = []
+        for gradient, value in zip(site.gradients, values):
+            if isinstance(value, indexed_slices.IndexedSlices) or not value.dtype.is_floating:
+                continue
+            if not value.shape.is_fully_defined():
+                continue
+            deferred = defer
+            wire = value.dtype if deferred else _wire_dtype(value.dtype)
+            declared.append(_runtime().FusedTensor(
+                name=gradient.name, dtype=wire.name, shape=tuple(value.shape.as_list()),
+                bytes=int(value.shape.num_elements()) * wire.size, priority=int(gradient.priority),
+                average=not deferred and reduce_op == reduce_util.ReduceOp.MEAN,
+                compression=self._compression))
+        _runtime().declare_fusion(f"optimizer {id(site.optimizer)}", declared, self._fusion_bytes)
 
     def _reduce_one(self, reduce_op, value, name, priority, compression=None):
         """Sums (or averages) one value; ``compression`` only for gradients (see
@@ -802,6 +830,13 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
         other collective are never compressed. fp16 scales each partition by a power of two, so
         no finite value becomes infinite. The difference from exact summation is bounded per
         element (README, "Gradient compression"; docs/design.md).
+      fusion: ``None`` (the default) or ``"off"``: every gradient is its own collective;
+        ``"auto"``: the optimizer's small dense gradients travel fused into buckets of consecutive
+        priorities sized for the number of workers and the link rate in ``$PROPHET_LINK_GBPS``
+        (10 Gbit/s when unset; docs/design.md, "Fusion"), so each bucket is summed by every worker
+        instead of a few; or a bucket size in bytes. Results stay
+        deterministic and the same on every worker; with 3 or more workers a fused element may be
+        summed by another owner than unfused (another fixed order: other last bits).
       sync_random_seed: when no TensorFlow global seed is set, set one (drawn on rank 0) on every
         worker, so that unseeded shuffles (``fit(shuffle=True)`` on arrays, ``Dataset.shuffle``)
         produce the same order everywhere and the shards of every global batch stay disjoint.
@@ -846,10 +881,12 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
                  preemption_grace_s: Optional[float] = None,
                  checkpoint_dir: Optional[str] = None,
                  compression: Optional[str] = None,
+                 fusion: Any = None,
                  **runtime_options):
         from prophet_tf import _auto_schedule
         runtime = _runtime()
         _ops().compression_attr(compression)  # a bad value fails before the runtime starts
+        fusion_bytes = _fusion_setting(fusion)
         auto = schedule == _auto_schedule.AUTO
         if not auto and schedule is not None and schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -870,7 +907,8 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
         extended = ProphetExtended(self, device or _devices.default_device(), info.rank, info.world_size,
                                    sparse_as_dense_bytes=sparse_as_dense_bytes,
                                    cross_barrier=cross_barrier and (info.world_size > 1 or recording),
-                                   recording=recording, compression=compression)
+                                   recording=recording, compression=compression,
+                                   fusion_bytes=fusion_bytes)
         extended._cluster_resolver = cluster_resolver or _resolver_for(info)
         if step_report:
             from prophet_tf import _step_report
@@ -955,6 +993,17 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
         # Like other strategies (the runtime is process-global): a copy is the same strategy.
         memo[id(self)] = self
         return self
+
+
+def _fusion_setting(fusion: Any) -> Optional[int]:
+    """``ProphetStrategy(fusion=...)`` as runtime.declare_fusion's bucket size (None: off)."""
+    if fusion is None or fusion == "off":
+        return None
+    if fusion == "auto":
+        return -1
+    if isinstance(fusion, int) and not isinstance(fusion, bool) and fusion > 0:
+        return fusion
+    raise ValueError(f"fusion must be None, 'off', 'auto' or a positive number of bytes, got {fusion!r}")
 
 
 def _resolver_for(info):

@@ -240,10 +240,13 @@ def test_ideal_bound_by_hand_and_below_every_schedule():
                        options=options).step_s >= b.step_s
 
 
-def test_synthetic_timeline_is_a_runtime_trace(tmp_path):
+@pytest.mark.parametrize("fusion_bytes", [0, -1])
+def test_synthetic_timeline_is_a_runtime_trace(tmp_path, fusion_bytes):
     pattern = str(tmp_path / "predicted.json")
-    predict(profile_from_trace(synthetic_trace()), workers=2, bandwidth_bps=1e9, schedule="prophet",
-            options=PredictOptions(steps=3, warmup_steps=2), timeline_path=pattern)
+    profile = profile_from_trace(synthetic_trace())
+    predict(profile, workers=2, bandwidth_bps=1e9, schedule="prophet",
+            options=PredictOptions(steps=3, warmup_steps=2, fusion_bytes=fusion_bytes),
+            timeline_path=pattern)
     traces = [timeline.load_trace(tmp_path / f"predicted.{rank}.json") for rank in (0, 1)]
     tracks = timeline.events_by_track(traces[0])
     for track in ("step", "forward", "ready", "op", "push", "apply"):
@@ -252,6 +255,11 @@ def test_synthetic_timeline_is_a_runtime_trace(tmp_path):
     # The same profile parser reads it back (a predicted trace is a trace).
     again = profile_from_trace(traces[0])
     assert [layer.name for layer in again.layers] == ["dense", "dense_1"]
+    # Fused, the buckets' spans are on the trace beside their members' own, and the parser
+    # reads the gradients, not the buckets.
+    fused = [e for e in tracks["op"] if str(e.get("name")).startswith("fused:")]
+    assert bool(fused) == (fusion_bytes != 0)
+    assert ({t.name: t.bytes for t in again.tensors} == {t.name: t.bytes for t in profile.tensors})
 
 
 def test_rates_and_durations():

@@ -12,6 +12,7 @@
 #include "ops/core/connection.h"
 #include "ops/core/early_frames.h"
 #include "ops/core/failures.h"
+#include "ops/core/fuser.h"
 #include "ops/core/timeouts.h"
 #include "ops/core/transport.h"
 
@@ -68,6 +69,15 @@ struct Engine::Impl : public Connection::Handler,
   std::string stopped;
   std::string requested_schedule;                         // SetSchedule, not yet seen
   std::vector<std::promise<std::string>> state_requests;  // SchedulerStateJson callers
+  // DeclareFusion calls, applied where they came among the submissions (`at`: submitted.size()).
+  struct Declaration {
+    size_t at = 0;
+    std::string group;
+    std::vector<FusionDeclaration> tensors;
+    uint64_t bucket_bytes = 0;
+    std::function<void(const Status&)> done;
+  };
+  std::vector<Declaration> declarations;
   std::string schedule_name;                              // the policy in use, for StatsJson
 
   // Owned by the engine thread (the connections and the policy are made before it starts).
@@ -77,6 +87,7 @@ struct Engine::Impl : public Connection::Handler,
   EarlyFrames early;  // frames of operations not submitted here yet
   Failures failures;  // failed operations' keys, lost and departed peers, heartbeats
   Timeouts timeouts;  // operations past their deadline
+  Fuser fuser;        // declared tensors held for their fused bucket
   std::unique_ptr<SchedulerPolicy> policy;
   std::string next_schedule;  // switch to it once no partition is queued
   uint64_t next_op_id = 1;
@@ -90,6 +101,7 @@ struct Engine::Impl : public Connection::Handler,
 
   // Statistics (read by StatsJson from other threads).
   std::atomic<uint64_t> ops_done{0}, ops_failed{0};
+  std::atomic<uint64_t> fused_submitted{0};  // push_pulls held for a fused bucket
 
   // --- the thread ------------------------------------------------------------------------------
   void Run();
@@ -106,6 +118,21 @@ struct Engine::Impl : public Connection::Handler,
   uint64_t StartOperation(OpRequest req, uint64_t round);
   // Frames that arrived before this worker submitted `op`.
   void ReplayEarly(Collective* op);
+  // A request as submitted: started, or held for its fused bucket (which then starts); returns
+  // the ids of what started.
+  void Route(OpRequest request, uint64_t round, std::vector<uint64_t>* started);
+  // Ends requests that never became operations (fusion's refusals, held ones at shutdown).
+  void Refuse(std::vector<Fuser::Refusal> refused) {
+    for (auto& [request, status] : refused) {
+      ops_failed.fetch_add(1);
+      PROPHET_INFO("push_pull '%s' failed: %s", request.name.c_str(), status.message().c_str());
+      request.done(status, nullptr);
+    }
+  }
+  uint64_t NextRound(const std::string& name) {
+    std::lock_guard<std::mutex> lock(mu);
+    return rounds[name]++;
+  }
   // The scheduler releases PUSHes under the byte credit (Pump).
   void Pump();
   // Pump, then write what every connection has queued, again while that returns credit.
@@ -277,6 +304,20 @@ void Engine::Submit(OpRequest request) {
   m.Wake();
 }
 
+void Engine::DeclareFusion(const std::string& group, std::vector<FusionDeclaration> tensors, uint64_t bucket_bytes,
+                           std::function<void(const Status&)> done) {
+  Impl& m = *impl_;
+  {
+    std::lock_guard<std::mutex> lock(m.mu);
+    if (m.stopped.empty()) {
+      m.declarations.push_back({m.submitted.size(), group, std::move(tensors), bucket_bytes, std::move(done)});
+      done = nullptr;
+    }
+  }
+  if (done) done(Status(Code::kUnavailable, "the fusion declaration came after the runtime stopped"));
+  m.Wake();
+}
+
 Timeline& Engine::timeline() { return impl_->timeline; }
 
 Status Engine::SetSchedule(const std::string& schedule) {
@@ -334,7 +375,8 @@ std::string Engine::StatsJson() const {
   std::ostringstream os;
   os << "{\"rank\": " << m.rank() << ", \"world_size\": " << m.world_size() << ", \"schedule\": \""
      << schedule << "\", \"bytes_sent\": " << sent << ", \"bytes_received\": " << received
-     << ", \"ops_done\": " << m.ops_done.load() << ", \"ops_failed\": " << m.ops_failed.load() << "}";
+     << ", \"ops_done\": " << m.ops_done.load() << ", \"ops_failed\": " << m.ops_failed.load()
+     << ", \"fused_submitted\": " << m.fused_submitted.load() << "}";
   return os.str();
 }
 
@@ -370,6 +412,9 @@ void Engine::Impl::Run() {
     now = NowNs();
     if (now >= next_timeout_check) {
       timeouts.Check(now);
+      std::vector<Fuser::Refusal> late;
+      fuser.Expire(now, static_cast<int64_t>(options_.timeout_s * 1e9), &late);
+      Refuse(std::move(late));
       failures.Heartbeat(now);
       next_timeout_check = now + kTimeoutCheckNs;
     }
@@ -396,6 +441,15 @@ void Engine::Impl::Shutdown() {
     stopped = "the prophet_tf runtime was shut down";
   }
   DrainSubmissions();
+  std::vector<OpRequest> held;
+  fuser.TakeAll(&held);
+  std::vector<Fuser::Refusal> aborted;
+  for (OpRequest& r : held) {
+    Status status(Code::kAborted, "the prophet_tf runtime was shut down while push_pull '" + r.name +
+                                      "' waited for the rest of its fused bucket");
+    aborted.emplace_back(std::move(r), std::move(status));
+  }
+  Refuse(std::move(aborted));
   for (Collective* op : Running())
     Finish(op, Status(Code::kAborted, "the prophet_tf runtime was shut down before " + op->Describe() + " finished"));
   if (vanish) return;  // as a killed process: the sockets close with nothing more sent
@@ -420,10 +474,12 @@ void Engine::Impl::Shutdown() {
 void Engine::Impl::DrainSubmissions() {
   std::vector<std::pair<OpRequest, uint64_t>> batch;
   std::vector<std::promise<std::string>> questions;
+  std::vector<Declaration> declared;
   {
     std::lock_guard<std::mutex> lock(mu);
     batch.swap(submitted);
     questions.swap(state_requests);
+    declared.swap(declarations);
     if (!requested_schedule.empty()) next_schedule = std::move(requested_schedule);
     requested_schedule.clear();
   }
@@ -433,8 +489,20 @@ void Engine::Impl::DrainSubmissions() {
   // same priority, only complete the peers' operations. A worker that submits late then starts
   // the round trip of its own contribution at once.
   std::vector<uint64_t> started;
-  for (auto& [request, round] : batch)
-    if (const uint64_t id = StartOperation(std::move(request), round)) started.push_back(id);
+  size_t next_declaration = 0;
+  auto declare_up_to = [&](size_t at) {
+    for (; next_declaration < declared.size() && declared[next_declaration].at <= at; ++next_declaration) {
+      Declaration& d = declared[next_declaration];
+      const Status s = fuser.Declare(d.group, d.tensors, world_size(), d.bucket_bytes);
+      if (!s.ok()) PROPHET_INFO("fusion declaration refused: %s", s.message().c_str());
+      if (d.done) d.done(s);
+    }
+  };
+  for (size_t i = 0; i < batch.size(); ++i) {
+    declare_up_to(i);
+    Route(std::move(batch[i].first), batch[i].second, &started);
+  }
+  declare_up_to(batch.size());
   if (!started.empty()) Pump();
   for (const uint64_t id : started) {
     auto it = ops_by_id.find(id);
@@ -446,6 +514,38 @@ void Engine::Impl::DrainSubmissions() {
   if (!questions.empty()) {
     const std::string state = PolicyStateJson(*policy);
     for (auto& question : questions) question.set_value(state);
+  }
+}
+
+void Engine::Impl::Route(OpRequest request, uint64_t round, std::vector<uint64_t>* started) {
+  if (!fuser.Fuses(request)) {
+    if (const uint64_t id = StartOperation(std::move(request), round)) started->push_back(id);
+    return;
+  }
+  fused_submitted.fetch_add(1);
+  if (timeline.enabled()) {
+    // A member keeps its own "ready" and "op" events, as if it travelled alone: users read a
+    // tensor's wait in the trace, and a multi-worker trace read as a profile needs each
+    // gradient's bytes. Its span ends when its bucket's sum is copied back.
+    const int64_t held_ns = NowNs();
+    timeline.Instant("ready", request.name, held_ns);
+    const std::string args = "{\"bytes\": " + std::to_string(request.bytes) + ", \"priority\": " +
+                             std::to_string(request.priority) + ", \"fused\": true, \"ok\": ";
+    request.done = [this, done = std::move(request.done), name = request.name, args, held_ns](
+                       const Status& status, const GatherResult* gather) {
+      timeline.Complete("op", name, held_ns, NowNs(), args + (status.ok() ? "true}" : "false}"));
+      done(status, gather);
+    };
+  }
+  std::vector<OpRequest> ready;
+  std::vector<Fuser::Refusal> refused;
+  std::string notice;
+  fuser.Hold(std::move(request), NowNs(), &ready, &refused, &notice);
+  if (!notice.empty()) failures.FailElsewhere(notice, NextRound(notice), refused.front().second);
+  Refuse(std::move(refused));
+  for (OpRequest& bucket : ready) {
+    const uint64_t bucket_round = NextRound(bucket.name);
+    if (const uint64_t id = StartOperation(std::move(bucket), bucket_round)) started->push_back(id);
   }
 }
 

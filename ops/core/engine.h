@@ -61,6 +61,20 @@ struct OpRequest {
   // Called exactly once, on the engine thread (or inline from Submit when the engine refuses the
   // request). `gather` is non-null only for a successful allgather.
   std::function<void(const Status&, const GatherResult* gather)> done;
+  // Set by the engine on a fused bucket's push_pull (fuser.h): its partitions come from
+  // BucketPartitions for this bucket size (fusion.h).
+  uint64_t fusion_bucket_bytes = 0;
+};
+
+// One tensor of a fusion declaration (Engine::DeclareFusion): what its push_pull will be.
+struct FusionDeclaration {
+  std::string name;
+  DataType dtype = DataType::kFloat32;
+  std::vector<int64_t> shape;
+  uint64_t bytes = 0;
+  int64_t priority = 0;
+  bool average = false;
+  Encoding compression = Encoding::kNone;
 };
 
 class Engine {
@@ -75,6 +89,13 @@ class Engine {
   void StopWithoutNotice();
 
   void Submit(OpRequest request);
+  // From the next submission on, push_pulls of these tensors travel fused into buckets of about
+  // `bucket_bytes` (fusion.h, fuser.h; 0: none fused). Every worker must declare the same tensors
+  // and size, before submitting them. A declaration replaces the previous one of its `group`
+  // (e.g. one optimizer's gradients); it is refused (the status says why, through `done`, on the
+  // engine thread) while a member of the previous one waits for the rest of its bucket.
+  void DeclareFusion(const std::string& group, std::vector<FusionDeclaration> tensors, uint64_t bucket_bytes,
+                     std::function<void(const Status&)> done = nullptr);
   // Schedules with policy `schedule` from the next moment no partition is queued (between steps),
   // keeping the bandwidth measured so far. Fails for an unknown name.
   Status SetSchedule(const std::string& schedule);

@@ -5,7 +5,8 @@
 // collective at the end of each step. The byte credit, the partition size and the socket buffers
 // are at their extremes. Sums are checked exactly. Waits are bounded by conditions, not by how
 // fast this machine is: a stall is named (rank, step, layer) within kStallSeconds.
-// ops/core/stall_matrix_test.cc runs the same matrix on 16-128 simulated workers.
+// ops/core/stall_matrix_test.cc runs the same matrix on 16-128 simulated workers. Fused (fuser.h):
+// every schedule, both credit extremes, on 4 and 8 engines.
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -17,6 +18,7 @@
 
 #include "ops/core/engine.h"
 #include "ops/core/engine_testing.h"
+#include "ops/core/fusion.h"
 #include "ops/core/testing.h"
 
 namespace prophet {
@@ -143,7 +145,7 @@ class Worker {
 };
 
 std::string RunCluster(int n, const char* schedule, uint64_t partition, uint64_t credit, int socket_buffer,
-                       int socket_unsent) {
+                       int socket_unsent, bool fused = false) {
   std::vector<EngineOptions> options = testing::ClusterOptions(n, kStallSeconds, "engine-stress");
   for (EngineOptions& o : options) {
     o.schedule = schedule;
@@ -156,6 +158,18 @@ std::string RunCluster(int n, const char* schedule, uint64_t partition, uint64_t
   std::vector<std::unique_ptr<Engine>> engines = testing::StartCluster(options, &started);
   for (int r = 0; r < n; ++r)
     if (!started[r].ok()) return "rank " + std::to_string(r) + " did not start: " + started[r].message();
+  if (fused) {  // the gradients travel in buckets (fuser.h), sized for a 10 Gbit/s link
+    std::vector<FusionDeclaration> gradients;
+    for (int k = 0; k < kLayers; ++k) {
+      FusionDeclaration d;
+      d.name = "grad/L" + std::to_string(k);
+      d.bytes = LayerElements(k) * sizeof(float);
+      d.shape = {static_cast<int64_t>(LayerElements(k))};
+      d.priority = kLayers - k;
+      gradients.push_back(d);
+    }
+    for (auto& e : engines) e->DeclareFusion("stress", gradients, FusionBucketBytes(n, 1.25e9));
+  }
   // The workers outlive the engines: a stalled worker returns while its operations are pending,
   // and the engines fail them (calling back into their worker) when they stop.
   std::vector<std::unique_ptr<Worker>> workers;
@@ -164,9 +178,11 @@ std::string RunCluster(int n, const char* schedule, uint64_t partition, uint64_t
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r) threads.emplace_back([&, r] { errors[r] = workers[r]->Train(); });
   for (std::thread& t : threads) t.join();
+  const std::string stats = engines[0]->StatsJson();
   engines.clear();
   for (const std::string& e : errors)
     if (!e.empty()) return e;
+  if (fused && stats.find("\"fused_submitted\": 0}") != std::string::npos) return "nothing travelled fused: " + stats;
   return "";
 }
 
@@ -195,6 +211,27 @@ TEST(EveryScheduleFinishesEveryStepOnFourAndEightEngines) {
     }
   }
   std::printf("%d settings, %d failed, %.1f s\n", runs, failed, testing::SecondsSince(t0));
+  EXPECT_EQ(failed, 0);
+}
+
+TEST(FusedEveryScheduleFinishesEveryStepOnFourAndEightEngines) {
+  int runs = 0, failed = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (const int n : {4, 8}) {
+    for (const char* schedule : {"fifo", "priority", "prophet"}) {
+      for (const uint64_t credit : {64 * kKiB, uint64_t{1} << 30}) {
+        ++runs;
+        if (failed > 0) continue;
+        const std::string error = RunCluster(n, schedule, 64 * kKiB, credit, 0, EngineOptions().socket_unsent_bytes,
+                                             /*fused=*/true);
+        if (error.empty()) continue;
+        ++failed;
+        std::fprintf(stderr, "fused, %d workers, %s, credit %llu: %s\n", n, schedule,
+                     static_cast<unsigned long long>(credit), error.c_str());
+      }
+    }
+  }
+  std::printf("fused: %d settings, %d failed, %.1f s\n", runs, failed, testing::SecondsSince(t0));
   EXPECT_EQ(failed, 0);
 }
 

@@ -2,6 +2,7 @@
 
 #include <cstring>
 
+#include "ops/core/fusion.h"
 #include "ops/core/reduce.h"
 
 namespace prophet {
@@ -13,7 +14,12 @@ void PushPull::Start() {
     host()->Finish(this, Status::OK());
     return;
   }
-  set_parts(MakePartitions(r.name, r.bytes, element_bytes(), n(), host()->options().partition_bytes));
+  if (r.fusion_bucket_bytes > 0) {  // a fused bucket (fuser.h): cut as the plan says
+    set_parts(BucketPartitions(r.name, r.bytes, static_cast<uint32_t>(element_bytes()), n(),
+                               host()->options().partition_bytes, r.fusion_bucket_bytes));
+  } else {
+    set_parts(MakePartitions(r.name, r.bytes, element_bytes(), n(), host()->options().partition_bytes));
+  }
   const size_t np = parts().size();
   set_pending(static_cast<int>(np));
   push_state_.assign(np, PushState::kQueued);

@@ -105,6 +105,7 @@ std::map<std::string, std::function<bool(const std::string&)>> OptionSetters(Sim
       {"ring_chunk_bytes", u64(&r->runtime.ring_chunk_bytes)},
       {"ring_max_subdivs", integer(&r->runtime.ring_max_subdivs)},
       {"ring_message_ns", i64(&r->runtime.ring_message_ns)},
+      {"fusion_bytes", i64(&r->runtime.fusion_bytes)},
       {"warmup_steps", integer(&r->options.warmup_steps)},
       {"steps", integer(&r->options.steps)},
       {"timeline_path", text(&r->options.timeline_path)},

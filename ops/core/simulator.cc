@@ -201,7 +201,8 @@ class Simulation {
   void SendLocalResults(int leader, uint64_t key, int partition);
   void SumDone(int owner, uint64_t key, int partition);
   void PartitionDone(int w, uint64_t key);
-  void OpDone(int w, int step, int tensor);
+  void OpDone(int w, int step, int unit);          // every member of the unit is summed
+  void TensorDone(int w, int step, int tensor);
   void Arrive(int dst, int src, uint64_t frame);
   // mwms.
   void RingStart(int w, int step, int which);
@@ -210,6 +211,8 @@ class Simulation {
   uint64_t RingBytes(int which) const;
 
   Op& OpAt(int w, uint64_t key);
+  // units_ and their members from the fusion plan (PlanFusion, as the engine plans).
+  void PlanUnits();
   // The scheduler's task for worker `w`'s push `info` to `owner`.
   const SendTask& PushTask(int w, int owner, const FrameInfo& info);
   // Worker 0's first measured step: one tensor's milestones, for StepPrediction::tensor_times.
@@ -233,8 +236,14 @@ class Simulation {
   uint64_t seq_ = 0;
   int64_t now_ns_ = 0;
   std::vector<Worker> workers_;
-  std::vector<std::vector<Partition>> partitions_;  // per tensor (two-level: owners are hosts)
-  std::vector<std::vector<int>> leader_rank_;       // two-level: per tensor and partition, the leader's rank on its host
+  // What travels: one unit per fusion bucket (fusion.h), a lone tensor as itself. Ops, frames
+  // and partitions are per unit; FrameInfo::tensor and OpKey's tensor index a unit.
+  std::vector<ModelTensor> units_;
+  std::vector<std::vector<int>> unit_members_;      // tensors of each unit
+  std::vector<int> unit_of_;                        // per tensor
+  std::vector<std::unordered_map<uint64_t, size_t>> unit_ready_;  // per worker, by OpKey(step, unit)
+  std::vector<std::vector<Partition>> partitions_;  // per unit (two-level: owners are hosts)
+  std::vector<std::vector<int>> leader_rank_;       // two-level: per unit and partition, the leader's rank on its host
   std::vector<FrameInfo> frames_;
   std::vector<uint64_t> free_frames_;
   int controls_ = 0;
@@ -261,7 +270,7 @@ Op& Simulation::OpAt(int w, uint64_t key) {
 }
 
 const SendTask& Simulation::PushTask(int w, int owner, const FrameInfo& info) {
-  const ModelTensor& t = profile_.tensors[info.tensor];
+  const ModelTensor& t = units_[info.tensor];
   const Op& op = OpAt(w, OpKey(info.step, info.tensor));
   // One task rebuilt in place: assigning the name reuses its buffer (no allocation per push).
   SendTask& task = scratch_task_;
@@ -333,7 +342,13 @@ void Simulation::Ready(int w, int step, int tensor) {
   if (mwms()) return;  // the all-reduce packs every gradient after the backward pass
   if (worker.timeline) worker.timeline->Instant("ready", t.name, now_ns_);
   if (crossing() && t.layer >= 0 && !IsControl(tensor)) ++worker.updates_pending[t.layer];
-  Submit(w, step, tensor);
+  const int unit = unit_of_[tensor];
+  if (unit_members_[unit].size() > 1) {  // a fused bucket goes once its last member is ready
+    auto it = unit_ready_[w].emplace(OpKey(step, unit), 0).first;
+    if (++it->second < unit_members_[unit].size()) return;
+    unit_ready_[w].erase(it);
+  }
+  Submit(w, step, unit);
 }
 
 void Simulation::BackwardDone(int w, int step) {
@@ -419,7 +434,7 @@ void Simulation::ApplyDone(int w, int step, int tensor) {
 
 void Simulation::Submit(int w, int step, int tensor) {
   Worker& worker = workers_[w];
-  const ModelTensor& t = profile_.tensors[tensor];
+  const ModelTensor& t = units_[tensor];
   if (n_ == 1) {  // the engine's one-worker path: the sum of one contribution is the input
     OpDone(w, step, tensor);
     return;
@@ -474,7 +489,7 @@ void Simulation::Submit(int w, int step, int tensor) {
 
 void Simulation::EnqueuePush(int w, int step, int tensor, int partition, int owner) {
   Worker& worker = workers_[w];
-  const ModelTensor& t = profile_.tensors[tensor];
+  const ModelTensor& t = units_[tensor];
   SendTask& task = scratch_task_;  // the policy copies it; the name's buffer is reused
   task.name = t.name;
   task.round = static_cast<uint64_t>(step);
@@ -570,8 +585,8 @@ void Simulation::SumDone(int owner, uint64_t key, int partition) {
   info.step = step;
   info.tensor = tensor;
   info.partition = partition;
-  info.bytes = profile_.tensors[tensor].WireBytes(partitions_[tensor][partition].bytes);
-  const int64_t priority = profile_.tensors[tensor].priority;
+  info.bytes = units_[tensor].WireBytes(partitions_[tensor][partition].bytes);
+  const int64_t priority = units_[tensor].priority;
   if (!two_level()) {
     OpAt(owner, key).parts[partition].results_unwritten = n_ - 1;
     for (int peer = 0; peer < n_; ++peer) {
@@ -595,10 +610,10 @@ void Simulation::SendLocalResults(int leader, uint64_t key, int partition) {
   info.step = KeyStep(key);
   info.tensor = tensor;
   info.partition = partition;
-  info.bytes = profile_.tensors[tensor].WireBytes(partitions_[tensor][partition].bytes);
+  info.bytes = units_[tensor].WireBytes(partitions_[tensor][partition].bytes);
   const int first = link_.host_of(leader) * per_host();
   for (int peer = first; peer < first + per_host() && peer < n_; ++peer) {
-    if (peer != leader) SendFrame(leader, peer, profile_.tensors[tensor].priority, info);
+    if (peer != leader) SendFrame(leader, peer, units_[tensor].priority, info);
   }
 }
 
@@ -608,17 +623,29 @@ void Simulation::PartitionDone(int w, uint64_t key) {
   const int step = KeyStep(key), tensor = KeyTensor(key);
   Worker& worker = workers_[w];
   if (worker.timeline) {
-    const ModelTensor& t = profile_.tensors[tensor];
+    const ModelTensor& t = units_[tensor];
     worker.timeline->Complete("op", t.name, op.submit_ns, now_ns_,
                               "{\"round\": " + std::to_string(step) + ", \"bytes\": " + std::to_string(t.bytes) +
                                   ", \"priority\": " + std::to_string(t.priority) + ", \"ok\": true}");
+    // The members of a fused bucket keep "op" spans of their own, as the engine writes them.
+    const std::vector<int>& members = unit_members_[tensor];
+    for (size_t m = 0; members.size() > 1 && m < members.size(); ++m) {
+      const ModelTensor& member = profile_.tensors[members[m]];
+      worker.timeline->Complete("op", member.name, op.submit_ns, now_ns_,
+                                "{\"bytes\": " + std::to_string(member.bytes) + ", \"priority\": " +
+                                    std::to_string(member.priority) + ", \"fused\": true, \"ok\": true}");
+    }
   }
   worker.op_of_request.erase(op.request);
   worker.ops.erase(key);
   OpDone(w, step, tensor);
 }
 
-void Simulation::OpDone(int w, int step, int tensor) {
+void Simulation::OpDone(int w, int step, int unit) {
+  for (const int tensor : unit_members_[unit]) TensorDone(w, step, tensor);
+}
+
+void Simulation::TensorDone(int w, int step, int tensor) {
   Note(w, step, tensor, &TensorTiming::done_s);
   if (IsControl(tensor)) {
     StepWorkDone(w, step);
@@ -761,6 +788,50 @@ void Simulation::RingDone(int w, int step, int which) {
 }
 
 // ------------------------------------------------------------------------------------------------
+// Fusion: the engine's plan over the profile's tensors
+
+void Simulation::PlanUnits() {
+  std::vector<FusionInput> inputs;
+  for (size_t t = 0; t < profile_.tensors.size(); ++t) {
+    const ModelTensor& tensor = profile_.tensors[t];
+    FusionInput in;
+    in.name = tensor.name;
+    in.bytes = tensor.bytes;
+    in.element_size = tensor.element_size;
+    in.priority = tensor.priority;
+    in.fuse_key = static_cast<uint64_t>(tensor.encoding);
+    in.fusable = !mwms() && !IsControl(static_cast<int>(t));
+    inputs.push_back(in);
+  }
+  const uint64_t bucket_bytes = ResolveFusionBytes(runtime_.fusion_bytes, n_, network_.link_Bps);
+  unit_of_.assign(profile_.tensors.size(), -1);
+  for (const FusionBucket& b : PlanFusion(inputs, n_, bucket_bytes)) {
+    const ModelTensor& first = profile_.tensors[b.members.front()];
+    ModelTensor unit = first;
+    unit.name = b.name;
+    unit.bytes = b.bytes;
+    unit.priority = b.priority;
+    for (const int m : b.members) unit_of_[m] = static_cast<int>(units_.size());
+    units_.push_back(unit);
+    unit_members_.push_back(b.members);
+    if (!two_level()) {
+      partitions_.push_back(PlanPartitions(b, n_, runtime_.partition_bytes, bucket_bytes));
+      continue;
+    }
+    // Two-level: cut for the hosts, owned by hosts (a bucket keeps each owner's share of bytes);
+    // each partition's leader rank spreads a host's partitions over its workers, starting where
+    // the unit's name's hash points.
+    const int hosts = link_.hosts();
+    partitions_.push_back(PlanPartitions(b, hosts, runtime_.partition_bytes,
+                                         bucket_bytes / static_cast<uint64_t>(n_) * static_cast<uint64_t>(hosts)));
+    const uint64_t start = HashString(unit.name);
+    std::vector<int> ranks(partitions_.back().size());
+    for (size_t p = 0; p < ranks.size(); ++p) ranks[p] = static_cast<int>((start + p) % static_cast<uint64_t>(per_host()));
+    leader_rank_.push_back(std::move(ranks));
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
 // The event loop
 
 void Simulation::HandleLink(const LinkEvent& e) {
@@ -807,21 +878,10 @@ void Simulation::Handle(const Event& e) {
 Status Simulation::Run(StepPrediction* prediction) {
   for (const ModelLayer& layer : profile_.layers) forward_ns_ += layer.forward_ns;
   for (size_t t = 0; t < profile_.tensors.size(); ++t) {
-    const ModelTensor& tensor = profile_.tensors[t];
-    if (two_level()) {
-      // Cut for the hosts, owned by hosts; each partition's leader rank spreads a host's
-      // partitions over its workers, starting where the name's hash points.
-      partitions_.push_back(MakePartitions(tensor.name, tensor.bytes, tensor.element_size, link_.hosts(),
-                                           runtime_.partition_bytes));
-      const uint64_t start = HashString(tensor.name);
-      std::vector<int> ranks(partitions_.back().size());
-      for (size_t p = 0; p < ranks.size(); ++p) ranks[p] = static_cast<int>((start + p) % static_cast<uint64_t>(per_host()));
-      leader_rank_.push_back(std::move(ranks));
-    } else {
-      partitions_.push_back(MakePartitions(tensor.name, tensor.bytes, tensor.element_size, n_, runtime_.partition_bytes));
-    }
     if (IsControl(static_cast<int>(t))) ++controls_; else ++gradients_;
   }
+  PlanUnits();
+  unit_ready_.resize(n_);
   workers_.resize(n_);
   timings_.resize(profile_.tensors.size());
   for (size_t t = 0; t < profile_.tensors.size(); ++t) timings_[t].name = profile_.tensors[t].name;

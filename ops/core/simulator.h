@@ -5,7 +5,8 @@
 // MakePolicy gives the engine (fifo, priority, prophet with its online profiler, planner and
 // bandwidth monitor), fed the same events the engine feeds it (OnTensorReady, Enqueue,
 // Dequeue under the byte credit, OnTransferDone, NextWakeupNs) with simulated time; tensors are
-// cut and owned by MakePartitions, as in the engine.
+// cut and owned by MakePartitions, as in the engine, and with fusion (RuntimeModel::fusion_bytes)
+// packed into buckets by PlanFusion and cut by PlanPartitions (fusion.h), as the engine's Fuser.
 //
 // What is modelled (the engine's behaviour, ops/core/engine.cc, and TensorFlow's around it):
 //  - compute, per worker and step: a launch delay, the forward pass layer by layer, the backward
@@ -41,6 +42,7 @@
 #include "ops/core/codec.h"
 #include "ops/core/common.h"
 #include "ops/core/engine_options.h"
+#include "ops/core/fusion.h"
 
 namespace prophet {
 
@@ -148,6 +150,9 @@ struct RuntimeModel {
   uint64_t ring_chunk_bytes = 4u << 20;
   int ring_max_subdivs = 2;
   int64_t ring_message_ns = 0;
+  // Fusion (fusion.h): kFusionAuto sizes buckets with FusionBucketBytes for the workers and the
+  // link rate; 0 sends every tensor on its own; otherwise the bucket size in bytes.
+  int64_t fusion_bytes = 0;
 };
 
 struct SimulationOptions {

@@ -1,7 +1,7 @@
 // Every schedule finishes every step at any N: the step simulator (which replays the engine's
 // policies, partitions and credit) over a model of many small tensors and one large first-layer
 // tensor, with the byte credit, the partition size and the socket buffers at their extremes, for
-// 16 to 128 workers. A stalled setting is reported by Simulate as a deadlock with where every
+// 16 to 128 workers, unfused and fused. A stalled setting is reported by Simulate as a deadlock with where every
 // worker waits. ops/core/engine_stress_test.cc runs the same matrix on 4 and 8 real engines.
 #include <cstdio>
 #include <string>
@@ -72,6 +72,11 @@ TEST(EveryScheduleFinishesEveryStepAtAnyN) {
           for (const auto& [socket_buffer, unsent] :
                {std::pair<uint64_t, uint64_t>{kMinSocketBufferBytes, 1024},
                 std::pair<uint64_t, uint64_t>{0, EngineOptions().socket_unsent_bytes}}) {
+           // Unfused, and fused into buckets (fusion.h) sized for the link.
+           for (const int64_t fusion : {int64_t{0}, kFusionAuto}) {
+            // (Time: fused, the smallest buffers and the largest partitions run unfused only; a
+            // fused bucket is cut by its own rule, and spreads over every pair of workers.)
+            if (fusion != 0 && (unsent == 1024 || partition > 64 * kKiB)) continue;
             NetworkModel network;
             network.workers = workers;
             network.link_Bps = 1.25e9;  // 10 Gbit/s
@@ -82,15 +87,17 @@ TEST(EveryScheduleFinishesEveryStepAtAnyN) {
             runtime.schedule = schedule;
             runtime.partition_bytes = partition;
             runtime.credit_bytes = credit;
+            runtime.fusion_bytes = fusion;
             StepPrediction prediction;
             const Status s = Simulate(profile, network, runtime, options, &prediction);
             ++runs;
             if (s.ok() && prediction.step_s > 0) continue;
             ++stalls;
-            std::fprintf(stderr, "%d workers, %s, partitions %llu, credit %llu, socket buffer %llu, unsent %llu: %s\n",
+            std::fprintf(stderr, "%d workers, %s, partitions %llu, credit %llu, socket buffer %llu, unsent %llu, fusion %lld: %s\n",
                          workers, schedule, static_cast<unsigned long long>(partition),
                          static_cast<unsigned long long>(credit), static_cast<unsigned long long>(socket_buffer),
-                         static_cast<unsigned long long>(unsent), s.message().c_str());
+                         static_cast<unsigned long long>(unsent), static_cast<long long>(fusion), s.message().c_str());
+           }
           }
         }
       }

@@ -1,11 +1,17 @@
 // C entry points for prophet_tf/runtime.py (ctypes): starting, stopping and inspecting the engine.
 // They live in the op library so that the kernels and Python share one engine per process.
 #include <algorithm>
+#include <chrono>
+#include <future>
+#include <memory>
+#include <sstream>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
 #include "ops/core/engine.h"
+#include "ops/core/fusion.h"
 #include "ops/core/gate.h"
 #include "ops/core/step_meter.h"
 
@@ -38,6 +44,63 @@ __attribute__((visibility("default"))) int prophet_set_schedule(const char* sche
   prophet::Engine* e = prophet::GlobalEngine();
   prophet::Status s = e ? e->SetSchedule(schedule ? schedule : "")
                         : prophet::Status(prophet::Code::kFailedPrecondition, "the runtime is not running");
+  if (!s.ok()) {
+    CopyOut(s.message(), error, error_len);
+    return static_cast<int>(s.code());
+  }
+  return 0;
+}
+
+// Engine::DeclareFusion. `tensors`: one line per tensor, "DTYPE SHAPE BYTES PRIORITY AVERAGE
+// COMPRESSION NAME" (DTYPE as DataTypeName, SHAPE its dimensions joined by ',' or '-' for a scalar,
+// AVERAGE 0/1, COMPRESSION none/fp16/bf16; NAME to the end of the line); `bucket_bytes` as ResolveFusionBytes's setting (-1: automatic, for links of `link_Bps`
+// bytes/s, 0: the assumed rate; 0: none fused). Waits for the engine to apply it. Returns 0, or the
+// status code with the message in `error`.
+__attribute__((visibility("default"))) int prophet_declare_fusion(const char* group, const char* tensors,
+                                                                  long long bucket_bytes, double link_Bps,
+                                                                  char* error, int error_len) {
+  prophet::Engine* e = prophet::GlobalEngine();
+  prophet::Status s = e ? prophet::Status::OK()
+                        : prophet::Status(prophet::Code::kFailedPrecondition, "the runtime is not running");
+  std::vector<prophet::FusionDeclaration> declared;
+  std::istringstream lines(tensors ? tensors : "");
+  std::string line;
+  while (s.ok() && std::getline(lines, line)) {
+    if (line.empty()) continue;
+    std::istringstream in(line);
+    std::string dtype, shape, compression;
+    prophet::FusionDeclaration d;
+    int average = 0;
+    bool numbers = static_cast<bool>(in >> dtype >> shape >> d.bytes >> d.priority >> average >> compression);
+    if (numbers && shape != "-") {
+      std::istringstream dims(shape);
+      std::string dim;
+      while (numbers && std::getline(dims, dim, ',')) {
+        char* end = nullptr;
+        d.shape.push_back(std::strtoll(dim.c_str(), &end, 10));
+        numbers = !dim.empty() && end != nullptr && *end == '\0';
+      }
+    }
+    if (numbers) std::getline(in >> std::ws, d.name);
+    d.average = average != 0;
+    d.dtype = prophet::DataType::kInvalid;
+    for (int code = 1; code <= 8; ++code)
+      if (dtype == prophet::DataTypeName(static_cast<prophet::DataType>(code))) d.dtype = static_cast<prophet::DataType>(code);
+    if (!numbers || d.name.empty() || d.dtype == prophet::DataType::kInvalid ||
+        !prophet::ParseEncoding(compression, &d.compression))
+      s = prophet::Status(prophet::Code::kInvalidArgument, "bad fusion declaration line '" + line + "'");
+    declared.push_back(std::move(d));
+  }
+  if (s.ok()) {
+    auto applied = std::make_shared<std::promise<prophet::Status>>();
+    std::future<prophet::Status> answer = applied->get_future();
+    const uint64_t bytes = prophet::ResolveFusionBytes(bucket_bytes, e->world_size(), link_Bps);
+    e->DeclareFusion(group ? group : "", std::move(declared), bytes,
+                     [applied](const prophet::Status& status) { applied->set_value(status); });
+    s = answer.wait_for(std::chrono::seconds(60)) == std::future_status::ready
+            ? answer.get()
+            : prophet::Status(prophet::Code::kDeadlineExceeded, "the runtime did not apply the fusion declaration within 60 s");
+  }
   if (!s.ok()) {
     CopyOut(s.message(), error, error_len);
     return static_cast<int>(s.code());

@@ -72,6 +72,21 @@ def parse_duration(text: str) -> float:
     return float(m.group(1)) * _UNIT_S[m.group(2)]
 
 
+def parse_fusion(text: str) -> int:
+    """``--fusion``: off -> 0, auto -> -1 (sized by the simulator), or a positive byte count."""
+    if text == "off":
+        return 0
+    if text == "auto":
+        return -1
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ValueError(f"--fusion {text!r}: expected off, auto or a positive number of bytes")
+    return value
+
+
 def format_rate(bps: float) -> str:
     for unit, scale in (("Tbit/s", 1e12), ("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
         if bps >= scale:
@@ -190,6 +205,9 @@ def _define_flags() -> None:
     flags.DEFINE_string("compression", "none", "Gradient compression of ProphetStrategy: none, "
                         "fp16 or bf16 (float32 gradients travel in half the bytes; mwms never "
                         "compresses).")
+    flags.DEFINE_string("fusion", "off", "Fusion of small gradients into buckets: off, auto "
+                        "(bucket size from the workers and the link rate) or a bucket size in "
+                        "bytes.")
     flags.DEFINE_integer("steps", defaults.steps, "Measured simulated steps (median).")
     flags.DEFINE_integer("warmup", defaults.warmup_steps, "Simulated steps before those.")
     flags.DEFINE_string("output", "predict.png", "PNG to draw (empty: none).")
@@ -250,7 +268,8 @@ def main(argv: Sequence[str]) -> int:
                                  payload_efficiency=FLAGS.payload_efficiency,
                                  steps=FLAGS.steps, warmup_steps=FLAGS.warmup,
                                  compression=(None if FLAGS.compression == "none"
-                                              else FLAGS.compression))
+                                              else FLAGS.compression),
+                                 fusion_bytes=parse_fusion(FLAGS.fusion))
         if FLAGS.timeline and (len(workers), len(bandwidths), len(schedules)) != (1, 1, 1):
             raise ValueError("--timeline draws one setting: give one value each to --workers, "
                              "--bandwidth and --schedule")

@@ -131,6 +131,10 @@ class PredictOptions:
         bandwidth estimate and the plan count those), control collectives exactly; the profile
         keeps the tensors' bytes (``CompressGradients`` in ops/core/simulator.h). ``mwms`` never
         compresses. The ideal bound counts the compressed bytes too.
+      fusion_bytes: small gradients travel fused into buckets (ops/core/fusion.h): -1 sizes the
+        buckets from the workers and the link rate (``FusionBucketBytes``), 0 sends every tensor
+        on its own, otherwise the bucket size in bytes. Control collectives and ``mwms`` never
+        fuse.
     """
 
     latency_s: float = 0.0
@@ -159,6 +163,7 @@ class PredictOptions:
     warmup_steps: int = 5
     steps: int = 20
     compression: Optional[str] = None
+    fusion_bytes: int = 0
 
 
 @dataclasses.dataclass
@@ -262,6 +267,7 @@ def _request(profile: Profile, workers: int, bandwidth_bps: float, schedule: str
         f"option warmup_steps={int(options.warmup_steps)}",
         f"option steps={int(options.steps)}",
         f"option compression={options.compression or 'none'}",
+        f"option fusion_bytes={int(options.fusion_bytes)}",
         f"option launch_ns={_ns(profile.launch_s)}",
         f"option backward_ns={_ns(profile.backward_s)}",
         f"option tail_ns={_ns(profile.tail_s)}",

@@ -53,6 +53,8 @@ PROFILE_VERSION = 1
 #: Ready offsets from this many first steps of a trace are not used (tracing, allocation).
 SKIP_STEPS = 1
 _GRADIENT_PREFIX = "grad/"
+#: Names of fused buckets on a trace (kFusedPrefix, ops/core/fusion.h).
+FUSED_PREFIX = "fused:"
 _REPEAT_SUFFIX = re.compile(r"@\d+$")
 
 
@@ -305,8 +307,11 @@ def profile_from_trace(events: Sequence[dict], *, worker: Optional[int] = None,
             f"{source}: {len(steps)} step marks on worker {pid}'s trace; a profile needs at least "
             f"{skip_steps + 2}. Record a run of several steps of model.fit with PROPHET_PROFILE="
             "PATH on one worker (the step marks come from Keras fit's train function).")
+    # A fused bucket's own events (a fused run's trace) are transport, not a gradient: its
+    # members have "ready" and "op" events of their own.
     readies = sorted((float(e["ts"]) / 1e6, str(e.get("name")))
-                     for e in tracks.get("ready", []) if e.get("ph") in ("i", "I"))
+                     for e in tracks.get("ready", []) if e.get("ph") in ("i", "I")
+                     and not str(e.get("name")).startswith(FUSED_PREFIX))
     if not readies:
         raise ProfileError(f"{source}: no \"ready\" events on worker {pid}'s trace: the run did "
                            "not hand any tensor to the runtime. A one-worker run records them only "
@@ -314,6 +319,8 @@ def profile_from_trace(events: Sequence[dict], *, worker: Optional[int] = None,
     op_bytes: dict[str, int] = {}
     op_priority: dict[str, int] = {}
     for _, _, name, args in spans("op"):
+        if name.startswith(FUSED_PREFIX):
+            continue
         if isinstance(args.get("bytes"), (int, float)):
             op_bytes[name] = int(args["bytes"])
         if isinstance(args.get("priority"), (int, float)):

@@ -94,6 +94,14 @@ def regularized():
     ])
 
 
+def many_small():
+    """Twelve small dense layers: 24 gradients of 3 to 64 floats (what fusion is for)."""
+    layers = [keras.Input((FEATURES,))]
+    layers += [keras.layers.Dense(8, activation="tanh") for _ in range(11)]
+    layers.append(keras.layers.Dense(CLASSES, activation="softmax"))
+    return keras.Sequential(layers)
+
+
 # name: (model builder, optimizer factory, data kind, input kind, steps_per_execution,
 #        sparse_as_dense_bytes or None for the default)
 CASES = {
@@ -106,6 +114,8 @@ CASES = {
                        1, None),
     "embedding_small_dense": (embedding(50), lambda: keras.optimizers.SGD(0.5), "tokens",
                               "numpy", 1, 1 << 20),
+    "many_small": (many_small, lambda: keras.optimizers.SGD(0.05, momentum=0.9), "dense", "numpy", 1,
+                   None),
     "regularizers": (regularized, lambda: keras.optimizers.RMSprop(0.01), "dense", "numpy", 1,
                      None),
 }
@@ -133,7 +143,9 @@ def run_case(strategy, name):
             model.compile(optimizer=make_opt(), loss="sparse_categorical_crossentropy",
                           metrics=["accuracy"], steps_per_execution=spe)
         initial = model.get_weights()
+        ops_before, fused_before = _runtime_ops()
         hist = fit(model, x, y, input_kind, GLOBAL_BATCH)
+        ops_after, fused_after = _runtime_ops()
     finally:
         strategy.extended._sparse_as_dense_bytes = default_sparse
     final = model.get_weights()
@@ -156,17 +168,33 @@ def run_case(strategy, name):
         ref_loss=common.floats(ref_hist.history["loss"]),
         accuracy=common.floats(hist.history["accuracy"]),
         ref_accuracy=common.floats(ref_hist.history["accuracy"]),
+        ops=ops_after - ops_before,
+        fused=fused_after - fused_before,
+        gradients=len(model.trainable_weights),
+        steps=EPOCHS * NUM_SAMPLES // GLOBAL_BATCH,
         seconds=round(time.time() - t0, 2),
         fit_seconds=round(t_ref - t0, 2),
     )
+
+
+def _runtime_ops() -> tuple[int, int]:
+    """Operations this worker's runtime finished so far (a fused bucket is one), and push_pulls
+    that travelled in a fused bucket."""
+    from prophet_tf import runtime
+    stats = runtime.stats()
+    return int(stats.get("ops_done", 0)), int(stats.get("fused_submitted", 0))
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--schedule", default="priority")
+    p.add_argument("--fusion", default=None,
+                   help="ProphetStrategy(fusion=...): auto, off or bytes (default: the strategy's)")
     args = p.parse_args()
-    strategy = ProphetStrategy(schedule=args.schedule)
+    fusion = ({} if args.fusion is None else
+              {"fusion": args.fusion if args.fusion in ("auto", "off") else int(args.fusion)})
+    strategy = ProphetStrategy(schedule=args.schedule, **fusion)
     for name in args.cases.split(","):
         run_case(strategy, name)
     print("WORKER DONE", flush=True)

@@ -1,0 +1,315 @@
+// Fused push_pull on real engines over loopback: declared small tensors travel in buckets; the
+// results are the sums, bitwise the same on every worker and run to run whatever order the
+// tensors are submitted in, bitwise the unfused results on two workers; a member that differs
+// from its declaration, or one never submitted, fails with an error naming it, on every worker.
+#include "ops/core/fuser.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <future>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ops/core/engine_testing.h"
+#include "ops/core/testing.h"
+
+namespace prophet {
+namespace {
+
+void Fail(const std::string& what, int line) {
+  std::fprintf(stderr, "fuser_test.cc:%d: %s\n", line, what.c_str());
+  ++::prophet::testing::Failures();
+}
+#define FAIL(what) Fail(what, __LINE__)
+
+bool Contains(const std::string& haystack, const std::string& needle) {
+  return haystack.find(needle) != std::string::npos;
+}
+
+std::vector<std::unique_ptr<Engine>> Cluster(int n, double timeout_s = 20.0) {
+  std::vector<Status> status;
+  auto engines = testing::StartCluster(testing::ClusterOptions(n, timeout_s, "fuser-test"), &status);
+  for (size_t r = 0; r < status.size(); ++r)
+    if (!status[r].ok()) FAIL("rank " + std::to_string(r) + " failed to start: " + status[r].message());
+  return engines;
+}
+
+// One worker's tensors of a step: inputs, outputs, and what each push_pull ended with.
+struct Step {
+  std::vector<std::vector<float>> in, out;
+  std::vector<std::future<Status>> done;
+};
+
+// 24 gradients of 1 to 3000 floats (some in place), priorities 24..1.
+std::vector<FusionDeclaration> Declarations(const std::string& prefix, Encoding compression = Encoding::kNone) {
+  std::vector<FusionDeclaration> out;
+  for (int i = 0; i < 24; ++i) {
+    FusionDeclaration d;
+    d.name = prefix + "/grad" + std::to_string(i);
+    d.bytes = 4 * static_cast<uint64_t>(1 + (i * 977) % 3000);
+    d.shape = {static_cast<int64_t>(d.bytes / 4)};
+    d.priority = 24 - i;
+    d.average = i < 12;  // two runs: averaging must agree inside a bucket
+    d.compression = compression;
+    out.push_back(d);
+  }
+  return out;
+}
+
+// Random values of every magnitude (sums of 3 or more round differently in different orders).
+std::vector<float> Values(uint64_t elements, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> mantissa(-1.0f, 1.0f);
+  std::uniform_int_distribution<int> exponent(-20, 20);
+  std::vector<float> v(elements);
+  for (float& x : v) x = std::ldexp(mantissa(rng), exponent(rng));
+  return v;
+}
+
+// Submits the push_pull of declared tensor `d` (in place when input == output).
+std::future<Status> Submit(Engine& engine, const FusionDeclaration& d, const float* input, float* output) {
+  auto promise = std::make_shared<std::promise<Status>>();
+  std::future<Status> done = promise->get_future();
+  OpRequest q;
+  q.name = d.name;
+  q.dtype = DataType::kFloat32;
+  q.shape = {static_cast<int64_t>(d.bytes / 4)};
+  q.input = input;
+  q.output = output;
+  q.bytes = d.bytes;
+  q.priority = d.priority;
+  q.average = d.average;
+  q.compression = d.compression;
+  q.done = [promise](const Status& st, const GatherResult*) { promise->set_value(st); };
+  engine.Submit(std::move(q));
+  return done;
+}
+
+// Every rank submits every declared tensor, each in its own order, from its own thread.
+std::vector<Step> RunStep(std::vector<std::unique_ptr<Engine>>& engines, const std::vector<FusionDeclaration>& decl,
+                          unsigned seed) {
+  const int n = static_cast<int>(engines.size());
+  std::vector<Step> steps(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    Step& s = steps[r];
+    for (size_t i = 0; i < decl.size(); ++i) {
+      s.in.push_back(Values(decl[i].bytes / 4, seed * 1000 + static_cast<unsigned>(r * 100 + i)));
+      s.out.push_back(i % 3 == 1 ? std::vector<float>() : std::vector<float>(decl[i].bytes / 4, -7.0f));
+    }
+    s.done.resize(decl.size());
+  }
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      std::vector<size_t> order(decl.size());
+      for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+      if (r % 3 == 1) std::reverse(order.begin(), order.end());
+      if (r % 3 == 2) std::shuffle(order.begin(), order.end(), std::mt19937(seed + static_cast<unsigned>(r)));
+      for (size_t i : order) {
+        Step& s = steps[r];
+        // In place when there is no separate output.
+        s.done[i] = Submit(*engines[r], decl[i], s.in[i].data(), s.out[i].empty() ? s.in[i].data() : s.out[i].data());
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  return steps;
+}
+
+std::vector<Status> Await(Step& s) {
+  std::vector<Status> out;
+  for (std::future<Status>& f : s.done) {
+    if (f.wait_for(std::chrono::seconds(30)) != std::future_status::ready) {
+      FAIL("no done callback within 30 s");
+      out.push_back(Status(Code::kInternal, "test: no callback"));
+      continue;
+    }
+    out.push_back(f.get());
+  }
+  return out;
+}
+
+const std::vector<float>& Result(const Step& s, size_t i) { return s.out[i].empty() ? s.in[i] : s.out[i]; }
+
+// Every tensor succeeded on every rank and holds the same bits everywhere; returns rank 0's.
+std::vector<std::vector<float>> SameEverywhere(std::vector<Step>& steps, const std::vector<FusionDeclaration>& decl) {
+  for (Step& s : steps)
+    for (const Status& st : Await(s))
+      if (!st.ok()) FAIL(st.message());
+  for (size_t r = 1; r < steps.size(); ++r)
+    for (size_t i = 0; i < decl.size(); ++i)
+      if (std::memcmp(Result(steps[r], i).data(), Result(steps[0], i).data(), decl[i].bytes) != 0)
+        FAIL("rank " + std::to_string(r) + " holds other bits than rank 0 for " + decl[i].name);
+  std::vector<std::vector<float>> out;
+  for (size_t i = 0; i < decl.size(); ++i) out.push_back(Result(steps[0], i));
+  return out;
+}
+
+uint64_t OpsDone(const Engine& e) {
+  const std::string stats = e.StatsJson();
+  const size_t at = stats.find("\"ops_done\": ");
+  return at == std::string::npos ? 0 : std::stoull(stats.substr(at + 12));
+}
+
+uint64_t Bucket(int n) { return FusionBucketBytes(n, 125e6); }
+
+TEST(FusedSumsAreTheSameEverywhereRunToRunAndInAnyOrder) {
+  for (int n : {3, 4}) {
+    auto engines = Cluster(n);
+    if (engines.size() != static_cast<size_t>(n) || !engines.back()) return;
+    const std::vector<FusionDeclaration> decl = Declarations("any" + std::to_string(n));
+    for (auto& e : engines) e->DeclareFusion("g", decl, Bucket(n) / 8);  // several buckets
+    std::vector<Step> first = RunStep(engines, decl, 1);
+    const std::vector<std::vector<float>> a = SameEverywhere(first, decl);
+    // They travelled fused: far fewer operations than tensors.
+    const uint64_t ops = OpsDone(*engines[0]);
+    if (ops < 2 || ops >= decl.size()) FAIL(std::to_string(ops) + " operations for " + std::to_string(decl.size()) + " tensors");
+    // The same inputs again, submitted in other orders: the same bits.
+    std::vector<Step> second = RunStep(engines, decl, 1);
+    const std::vector<std::vector<float>> b = SameEverywhere(second, decl);
+    for (size_t i = 0; i < decl.size(); ++i)
+      if (std::memcmp(a[i].data(), b[i].data(), decl[i].bytes) != 0) FAIL("run to run: other bits for " + decl[i].name);
+    // And the values are the sums (or means) of the inputs, to float32 summation's accuracy.
+    std::vector<Step> third = RunStep(engines, decl, 2);
+    std::vector<std::vector<std::vector<float>>> inputs(n);
+    for (int r = 0; r < n; ++r)
+      for (size_t i = 0; i < decl.size(); ++i) inputs[r].push_back(Values(decl[i].bytes / 4, 2000 + static_cast<unsigned>(r * 100 + i)));
+    const std::vector<std::vector<float>> c = SameEverywhere(third, decl);
+    for (size_t i = 0; i < decl.size(); ++i) {
+      for (size_t e = 0; e < c[i].size(); ++e) {
+        double sum = 0, magnitude = 0;
+        for (int r = 0; r < n; ++r) {
+          sum += inputs[r][i][e];
+          magnitude += std::fabs(inputs[r][i][e]);
+        }
+        if (decl[i].average) {
+          sum /= n;
+          magnitude /= n;
+        }
+        if (std::fabs(c[i][e] - sum) > 4 * n * 6e-8 * magnitude) {
+          FAIL(decl[i].name + " element " + std::to_string(e) + ": " + std::to_string(c[i][e]) + " for " + std::to_string(sum));
+          break;
+        }
+      }
+    }
+  }
+}
+
+TEST(TwoWorkersFusedIsBitwiseUnfused) {
+  auto engines = Cluster(2);
+  if (engines.size() != 2 || !engines[1]) return;
+  const std::vector<FusionDeclaration> fused = Declarations("two/fused"), plain = Declarations("two/plain");
+  for (auto& e : engines) e->DeclareFusion("g", fused, Bucket(2));
+  std::vector<Step> f = RunStep(engines, fused, 5), p = RunStep(engines, plain, 5);
+  const std::vector<std::vector<float>> a = SameEverywhere(f, fused), b = SameEverywhere(p, plain);
+  for (size_t i = 0; i < fused.size(); ++i)
+    if (std::memcmp(a[i].data(), b[i].data(), fused[i].bytes) != 0) FAIL("fused differs from unfused: " + fused[i].name);
+}
+
+TEST(CompressedBucketsAreTheSameEverywhere) {
+  auto engines = Cluster(3);
+  if (engines.size() != 3 || !engines[2]) return;
+  const std::vector<FusionDeclaration> decl = Declarations("fp16", Encoding::kFloat16);
+  for (auto& e : engines) e->DeclareFusion("g", decl, Bucket(3));
+  std::vector<Step> s = RunStep(engines, decl, 9);
+  SameEverywhere(s, decl);
+}
+
+TEST(AMemberThatDiffersFromItsDeclarationFailsItsBucketEverywhereNamingIt) {
+  auto engines = Cluster(3);
+  if (engines.size() != 3 || !engines[2]) return;
+  std::vector<FusionDeclaration> decl = Declarations("differs");
+  for (FusionDeclaration& d : decl) d.average = false;
+  for (auto& e : engines) e->DeclareFusion("g", decl, Bucket(3) * 100);  // one bucket of all 24
+  // Rank 2 submits grad5 with one float fewer than declared.
+  std::vector<FusionDeclaration> wrong = decl;
+  wrong[5].bytes -= 4;
+  wrong[5].shape[0] -= 1;
+  std::vector<Step> steps(3);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 3; ++r) {
+    threads.emplace_back([&, r] {
+      const std::vector<FusionDeclaration>& d = r == 2 ? wrong : decl;
+      Step& s = steps[r];
+      s.done.resize(d.size());
+      for (size_t i = 0; i < d.size(); ++i) {
+        s.in.push_back(std::vector<float>(d[i].bytes / 4, 1.0f));
+        s.out.push_back(std::vector<float>(d[i].bytes / 4));
+      }
+      for (size_t i = 0; i < d.size(); ++i) s.done[i] = Submit(*engines[r], d[i], s.in[i].data(), s.out[i].data());
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < 3; ++r) {
+    for (const Status& st : Await(steps[r])) {
+      if (st.ok()) FAIL("rank " + std::to_string(r) + ": a member of the broken bucket succeeded");
+      else if (!Contains(st.message(), "differs/grad5")) FAIL("rank " + std::to_string(r) + ": " + st.message());
+    }
+  }
+}
+
+TEST(AMemberNeverSubmittedFailsTheHeldOnesNamingIt) {
+  auto engines = Cluster(2, /*timeout_s=*/1.0);
+  if (engines.size() != 2 || !engines[1]) return;
+  std::vector<FusionDeclaration> decl = Declarations("missing");
+  decl.resize(3);
+  for (FusionDeclaration& d : decl) d.average = false;
+  for (auto& e : engines) e->DeclareFusion("g", decl, Bucket(2) * 100);
+  std::vector<std::future<Status>> done;
+  std::vector<std::vector<float>> data;
+  for (int r = 0; r < 2; ++r) {
+    for (size_t i = 0; i < 2; ++i) {  // never grad2
+      data.push_back(std::vector<float>(decl[i].bytes / 4, 1.0f));
+      done.push_back(Submit(*engines[r], decl[i], data.back().data(), data.back().data()));
+    }
+  }
+  for (std::future<Status>& f : done) {
+    if (f.wait_for(std::chrono::seconds(20)) != std::future_status::ready) {
+      FAIL("a held member was never failed");
+      continue;
+    }
+    const Status st = f.get();
+    if (st.ok() || st.code() != Code::kDeadlineExceeded || !Contains(st.message(), "'missing/grad2' not submitted"))
+      FAIL("expected a timeout naming missing/grad2, got: " + st.message());
+  }
+}
+
+TEST(DeclarationsAreCheckedAndOneWorkerNeverFuses) {
+  Fuser fuser;
+  std::vector<FusionDeclaration> decl = Declarations("check");
+  decl.push_back(decl.front());
+  EXPECT_TRUE(!fuser.Declare("g", decl, 4, 1 << 20).ok());
+  decl.pop_back();
+  decl[0].bytes = 7;  // not whole float32 elements
+  EXPECT_TRUE(!fuser.Declare("g", decl, 4, 1 << 20).ok());
+  decl[0].bytes = 8;  // not its shape
+  EXPECT_TRUE(!fuser.Declare("g", decl, 4, 1 << 20).ok());
+  decl = Declarations("check");
+  EXPECT_TRUE(fuser.Declare("g", decl, 1, 1 << 20).ok());
+  OpRequest q;
+  q.name = decl[0].name;
+  EXPECT_TRUE(!fuser.Fuses(q));
+  EXPECT_TRUE(fuser.Declare("g", decl, 4, 1 << 20).ok());
+  EXPECT_TRUE(fuser.Fuses(q));
+  q.kind = OpKind::kAllgather;
+  EXPECT_TRUE(!fuser.Fuses(q));
+  // Groups: another group may not declare the same tensor; its own re-declaration replaces it.
+  EXPECT_TRUE(!fuser.Declare("h", decl, 4, 1 << 20).ok());
+  EXPECT_TRUE(fuser.Declare("h", Declarations("other"), 4, 1 << 20).ok());
+  EXPECT_TRUE(fuser.Declare("g", decl, 4, 0).ok());  // none fused any more
+  q.kind = OpKind::kPushPull;
+  EXPECT_TRUE(!fuser.Fuses(q));
+  q.name = "other/grad0";
+  EXPECT_TRUE(fuser.Fuses(q));
+}
+
+}  // namespace
+}  // namespace prophet
+
+PROPHET_TEST_MAIN()

@@ -1,0 +1,99 @@
+// Fusion: small gradients travel together, in buckets, so that every bucket spreads over all N
+// owners and costs N-1 messages per worker instead of N-1 per tensor (docs/design.md, "Fusion").
+//
+// The plan is a pure function of what every worker knows identically: the tensors' names, bytes,
+// element sizes, priorities and how they travel (a `fuse_key` that must match for two tensors
+// to share a bucket: dtype, encoding, averaging), plus N and the bucket size. Workers that are
+// given the same tensors make the same buckets, with the same members in the same order at the
+// same byte offsets, and each bucket is then partitioned and owned by MakePartitions under its
+// own name like any tensor. The engine and the simulator both use it.
+#ifndef PROPHET_OPS_CORE_FUSION_H_
+#define PROPHET_OPS_CORE_FUSION_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ops/core/partition.h"
+
+namespace prophet {
+
+// One collective a step makes, as the plan sees it.
+struct FusionInput {
+  std::string name;
+  uint64_t bytes = 0;
+  uint32_t element_size = 4;
+  int64_t priority = 0;
+  // Tensors fuse only with tensors of the same key (the caller packs what must agree inside one
+  // payload: dtype, encoding, averaging). Control collectives must not be given a fusable key.
+  uint64_t fuse_key = 0;
+  bool fusable = true;  // false: always its own bucket (control collectives, sparse, ...)
+};
+
+struct FusionBucket {
+  // A lone tensor keeps its own name (so its partitions and owners are exactly the unfused
+  // ones); a fused bucket is named after its members (kFusedPrefix, first and last member, count).
+  std::string name;
+  uint64_t bytes = 0;
+  uint32_t element_size = 4;
+  int64_t priority = 0;              // its most urgent member's
+  std::vector<int> members;          // indices into the plan's input, most urgent first
+  std::vector<uint64_t> offsets;     // byte offset of each member inside the bucket
+  bool fused() const { return members.size() > 1; }
+};
+
+constexpr const char* kFusedPrefix = "fused:";
+// A fusion setting (EngineOptions::fusion_bytes, RuntimeModel::fusion_bytes): kFusionAuto, 0
+// (off) or a bucket size in bytes.
+constexpr int64_t kFusionAuto = -1;
+
+// The per-message cost the bucket size amortises: a frame's header and metadata, the system call
+// and the engine thread's turn that handle it (an estimate, not a measurement of this machine).
+constexpr int64_t kFusionMessageCostNs = 20000;
+// A partition carries at least this many times the bytes the link moves during one message's
+// cost: the message cost is then at most 1/(1 + kFusionAmortisation) of its time (10%).
+constexpr double kFusionAmortisation = 9.0;
+
+// The bytes each owner of a bucket sums at least: enough that a partition amortises the
+// per-message cost, kFusionAmortisation x link_Bps x message_cost, and at least
+// kFusionMinOwnerBytes (a frame's header is then at most 2.5% of it).
+constexpr uint64_t kFusionMinOwnerBytes = 4096;
+uint64_t FusionOwnerBytes(double link_Bps, int64_t message_cost_ns = kFusionMessageCostNs);
+
+// The bucket size for N workers on links of `link_Bps` (bytes/s per direction):
+//   bucket = N x FusionOwnerBytes(link_Bps) = N x max(4 KiB, 9 x link_Bps x 20 us)
+// A full bucket is then cut into N partitions, one per owner (BucketPartitions), each of which
+// amortises the per-message cost. 0 for one worker (nothing travels).
+uint64_t FusionBucketBytes(int world_size, double link_Bps, int64_t message_cost_ns = kFusionMessageCostNs);
+
+// How a fused bucket of B bytes is cut: among k = min(N, ceil(sqrt((N-1) B / (2 R c)))) owners
+// (R c = bucket_bytes / N / kFusionAmortisation), which minimises (N-1) B / (k R), the time the
+// busiest owner's link takes, plus 2 k c, the messages each worker handles; a full bucket gets
+// all N owners. More partitions when `partition_bytes` or MakePartitions' pipelining asks for
+// them; owners round-robin from the bucket name's hash (MakePartitions does the cutting).
+std::vector<Partition> BucketPartitions(const std::string& name, uint64_t bytes, uint32_t element_size, int world_size,
+                                        uint64_t partition_bytes, uint64_t bucket_bytes);
+// BucketPartitions for a fused bucket, MakePartitions for a lone tensor.
+std::vector<Partition> PlanPartitions(const FusionBucket& bucket, int world_size, uint64_t partition_bytes,
+                                      uint64_t bucket_bytes);
+
+// The link rate kFusionAuto assumes where the rate is not known alike on every worker (the
+// engine: a bandwidth estimate differs from worker to worker, and the plan must not): 10 Gbit/s.
+constexpr double kFusionAssumedLink_Bps = 1.25e9;
+
+// The bucket size a setting gives: FusionBucketBytes for kFusionAuto (at `link_Bps`, or
+// kFusionAssumedLink_Bps when that is not positive), 0 when off or for one worker, else the
+// setting.
+uint64_t ResolveFusionBytes(int64_t setting, int world_size, double link_Bps);
+
+// Buckets in priority order (most urgent first; equal priorities by name): runs of consecutive
+// fusable tensors of one fuse_key, each smaller than N x min_split_bytes (larger ones already
+// spread over every owner and travel alone), closed once they reach `bucket_bytes` or when the
+// next tensor cannot join. Every input is in exactly one bucket. bucket_bytes == 0: no fusion
+// (every tensor its own bucket). Inputs must have distinct names.
+std::vector<FusionBucket> PlanFusion(const std::vector<FusionInput>& tensors, int world_size, uint64_t bucket_bytes,
+                                     uint64_t min_split_bytes = 64 * 1024);
+
+}  // namespace prophet
+
+#endif  // PROPHET_OPS_CORE_FUSION_H_
