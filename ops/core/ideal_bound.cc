@@ -59,7 +59,8 @@ std::vector<double> PriorityCompletion(std::vector<Job> jobs, int keys) {
 }  // namespace
 
 Status ComputeIdealBound(const StepProfile& profile, const NetworkModel& network, IdealBound* bound) {
-  const int n = network.workers;
+  // Several workers per host: the hosts' NICs are the links (traffic inside a host is free here).
+  const int n = (network.workers + std::max(1, network.workers_per_host) - 1) / std::max(1, network.workers_per_host);
   if (n < 1) return Status(Code::kInvalidArgument, "workers must be at least 1, got " + std::to_string(n));
   const double rate_Bps = network.link_Bps * network.payload_efficiency;
   if (n > 1 && !(rate_Bps > 0 && std::isfinite(rate_Bps))) {

@@ -1,16 +1,20 @@
 // A fluid model of a cluster's network, for the step simulator (simulator.h).
 //
-// Every host has one NIC, full duplex: it sends at most `egress_Bps` and receives at most
-// `ingress_Bps` (0: receiving is not limited, as in an emulated cluster that shapes only each
-// host's egress). Every ordered pair of hosts has one connection, as the runtime has one TCP stream
-// per peer; a connection carries its frames one after another, in queue order.
+// Workers live on hosts, `workers_per_host` each (worker w on host w / workers_per_host). Every
+// host has one NIC, full duplex: it sends at most `egress_Bps` and receives at most `ingress_Bps`
+// (0: receiving is not limited, as in an emulated cluster that shapes only each host's egress).
+// Every ordered pair of workers has one connection, as the runtime has one TCP stream per peer; a
+// connection carries its frames one after another, in queue order. A connection between two
+// workers of one host never touches the NIC: it goes over the host's loopback (or shared
+// memory), `loopback_Bps` shared by every such connection of the host.
 //
-// Sharing: the connections that have a frame to send at a host share its egress equally, and
-// those arriving at a host share its ingress equally; a connection moves at the smaller of its
-// two shares (TCP flows through one bottleneck converge to equal shares). This is max-min
-// fairness whenever the bottlenecks do not interact (egress-only links, two hosts, symmetric
-// traffic) and a slight underestimate otherwise (a connection held back at the receiver does not
-// hand its unused egress share to its siblings).
+// Sharing: the connections between hosts that have a frame to send at a host share its egress
+// equally, and those arriving at a host share its ingress equally; a connection moves at the
+// smaller of its two shares (TCP flows through one bottleneck converge to equal shares). This is
+// max-min fairness whenever the bottlenecks do not interact (egress-only links, two hosts,
+// symmetric traffic) and a slight underestimate otherwise (a connection held back at the receiver
+// does not hand its unused egress share to its siblings). A host's connections over loopback
+// share `loopback_Bps` equally.
 //
 // Queue order is the runtime's (connection.cc, Connection::Queue): a frame is inserted behind every
 // queued frame at least as urgent, and never in front of a frame whose first byte is already in
@@ -19,21 +23,28 @@
 // it counts as written (the runtime's on_sent, after which an owner's sum is done with).
 //
 // Bytes on the wire: payload + `frame_overhead_bytes` per frame, carried at `payload_efficiency`
-// of the link rate (TCP/IP/Ethernet headers per packet).
+// of the link rate (TCP/IP/Ethernet headers per packet; loopback too, as it carries TCP).
+//
+// Cost: only connections with a frame are ever visited. A connection starting or ending changes
+// the shares of the connections through its resources (the sender's egress, the receiver's
+// ingress, or the host's loopback); connections starting at one instant are rescheduled together
+// when time next moves, so an owner sending its sum to N-1 peers costs one pass, not N-1. The next
+// frame to finish is found through each sending worker's earliest frame and a heap of workers.
 #ifndef PROPHET_OPS_CORE_LINK_MODEL_H_
 #define PROPHET_OPS_CORE_LINK_MODEL_H_
 
 #include <cstddef>
 #include <cstdint>
-#include <deque>
 #include <vector>
 
 namespace prophet {
 
 struct LinkOptions {
-  int hosts = 2;
+  int workers = 2;
+  int workers_per_host = 1;        // workers / workers_per_host hosts (the last may have fewer)
   double egress_Bps = 125e6;       // bytes per second each NIC sends (1 Gbit/s = 125e6)
   double ingress_Bps = 125e6;      // bytes per second each NIC receives; 0 = unlimited
+  double loopback_Bps = 12.5e9;    // bytes per second between the workers of one host, shared
   double payload_efficiency = 1.0; // share of the link rate left for frame bytes (0, 1]
   uint64_t frame_overhead_bytes = 0;
   uint64_t socket_window_bytes = 0;
@@ -64,16 +75,19 @@ class LinkModel {
   // (inside the socket window) are reported by the next AdvanceTo.
   void Queue(int64_t now_ns, const LinkFrame& frame);
   // Time of the next event, or INT64_MAX when nothing is queued.
-  int64_t NextEventNs() const;
+  int64_t NextEventNs();
   // Moves time forward to `now_ns` and appends every event up to and including it, in time order.
   void AdvanceTo(int64_t now_ns, std::vector<LinkEvent>* out);
 
-  // Bytes (wire bytes, including overheads) that left host `host`'s NIC so far.
-  double sent_wire_bytes(int host) const { return hosts_[host].sent_wire_bytes; }
-  // Time host `host`'s egress was busy (at least one connection sending) until `now_ns`.
+  int host_of(int worker) const { return worker / options_.workers_per_host; }
+  int hosts() const { return static_cast<int>(hosts_.size()); }
+  // Bytes (wire bytes, including overheads) worker `worker` sent to other hosts so far.
+  double sent_wire_bytes(int worker) const { return sent_wire_bytes_[worker]; }
+  // Time host `host`'s egress was busy (at least one connection to another host sending) until
+  // `now_ns`.
   int64_t egress_busy_ns(int host, int64_t now_ns) const {
     const Host& h = hosts_[host];
-    return h.egress_busy_ns + (h.sending > 0 ? now_ns - h.busy_since_ns : 0);
+    return h.egress_busy_ns + (h.out.size() > 0 ? now_ns - h.busy_since_ns : 0);
   }
   double wire_bytes(const LinkFrame& frame) const;
   const LinkOptions& options() const { return options_; }
@@ -84,47 +98,88 @@ class LinkModel {
     double wire_bytes = 0;
     bool written = false;
   };
+  // The frames of a connection: frames[head] is on the wire. A vector with a moving head
+  // allocates nothing until the connection carries a frame (there are workers^2 connections).
+  struct FrameQueue {
+    std::vector<Queued> items;
+    size_t head = 0;
+    bool empty() const { return head == items.size(); }
+    size_t size() const { return items.size() - head; }
+    Queued& front() { return items[head]; }
+    Queued& operator[](size_t i) { return items[head + i]; }
+    void pop_front() {
+      if (++head == items.size()) {
+        items.clear();
+        head = 0;
+      }
+    }
+    void insert(size_t at, const Queued& q) { items.insert(items.begin() + static_cast<std::ptrdiff_t>(head + at), q); }
+  };
+  enum Resource { kEgress, kIngress, kLoopback };
   struct Connection {
-    std::deque<Queued> frames;  // frames[0] is on the wire
+    FrameQueue frames;
     double head_left = 0;       // wire bytes of frames[0] still to send
     double rate = 0;            // wire bytes per ns
     int64_t updated_ns = 0;     // head_left is exact at this time
     int64_t finish_ns = 0;      // frames[0]'s last byte leaves at the current rate
-    int heap_at = -1;           // index in finishes_, -1 when not sending
+    bool local = false;         // between two workers of one host
+    // Positions in the active lists (-1: not there): the sender's egress or loopback list, the
+    // receiver's ingress list, the sending worker's list.
+    int at_first = -1;
+    int at_ingress = -1;
+    int at_worker = -1;
   };
   struct Host {
-    int sending = 0;    // connections from this host with a frame
-    int receiving = 0;  // connections into this host with a frame
-    double sent_wire_bytes = 0;
+    std::vector<int> out;    // active connections to other hosts (egress)
+    std::vector<int> in;     // active connections from other hosts (ingress)
+    std::vector<int> local;  // active connections between its own workers
+    // What each connection through the egress, ingress or loopback gets (wire bytes per ns).
+    double egress_share = 0, ingress_share = 0, local_share = 0;
     int64_t egress_busy_ns = 0;
     int64_t busy_since_ns = 0;
+    bool egress_dirty = false, ingress_dirty = false, local_dirty = false;  // shares changed, not yet applied
+  };
+  // Each sending worker's earliest finishing connection, in a heap of workers.
+  struct Sender {
+    std::vector<int> active;  // its connections with a frame
+    int first = -1;           // the one finishing first (finish_ns, then index), -1: none
+    int heap_at = -1;
+    bool dirty = false;       // `first` must be found again
   };
 
-  int Index(int src, int dst) const { return src * options_.hosts + dst; }
-  void Progress(int connection, int64_t now_ns);
-  // Rate and finish event of every active connection through `src`'s egress or `dst`'s ingress.
-  void Reschedule(int src, int dst, int64_t now_ns);
-  void ScheduleFinish(int connection, int64_t now_ns);
-  // The finish heap: connections ordered by (finish_ns, index).
+  int Index(int src, int dst) const { return src * options_.workers + dst; }
+  int Src(int connection) const { return connection / options_.workers; }
+  int Dst(int connection) const { return connection % options_.workers; }
   bool FinishesBefore(int a, int b) const {
     const int64_t ta = connections_[a].finish_ns, tb = connections_[b].finish_ns;
     return ta != tb ? ta < tb : a < b;
   }
-  void HeapPlace(size_t at, int connection);
+  void Progress(Connection& c, int64_t now_ns);
+  double Rate(int connection) const;
+  void UpdateShares(Host& host) const;
+  // New shares for every connection through the dirty resources.
+  void ApplyShares(int64_t now_ns);
+  void Rerate(int connection, int64_t now_ns);
+  // Whether a resource of `connection` has new shares not yet applied.
+  bool SharesPending(int connection) const;
+  void FinishChanged(int connection);
+  void SetActive(int connection, bool active, int64_t now_ns);
+  void FixSenders();
+  void HeapPlace(size_t at, int sender);
   void HeapSiftUp(size_t at);
   void HeapSiftDown(size_t at);
-  void HeapRemove(int connection);
-  void SetActive(int connection, bool active, int64_t now_ns);
+  void HeapUpdate(int sender);
   // Marks frames whose last byte is inside the socket window as written.
   void NoteWritten(int connection, int64_t now_ns);
 
   LinkOptions options_;
   std::vector<Connection> connections_;
   std::vector<Host> hosts_;
-  // A binary min-heap of the sending connections by finish time, one entry each, moved in place
-  // when a rate changes (a change of sharing touches every connection of a host, so updates
-  // outnumber finishes by the number of hosts).
-  std::vector<int> finishes_;
+  std::vector<Sender> senders_;
+  std::vector<double> sent_wire_bytes_;  // per worker, to other hosts
+  std::vector<int> dirty_hosts_;
+  std::vector<int> dirty_senders_;
+  std::vector<int> heap_;  // senders with a connection sending, by their first finish
   std::vector<LinkEvent> pending_;  // written at Queue time, reported by the next AdvanceTo
   int64_t now_ns_ = 0;
 };

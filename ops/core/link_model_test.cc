@@ -11,9 +11,9 @@ namespace {
 
 constexpr int64_t kMs = 1'000'000;
 
-LinkOptions Options(int hosts, uint64_t window = 0) {
+LinkOptions Options(int workers, uint64_t window = 0) {
   LinkOptions o;
-  o.hosts = hosts;
+  o.workers = workers;
   o.egress_Bps = 1e6;  // 1,000 bytes per ms
   o.ingress_Bps = 1e6;
   o.socket_window_bytes = window;

@@ -11,6 +11,7 @@
 #include "ops/core/partition.h"
 #include "ops/core/scheduler.h"
 #include "ops/core/timeline.h"
+#include "ops/core/wire.h"
 
 namespace prophet {
 
@@ -47,7 +48,8 @@ struct Event {
   }
 };
 
-enum class FrameKind : uint8_t { kPush, kResult, kRing };
+// kLocalPush / kLocalResult: the two-level path's frames between the workers of one host.
+enum class FrameKind : uint8_t { kPush, kResult, kRing, kLocalPush, kLocalResult };
 
 struct FrameInfo {
   FrameKind kind = FrameKind::kPush;
@@ -64,14 +66,19 @@ uint64_t OpKey(int step, int tensor) {
 int KeyStep(uint64_t key) { return static_cast<int>(key >> 32); }
 int KeyTensor(uint64_t key) { return static_cast<int>(key & 0xffffffffu); }
 
+// One partition of a push_pull on one worker.
+struct PartState {
+  int contributions = 0;      // owned (or led, two-level) partitions: contributions added, own included
+  int results_unwritten = 0;  // sums not yet written to sockets (owner; two-level: the host's leader too)
+  int64_t push_sent_ns = 0;
+};
+
 // One push_pull of one tensor in one step, on one worker.
 struct Op {
   uint64_t request = 0;  // the engine's request id of this worker's submission
   int64_t submit_ns = 0;
   int parts_left = 0;
-  std::vector<int> contributions;    // owned partitions: contributions added (own included)
-  std::vector<int> results_unwritten;  // owned partitions: sums not yet written to sockets
-  std::vector<int64_t> push_sent_ns;
+  std::vector<PartState> parts;
 };
 
 // MultiWorkerMirroredStrategy's ring all-reduce of one step on one worker.
@@ -129,7 +136,9 @@ class Simulation {
  private:
   static LinkOptions MakeLinkOptions(const NetworkModel& network) {
     LinkOptions o;
-    o.hosts = network.workers;
+    o.workers = network.workers;
+    o.workers_per_host = network.workers_per_host;
+    o.loopback_Bps = network.loopback_Bps;
     o.egress_Bps = network.link_Bps;
     o.ingress_Bps = network.ingress_limited ? network.link_Bps : 0;
     o.payload_efficiency = network.payload_efficiency;
@@ -138,6 +147,26 @@ class Simulation {
     return o;
   }
   bool mwms() const { return runtime_.schedule == "mwms"; }
+  // The two-level path (RuntimeModel::hierarchical): partitions are owned by hosts; on each host
+  // one worker, the partition's leader, sums the host's contributions and exchanges them.
+  bool two_level() const { return runtime_.hierarchical && !mwms(); }
+  int per_host() const { return link_.options().workers_per_host; }
+  int Leader(int host, int tensor, int partition) const {
+    return host * per_host() + leader_rank_[tensor][partition];
+  }
+  // The worker that sums partition `partition` of `tensor` over every worker (two-level: over
+  // every host) and sends the sum back.
+  int Owner(int tensor, int partition) const {
+    const int owner = partitions_[tensor][partition].owner;
+    return two_level() ? Leader(owner, tensor, partition) : owner;
+  }
+  // Contributions worker `w` sums for the partition before it pushes (a host's leader) or sends
+  // the sum back (the owner).
+  int ContributionsNeeded(int w, int tensor, int partition) const {
+    if (!two_level()) return n_;
+    const int k = per_host();
+    return Owner(tensor, partition) == w ? k + link_.hosts() - 1 : k;
+  }
   bool crossing() const { return runtime_.cross_barrier && !mwms(); }
   bool IsControl(int tensor) const { return profile_.tensors[tensor].priority >= kControlPriority; }
   int total_steps() const { return options_.warmup_steps + options_.steps + 1; }
@@ -167,7 +196,9 @@ class Simulation {
   void Submit(int w, int step, int tensor);
   void Pump(int w);
   void SendFrame(int src, int dst, int64_t priority, const FrameInfo& info);
+  void EnqueuePush(int w, int step, int tensor, int partition, int owner);
   void MaybeSum(int owner, uint64_t key, int partition);
+  void SendLocalResults(int leader, uint64_t key, int partition);
   void SumDone(int owner, uint64_t key, int partition);
   void PartitionDone(int w, uint64_t key);
   void OpDone(int w, int step, int unit);          // every member of the unit is summed
@@ -183,7 +214,7 @@ class Simulation {
   // units_ and their members from the fusion plan (PlanFusion, as the engine plans).
   void PlanUnits();
   // The scheduler's task for worker `w`'s push `info` to `owner`.
-  SendTask PushTask(int w, int owner, const FrameInfo& info);
+  const SendTask& PushTask(int w, int owner, const FrameInfo& info);
   // Worker 0's first measured step: one tensor's milestones, for StepPrediction::tensor_times.
   double* Milestone(int w, int step, int tensor, double TensorTiming::*field) {
     if (w != 0 || step != options_.warmup_steps) return nullptr;
@@ -211,7 +242,8 @@ class Simulation {
   std::vector<std::vector<int>> unit_members_;      // tensors of each unit
   std::vector<int> unit_of_;                        // per tensor
   std::vector<std::unordered_map<uint64_t, size_t>> unit_ready_;  // per worker, by OpKey(step, unit)
-  std::vector<std::vector<Partition>> partitions_;  // per unit
+  std::vector<std::vector<Partition>> partitions_;  // per unit (two-level: owners are hosts)
+  std::vector<std::vector<int>> leader_rank_;       // two-level: per unit and partition, the leader's rank on its host
   std::vector<FrameInfo> frames_;
   std::vector<uint64_t> free_frames_;
   int controls_ = 0;
@@ -221,7 +253,10 @@ class Simulation {
   int64_t busy_begin_ns_ = 0, busy_end_ns_ = 0;
   double wire_begin_ = 0, wire_end_ = 0;
   std::vector<TensorTiming> timings_;
-  std::vector<double> bandwidth_samples_;  // worker 0's estimate as each measured step begins
+  std::vector<double> bandwidth_samples_;
+  SendTask scratch_task_;              // PushTask's
+  TransferDone scratch_done_;          // Arrive's
+  std::vector<SendTask> released_;     // Pump's  // worker 0's estimate as each measured step begins
 };
 
 Op& Simulation::OpAt(int w, uint64_t key) {
@@ -230,16 +265,15 @@ Op& Simulation::OpAt(int w, uint64_t key) {
   Op& op = workers_[w].ops[key];
   const std::vector<Partition>& parts = partitions_[KeyTensor(key)];
   op.parts_left = static_cast<int>(parts.size());
-  op.contributions.assign(parts.size(), 0);
-  op.results_unwritten.assign(parts.size(), 0);
-  op.push_sent_ns.assign(parts.size(), 0);
+  op.parts.assign(parts.size(), PartState());
   return op;
 }
 
-SendTask Simulation::PushTask(int w, int owner, const FrameInfo& info) {
+const SendTask& Simulation::PushTask(int w, int owner, const FrameInfo& info) {
   const ModelTensor& t = units_[info.tensor];
   const Op& op = OpAt(w, OpKey(info.step, info.tensor));
-  SendTask task;
+  // One task rebuilt in place: assigning the name reuses its buffer (no allocation per push).
+  SendTask& task = scratch_task_;
   task.name = t.name;
   task.round = static_cast<uint64_t>(info.step);
   task.request_id = op.request;
@@ -248,6 +282,7 @@ SendTask Simulation::PushTask(int w, int owner, const FrameInfo& info) {
   task.priority = t.priority;
   task.bytes = info.bytes;
   task.ready_ns = op.submit_ns;
+  task.enqueue_seq = 0;
   return task;
 }
 
@@ -418,22 +453,33 @@ void Simulation::Submit(int w, int step, int tensor) {
   worker.op_of_request[request] = key;
   op.request = request;
   const std::vector<Partition>& parts = partitions_[tensor];
+  if (two_level()) {
+    // Every partition goes to its leader on this host first; leaders push later (HostSumDone).
+    const int host = link_.host_of(w);
+    for (size_t p = 0; p < parts.size(); ++p) {
+      const int leader = Leader(host, tensor, static_cast<int>(p));
+      if (leader == w) {
+        ++op.parts[p].contributions;
+        MaybeSum(w, key, static_cast<int>(p));
+        continue;
+      }
+      FrameInfo info;
+      info.kind = FrameKind::kLocalPush;
+      info.step = step;
+      info.tensor = tensor;
+      info.partition = static_cast<int>(p);
+      info.bytes = t.WireBytes(parts[p].bytes);
+      SendFrame(w, leader, t.priority, info);
+    }
+    Pump(w);
+    return;
+  }
   for (size_t p = 0; p < parts.size(); ++p) {
     if (parts[p].owner == w) {
-      ++op.contributions[p];
+      ++op.parts[p].contributions;
       continue;
     }
-    SendTask task;
-    task.name = t.name;
-    task.round = static_cast<uint64_t>(step);
-    task.request_id = request;
-    task.partition = static_cast<int>(p);
-    task.peer = parts[p].owner;
-    task.priority = t.priority;
-    task.bytes = t.WireBytes(parts[p].bytes);  // what travels: the credit and the planner count it
-    task.ready_ns = now_ns_;
-    task.enqueue_seq = worker.enqueue_seq++;
-    worker.policy->Enqueue(task);
+    EnqueuePush(w, step, tensor, static_cast<int>(p), parts[p].owner);
   }
   for (size_t p = 0; p < parts.size(); ++p) {
     if (parts[p].owner == w) MaybeSum(w, key, static_cast<int>(p));
@@ -441,11 +487,28 @@ void Simulation::Submit(int w, int step, int tensor) {
   Pump(w);
 }
 
+void Simulation::EnqueuePush(int w, int step, int tensor, int partition, int owner) {
+  Worker& worker = workers_[w];
+  const ModelTensor& t = units_[tensor];
+  SendTask& task = scratch_task_;  // the policy copies it; the name's buffer is reused
+  task.name = t.name;
+  task.round = static_cast<uint64_t>(step);
+  task.request_id = OpAt(w, OpKey(step, tensor)).request;
+  task.partition = partition;
+  task.peer = owner;
+  task.priority = t.priority;
+  task.bytes = t.WireBytes(partitions_[tensor][partition].bytes);  // what travels: the credit and the planner count it
+  task.ready_ns = now_ns_;
+  task.enqueue_seq = worker.enqueue_seq++;
+  worker.policy->Enqueue(task);
+}
+
 void Simulation::Pump(int w) {
   Worker& worker = workers_[w];
   if (worker.policy->queued() > 0) {
     const uint64_t credit = runtime_.credit_bytes;
-    std::vector<SendTask> tasks;
+    std::vector<SendTask>& tasks = released_;
+    tasks.clear();
     worker.policy->Dequeue(worker.unsent_push_bytes < credit ? credit - worker.unsent_push_bytes : 0, now_ns_, &tasks);
     for (const PolicySpan& span : worker.policy->TakeSpans()) {
       if (worker.timeline) {
@@ -457,7 +520,7 @@ void Simulation::Pump(int w) {
     for (const SendTask& task : tasks) {
       const uint64_t key = worker.op_of_request[task.request_id];
       Op& op = OpAt(w, key);
-      op.push_sent_ns[task.partition] = now_ns_;
+      op.parts[task.partition].push_sent_ns = now_ns_;
       worker.unsent_push_bytes += task.bytes;
       FrameInfo info;
       info.kind = FrameKind::kPush;
@@ -497,8 +560,9 @@ void Simulation::SendFrame(int src, int dst, int64_t priority, const FrameInfo& 
 
 void Simulation::MaybeSum(int owner, uint64_t key, int partition) {
   Op& op = OpAt(owner, key);
-  if (op.contributions[partition] != n_) return;
-  op.contributions[partition] = n_ + 1;  // summed: never again
+  const int needed = ContributionsNeeded(owner, KeyTensor(key), partition);
+  if (op.parts[partition].contributions != needed) return;
+  op.parts[partition].contributions = needed + 1;  // summed: never again
   const Partition& p = partitions_[KeyTensor(key)][partition];
   int64_t delay = 0;
   if (network_.sum_Bps > 0) {
@@ -508,17 +572,48 @@ void Simulation::MaybeSum(int owner, uint64_t key, int partition) {
 }
 
 void Simulation::SumDone(int owner, uint64_t key, int partition) {
-  Op& op = OpAt(owner, key);
-  const int tensor = KeyTensor(key);
-  op.results_unwritten[partition] = n_ - 1;
+  const int tensor = KeyTensor(key), step = KeyStep(key);
+  if (two_level() && Owner(tensor, partition) != owner) {
+    // A host's leader has its host's sum: it pushes it to the partition's owner, through its
+    // policy and under its credit, as any push.
+    EnqueuePush(owner, step, tensor, partition, Owner(tensor, partition));
+    Pump(owner);
+    return;
+  }
   FrameInfo info;
   info.kind = FrameKind::kResult;
+  info.step = step;
+  info.tensor = tensor;
+  info.partition = partition;
+  info.bytes = units_[tensor].WireBytes(partitions_[tensor][partition].bytes);
+  const int64_t priority = units_[tensor].priority;
+  if (!two_level()) {
+    OpAt(owner, key).parts[partition].results_unwritten = n_ - 1;
+    for (int peer = 0; peer < n_; ++peer) {
+      if (peer != owner) SendFrame(owner, peer, priority, info);
+    }
+    return;
+  }
+  // Two-level: the sum goes to the other hosts' leaders, then to this host's other workers.
+  const int hosts = link_.hosts(), host = link_.host_of(owner);
+  OpAt(owner, key).parts[partition].results_unwritten = hosts - 1 + per_host() - 1;
+  for (int h = 0; h < hosts; ++h) {
+    if (h != host) SendFrame(owner, Leader(h, tensor, partition), priority, info);
+  }
+  SendLocalResults(owner, key, partition);
+}
+
+void Simulation::SendLocalResults(int leader, uint64_t key, int partition) {
+  const int tensor = KeyTensor(key);
+  FrameInfo info;
+  info.kind = FrameKind::kLocalResult;
   info.step = KeyStep(key);
   info.tensor = tensor;
   info.partition = partition;
   info.bytes = units_[tensor].WireBytes(partitions_[tensor][partition].bytes);
-  for (int peer = 0; peer < n_; ++peer) {
-    if (peer != owner) SendFrame(owner, peer, units_[tensor].priority, info);
+  const int first = link_.host_of(leader) * per_host();
+  for (int peer = first; peer < first + per_host() && peer < n_; ++peer) {
+    if (peer != leader) SendFrame(leader, peer, units_[tensor].priority, info);
   }
 }
 
@@ -570,17 +665,21 @@ void Simulation::Arrive(int dst, int src, uint64_t frame) {
     return;
   }
   const uint64_t key = OpKey(info.step, info.tensor);
-  if (info.kind == FrameKind::kPush) {
-    ++OpAt(dst, key).contributions[info.partition];
+  if (info.kind == FrameKind::kPush || info.kind == FrameKind::kLocalPush) {
+    ++OpAt(dst, key).parts[info.partition].contributions;
     MaybeSum(dst, key, info.partition);
+    return;
+  }
+  if (info.kind == FrameKind::kLocalResult) {  // two-level: the host's leader passed the sum on
+    PartitionDone(dst, key);
     return;
   }
   // A result: this worker's push of the partition is done.
   Worker& worker = workers_[dst];
   Op& op = OpAt(dst, key);
-  TransferDone done;
+  TransferDone& done = scratch_done_;  // assigned in place, as PushTask's task
   done.task = PushTask(dst, src, info);
-  done.sent_ns = op.push_sent_ns[info.partition];
+  done.sent_ns = op.parts[info.partition].push_sent_ns;
   done.done_ns = now_ns_;
   worker.policy->OnTransferDone(done);
   const std::vector<BandwidthSample> samples = worker.policy->bandwidth()->TakeSamples();
@@ -588,7 +687,13 @@ void Simulation::Arrive(int dst, int src, uint64_t frame) {
     worker.timeline->Complete("push", done.task.name, done.sent_ns, done.done_ns);
     for (const BandwidthSample& b : samples) worker.timeline->Counter("bandwidth_MBps", b.ts_ns, b.estimate_Bps / 1e6);
   }
-  PartitionDone(dst, key);
+  if (two_level() && per_host() > 1) {
+    // The host's leader is done once it has passed the sum to the host's other workers.
+    op.parts[info.partition].results_unwritten = per_host() - 1;
+    SendLocalResults(dst, key, info.partition);
+  } else {
+    PartitionDone(dst, key);
+  }
   Pump(dst);
 }
 
@@ -709,7 +814,20 @@ void Simulation::PlanUnits() {
     for (const int m : b.members) unit_of_[m] = static_cast<int>(units_.size());
     units_.push_back(unit);
     unit_members_.push_back(b.members);
-    partitions_.push_back(PlanPartitions(b, n_, runtime_.partition_bytes, bucket_bytes));
+    if (!two_level()) {
+      partitions_.push_back(PlanPartitions(b, n_, runtime_.partition_bytes, bucket_bytes));
+      continue;
+    }
+    // Two-level: cut for the hosts, owned by hosts (a bucket keeps each owner's share of bytes);
+    // each partition's leader rank spreads a host's partitions over its workers, starting where
+    // the unit's name's hash points.
+    const int hosts = link_.hosts();
+    partitions_.push_back(PlanPartitions(b, hosts, runtime_.partition_bytes,
+                                         bucket_bytes / static_cast<uint64_t>(n_) * static_cast<uint64_t>(hosts)));
+    const uint64_t start = HashString(unit.name);
+    std::vector<int> ranks(partitions_.back().size());
+    for (size_t p = 0; p < ranks.size(); ++p) ranks[p] = static_cast<int>((start + p) % static_cast<uint64_t>(per_host()));
+    leader_rank_.push_back(std::move(ranks));
   }
 }
 
@@ -720,10 +838,10 @@ void Simulation::HandleLink(const LinkEvent& e) {
   const FrameInfo& info = frames_[e.frame.tag];
   if (e.kind == LinkEvent::kWritten) {
     // An owner is done with a partition once its sum is written to every peer's socket.
-    if (info.kind == FrameKind::kResult) {
+    if (info.kind == FrameKind::kResult || info.kind == FrameKind::kLocalResult) {
       const uint64_t key = OpKey(info.step, info.tensor);
       Op& op = OpAt(e.frame.src, key);
-      if (--op.results_unwritten[info.partition] == 0) PartitionDone(e.frame.src, key);
+      if (--op.parts[info.partition].results_unwritten == 0) PartitionDone(e.frame.src, key);
     }
     // A push written to its socket has left this worker: its credit returns.
     if (info.kind == FrameKind::kPush) {
@@ -888,6 +1006,17 @@ Status Simulate(const StepProfile& profile, const NetworkModel& network, const R
   if (network.workers < 1) return Status(Code::kInvalidArgument, "workers must be at least 1, got " + std::to_string(network.workers));
   if (network.workers > 1 && !(network.link_Bps > 0)) {
     return Status(Code::kInvalidArgument, "the link rate must be positive for more than one worker");
+  }
+  if (network.workers_per_host < 1 || network.workers % network.workers_per_host != 0) {
+    return Status(Code::kInvalidArgument, "workers (" + std::to_string(network.workers) +
+                                              ") must be a positive multiple of workers_per_host (" +
+                                              std::to_string(network.workers_per_host) + ")");
+  }
+  if (network.workers_per_host > 1 && !(network.loopback_Bps > 0)) {
+    return Status(Code::kInvalidArgument, "loopback_Bps must be positive with several workers per host");
+  }
+  if (runtime.hierarchical && runtime.schedule == "mwms") {
+    return Status(Code::kInvalidArgument, "the two-level path (hierarchical) applies to the runtime's schedules, not mwms");
   }
   if (options.warmup_steps < 0 || options.steps < 1) {
     return Status(Code::kInvalidArgument, "need at least one measured step and no negative warm-up");

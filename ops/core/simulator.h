@@ -19,8 +19,8 @@
 //    the N contributions (its own arrives when its tensor is ready there) and sends the sum back
 //    to each other worker; a push's credit returns when its sum arrives; an owner is done with a
 //    partition once the sum's frames are written to the sockets;
-//  - links: LinkModel (per-host egress and ingress, one connection per peer, frames in the
-//    engine's queue order);
+//  - links: LinkModel (per-host egress and ingress shared by the host's workers, loopback between
+//    them, one connection per peer, frames in the engine's queue order);
 //  - updates: a finished gradient's update runs on a pool of `apply_threads` threads for its
 //    profiled time. Crossing the barrier: the next step's layer k starts its forward pass only
 //    when the updates of layer k's tensors are done; the train function returns after the
@@ -90,6 +90,13 @@ void CompressGradients(Encoding compression, StepProfile* profile);
 
 struct NetworkModel {
   int workers = 2;
+  // Workers placed on one host (worker w on host w / workers_per_host): they share the host's
+  // NIC, and talk to each other over loopback at loopback_Bps, shared by the host's connections
+  // between its own workers. Default 12.5 GB/s (100 Gbit/s), an assumption: about what several
+  // TCP streams over Linux loopback move together on a current multi-core server (one stream
+  // about 30-50 Gbit/s, bounded by the kernel's copies); shared memory would be faster.
+  int workers_per_host = 1;
+  double loopback_Bps = 12.5e9;
   double link_Bps = 125e6;          // per host and direction
   bool ingress_limited = true;      // false: only egress is shaped (emulated clusters)
   int64_t latency_ns = 0;           // one way, per frame
@@ -129,6 +136,14 @@ struct RuntimeModel {
   uint64_t partition_bytes = EngineOptions().partition_bytes;
   uint64_t credit_bytes = EngineOptions().credit_bytes;
   double replan_threshold = kDefaultReplanThreshold;
+  // The two-level path, PREDICTED ONLY (the engine does not implement it yet): every tensor is
+  // cut for the hosts and each partition owned by a host; on every host one worker, the
+  // partition's leader, first sums its host's contributions (sent to it over loopback), pushes
+  // that sum to the owning host's leader through its policy and under its credit (as a push),
+  // the owner's leader sums the hosts' and sends the sum to the other leaders, and every leader
+  // passes it on to its host's workers. BytePS's and Horovod's hierarchical all-reduce: the
+  // network carries each host's share once. Not with mwms.
+  bool hierarchical = false;
   int apply_threads = 2;
   // mwms: TensorFlow's ring (ring_reducer.cc): chunks of at most ring_chunk_bytes, at most
   // ring_max_subdivs subdivisions per worker; each message costs ring_message_ns on arrival.

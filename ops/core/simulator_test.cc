@@ -11,6 +11,7 @@
 #include <string>
 #include <utility>
 
+#include "ops/core/ideal_bound.h"
 #include "ops/core/partition.h"
 #include "ops/core/scheduler.h"
 #include "ops/core/testing.h"
@@ -410,6 +411,75 @@ TEST(ProphetSendsCompressedGradientsInHalfTheBytes) {
   const StepPrediction half = Run(profile, network, runtime);
   EXPECT_NEAR(half.wire_bytes_per_step, plain.wire_bytes_per_step / 2, 1e-6);
   EXPECT_TRUE(half.step_s < plain.step_s);
+}
+
+// Two workers on one host: the push and the sum go over loopback (1 GB/s: 0.1 ms each), never
+// over the (very slow) NIC.
+TEST(WorkersOfOneHostTalkOverLoopback) {
+  NetworkModel network = SlowNetwork(2);
+  network.workers_per_host = 2;
+  network.loopback_Bps = 1e9;
+  const StepPrediction p = Run(OneTensor(), network, RuntimeModel());
+  EXPECT_NEAR(p.step_s, 10.2 * kMsS, 1e-9);
+  EXPECT_NEAR(p.wire_bytes_per_step, 0, 1e-9);
+}
+
+// Four workers on two hosts, one tensor of 100,000 bytes (one partition), 1 MB/s NICs, loopback
+// at 1 TB/s (0.1 us per frame). Flat: the owner's host takes three pushes through one ingress,
+// two of them from the other host and one over loopback, and sends the sum to three peers, two
+// of them through its egress: 10 + 200 + 200 ms. Two-level: each host's leader sums its host
+// first, one push crosses the network (100 ms) and one sum comes back (100 ms).
+TEST(TwoLevelPathCrossesTheNetworkOncePerHost) {
+  NetworkModel network = SlowNetwork(4);
+  network.workers_per_host = 2;
+  network.loopback_Bps = 1e12;
+  RuntimeModel runtime;
+  runtime.schedule = "priority";
+  const StepPrediction flat = Run(OneTensor(), network, runtime);
+  runtime.hierarchical = true;
+  const StepPrediction two_level = Run(OneTensor(), network, runtime);
+  EXPECT_NEAR(two_level.step_s, 210.0 * kMsS, 0.001 * kMsS);
+  EXPECT_NEAR(flat.step_s, 410.0 * kMsS, 0.001 * kMsS);
+  runtime.schedule = "mwms";
+  StepPrediction p;
+  EXPECT_TRUE(!Simulate(OneTensor(), network, runtime, SimulationOptions(), &p).ok());
+  network.workers = 5;  // not a multiple of 2
+  runtime.schedule = "priority";
+  const Status s = Simulate(OneTensor(), network, runtime, SimulationOptions(), &p);
+  EXPECT_TRUE(!s.ok() && s.message().find("multiple of workers_per_host") != std::string::npos);
+}
+
+// N = 256 completes (no deadlock, within the event budget) for every schedule, flat and two-level,
+// and no step beats the ideal bound: a small model, so that it takes a fraction of a second.
+TEST(TwoHundredFiftySixWorkersFinishAboveTheIdealBound) {
+  StepProfile profile = TwelveVariedLayers(1.0);
+  for (ModelTensor& t : profile.tensors) t.bytes /= 64;  // 1 - 64 KiB: one partition, N-1 pushes each
+  NetworkModel network;
+  network.workers = 256;
+  network.link_Bps = 100e9 / 8;
+  network.latency_ns = 25'000;
+  SimulationOptions options;
+  options.warmup_steps = 3;
+  options.steps = 2;
+  for (int per_host : {1, 8}) {
+    network.workers_per_host = per_host;
+    IdealBound bound;
+    EXPECT_TRUE(ComputeIdealBound(profile, network, &bound).ok());
+    for (const char* schedule : {"prophet", "priority", "fifo", "mwms"}) {
+      for (bool hierarchical : {false, true}) {
+        if (hierarchical && (per_host == 1 || std::string(schedule) == "mwms")) continue;
+        RuntimeModel runtime;
+        runtime.schedule = schedule;
+        runtime.hierarchical = hierarchical;
+        StepPrediction p;
+        const Status s = Simulate(profile, network, runtime, options, &p);
+        if (!s.ok()) std::fprintf(stderr, "%s, %d per host: %s\n", schedule, per_host, s.message().c_str());
+        EXPECT_TRUE(s.ok());
+        EXPECT_TRUE(p.step_s >= bound.step_s * (1 - 1e-9));
+        EXPECT_TRUE(p.step_s < 100 * bound.step_s);  // sane: not stuck behind a lost event
+      }
+    }
+  }
 }
 
 TEST(BadInputIsRejectedWithTheReason) {

@@ -244,7 +244,8 @@ def emulated_profile(specs: Sequence[LayerSpec], batch: int, tflops: float,
                for layer, w in grads]
     return Profile(layers=[ProfiledLayer(s.name, f, b) for s, (f, b) in zip(specs, times)],
                    tensors=tensors, backward_s=at, forward="measured",
-                   source=source or f"emulated model ({len(specs)} layers)")
+                   source=source or f"emulated model ({len(specs)} layers)",
+                   emulation={"time_scale": float(time_scale), "accelerator_tflops": float(tflops)})
 
 
 # ------------------------------------------------------------------------------------------------

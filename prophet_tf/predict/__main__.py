@@ -2,7 +2,7 @@
 
     python -m prophet_tf.predict PROFILE.json [--workers 2,4,8,16,64] [--bandwidth 1G,10G,25G]
         [--schedule all] [--compression fp16|bf16] [--output predict.png] [--json results.json]
-        [--timeline trace.json]
+        [--timeline trace.json] [--time_scale S|profile] [--workers_per_host K [--hierarchical]]
 
 PROFILE.json is a trace recorded by one worker with ``PROPHET_PROFILE=PROFILE.json`` (or worker
 0's ``PROPHET_TIMELINE`` trace of a multi-worker run), or a profile saved with ``--save_profile``.
@@ -11,7 +11,11 @@ of workers and link rate, and draws it (step time and speed-up against workers, 
 schedule and link rate). ``--timeline`` writes the synthetic Chrome trace of one setting, drawable
 next to a real one with ``python -m prophet_tf.timeline``. ``--compression`` predicts
 ``ProphetStrategy(compression=...)``: the gradients travel in half the bytes (``mwms`` stays
-uncompressed); the ideal column is then the bound of the compressed bytes.
+uncompressed); the ideal column is then the bound of the compressed bytes. ``--time_scale``
+divides every time of the profile (an emulated benchmark run's, slowed S times, gives the modelled
+accelerator's; ``profile``: the S the run recorded). ``--workers_per_host K`` puts K workers on
+each host (they share its NIC, loopback between them); ``--hierarchical`` predicts the two-level
+path (sum on the host first), which the engine does not implement yet.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from prophet_tf.predict.model import (SCHEDULES, IdealBound, PredictError, Predi
                                       PredictOptions, SimulatedDeadlock, ideal_bound, predict)
 from prophet_tf.predict.profile import Profile, ProfileError, load_profile
 
-__all__ = ["parse_rate", "parse_duration", "format_rate", "format_table", "plot", "main"]
+__all__ = ["parse_rate", "parse_time_scale", "parse_duration", "format_rate", "format_table", "plot", "main"]
 
 _RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([kKmMgGtT]?)(?:bit|b|bps|bit/s)?\s*$")
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(s|ms|us|µs|ns)?\s*$")
@@ -45,6 +49,17 @@ def parse_rate(text: str) -> float:
     value = float(m.group(1)) * _PREFIX[m.group(2).lower()]
     if value <= 0:
         raise ValueError(f"link rate {text!r} must be positive")
+    return value
+
+
+def parse_time_scale(text: str) -> float:
+    """``"28"`` -> 28.0; a positive number."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"time scale {text!r}: expected a positive number or 'profile'")
     return value
 
 
@@ -176,6 +191,17 @@ def _define_flags() -> None:
                          "limit.")
     flags.DEFINE_float("payload_efficiency", defaults.payload_efficiency,
                        "Share of the link rate that carries data (Ethernet + TCP/IP headers).")
+    flags.DEFINE_string("time_scale", "1", "Divide every time of the profile by this (an emulated "
+                        "run's time scale gives the modelled accelerator's step times), or "
+                        "'profile': by the time scale the emulated run recorded in the profile.")
+    flags.DEFINE_integer("workers_per_host", 1, "Workers per host: they share the host's NIC and "
+                         "talk over loopback (--loopback); every --workers value must be a "
+                         "multiple.")
+    flags.DEFINE_string("loopback", "100G", "Loopback rate between the workers of one host (bit/s), "
+                        "shared by the host's local connections.")
+    flags.DEFINE_bool("hierarchical", False, "PREDICTED ONLY (the engine does not implement it): "
+                      "the two-level path for prophet/priority/fifo: sum on each host, then "
+                      "across hosts, then back (mwms keeps its flat ring).")
     flags.DEFINE_string("compression", "none", "Gradient compression of ProphetStrategy: none, "
                         "fp16 or bf16 (float32 gradients travel in half the bytes; mwms never "
                         "compresses).")
@@ -223,7 +249,15 @@ def main(argv: Sequence[str]) -> int:
         if FLAGS.compression not in known:
             raise ValueError(f"--compression must be one of {', '.join(known)}, got "
                              f"{FLAGS.compression!r}")
+        if FLAGS.workers_per_host < 1 or any(n % FLAGS.workers_per_host for n in workers):
+            raise ValueError(f"every --workers value must be a multiple of --workers_per_host "
+                             f"({FLAGS.workers_per_host}), got {FLAGS.workers}")
+        time_scale = (None if FLAGS.time_scale == "profile"
+                      else parse_time_scale(FLAGS.time_scale))
         options = PredictOptions(latency_s=parse_duration(FLAGS.latency),
+                                 workers_per_host=FLAGS.workers_per_host,
+                                 loopback_bytes_per_s=parse_rate(FLAGS.loopback) / 8.0,
+                                 hierarchical=FLAGS.hierarchical,
                                  ingress_limited=not FLAGS.egress_only,
                                  partition_bytes=FLAGS.partition_bytes,
                                  credit_bytes=FLAGS.credit_bytes,
@@ -244,10 +278,24 @@ def main(argv: Sequence[str]) -> int:
         return 2
     try:
         profile = load_profile(argv[1], worker=FLAGS.worker)
+        if time_scale is None:
+            if not profile.emulation.get("time_scale"):
+                raise ProfileError(f"{argv[1]}: --time_scale profile, but the profile has no "
+                                   "emulation record (only emulated benchmark runs recorded "
+                                   "since this option have one); give the time scale as a number")
+            time_scale = float(profile.emulation["time_scale"])
+        if time_scale != 1.0:
+            profile = profile.scaled(time_scale)
         print(_describe(profile) + (f"; gradients compressed as {options.compression}"
                                     if options.compression else ""))
         for note in profile.notes:
             print(f"  note: {note}")
+        if options.workers_per_host > 1:
+            print(f"  {options.workers_per_host} workers per host (loopback "
+                  f"{format_rate(options.loopback_bytes_per_s * 8)})")
+        if options.hierarchical:
+            print("  two-level path (--hierarchical): PREDICTED ONLY, the engine does not "
+                  "implement it; mwms keeps its flat ring")
         if FLAGS.save_profile:
             profile.save(FLAGS.save_profile)
             print(f"wrote {FLAGS.save_profile}")

@@ -112,6 +112,19 @@ class PredictOptions:
         runtime's defaults).
       apply_threads: threads running optimizer updates (TensorFlow's inter-op pool).
       ring_message_s: mwms: time each ring message costs on arrival (gRPC).
+      workers_per_host: workers placed on each host (N workers on N / workers_per_host hosts):
+        they share the host's NIC (egress and ingress), and traffic between them goes over
+        loopback at ``loopback_bytes_per_s``, shared by the host's connections between its own
+        workers. 1: every worker has a host of its own (the default, and all runs here).
+      loopback_bytes_per_s: that loopback rate in bytes per second; default 12.5e9 (100
+        Gbit/s), an assumption: about what several TCP streams over Linux loopback move
+        together on a current multi-core server (one stream about 30-50 Gbit/s, bounded by the
+        kernel's copies); shared memory would be faster.
+      hierarchical: PREDICTED ONLY, the engine does not implement it: the two-level path
+        (``RuntimeModel::hierarchical`` in ops/core/simulator.h): every partition is summed on
+        each host first (by the partition's leader there, over loopback), then across hosts
+        between the leaders (the runtime's push_pull, under its policy and credit), and the sum
+        goes back to each host's workers from their leader. ``mwms`` ignores it (its ring stays flat).
       warmup_steps, steps: simulated steps not measured, then measured (median).
       compression: ``ProphetStrategy(compression=...)``: None, ``"fp16"`` or ``"bf16"``. The
         gradients of 4-byte elements travel in half the bytes (pushes, sums, the credit, the
@@ -145,6 +158,9 @@ class PredictOptions:
         default_factory=lambda: float(_runtime_default("replan_threshold")))
     apply_threads: int = 2
     ring_message_s: float = 0.0
+    workers_per_host: int = 1
+    loopback_bytes_per_s: float = 12.5e9
+    hierarchical: bool = False
     warmup_steps: int = 5
     steps: int = 20
     compression: Optional[str] = None
@@ -228,6 +244,8 @@ def _request(profile: Profile, workers: int, bandwidth_bps: float, schedule: str
     layer_index = {layer.name: i for i, layer in enumerate(profile.layers)}
     lines = [
         f"option workers={workers}",
+        f"option workers_per_host={int(options.workers_per_host)}",
+        f"option loopback_Bps={float(options.loopback_bytes_per_s)!r}",
         f"option link_Bps={bandwidth_bps / 8.0!r}",
         f"option ingress_limited={int(options.ingress_limited)}",
         f"option latency_ns={_ns(options.latency_s)}",
@@ -241,6 +259,7 @@ def _request(profile: Profile, workers: int, bandwidth_bps: float, schedule: str
         f"option sum_Bps={float(options.sum_bps)!r}",
         f"option schedule={base}",
         f"option cross_barrier={int(cross)}",
+        f"option hierarchical={int(options.hierarchical and base != 'mwms')}",
         f"option partition_bytes={int(options.partition_bytes)}",
         f"option credit_bytes={int(options.credit_bytes)}",
         f"option replan_threshold={float(options.replan_threshold)!r}",

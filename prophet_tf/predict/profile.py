@@ -41,10 +41,14 @@ from typing import Any, Optional, Sequence, Union
 from prophet_tf.errors import ProphetError
 from prophet_tf.runtime import control_priority
 
-__all__ = ["PROFILE_FORMAT", "PROFILE_VERSION", "ProfileError", "ProfiledLayer", "ProfiledTensor",
-           "Profile", "load_profile", "profile_from_ready_times", "profile_from_trace"]
+__all__ = ["PROFILE_FORMAT", "PROFILE_VERSION", "EMULATION_TRACK", "ProfileError", "ProfiledLayer",
+           "ProfiledTensor", "Profile", "emulation_record", "load_profile", "profile_from_ready_times",
+           "profile_from_trace"]
 
 PROFILE_FORMAT = "prophet_tf.profile"
+#: The trace's track where an emulated benchmark worker records its time scale
+#: (:func:`emulation_record`); :func:`profile_from_trace` reads it into ``Profile.emulation``.
+EMULATION_TRACK = "emulation"
 PROFILE_VERSION = 1
 #: Ready offsets from this many first steps of a trace are not used (tracing, allocation).
 SKIP_STEPS = 1
@@ -95,6 +99,9 @@ class Profile:
     source: str = ""
     steps: int = 0                 # steps the medians come from
     notes: list[str] = dataclasses.field(default_factory=list)
+    #: The emulated benchmark's record, when the run was one (``time_scale``: every time of the
+    #: run was that many times the modelled accelerator cluster's; ``accelerator_tflops``).
+    emulation: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def forward_s(self) -> float:
@@ -109,6 +116,34 @@ class Profile:
     def gradient_bytes(self) -> int:
         limit = control_priority()
         return sum(t.bytes for t in self.tensors if t.priority < limit)
+
+    def scaled(self, time_scale: float) -> "Profile":
+        """This profile with every time divided by ``time_scale``: an emulated run's profile
+        (compute slowed ``time_scale`` times, ``python -m prophet_tf.bench.train --compute
+        emulated``) as the modelled accelerator cluster runs it.
+
+        Every time is divided, the accelerator's (forward and backward passes, ready offsets)
+        and the host's (updates, launch, tail, gap) alike: that is the benchmark's definition of
+        the modelled cluster (its comm/comp ratios and speed-ups are those of a cluster S times
+        faster in everything; the host's work, which the emulation does not slow, then counts S
+        times less than in the run, as on an accelerator that runs its optimizer itself). Bytes
+        and priorities are unchanged. The result records the time scale left (1 after dividing
+        by the run's own)."""
+        if not (_finite(time_scale) and time_scale > 0):
+            raise ProfileError(f"time scale must be a positive number, got {time_scale!r}")
+        f = 1.0 / time_scale
+        note = (f"times divided by {time_scale:g} (time scale of the emulated run) to give the "
+                "modelled accelerator's")
+        return dataclasses.replace(
+            self,
+            layers=[dataclasses.replace(l, forward_s=l.forward_s * f, backward_s=l.backward_s * f)
+                    for l in self.layers],
+            tensors=[dataclasses.replace(t, ready_s=t.ready_s * f, apply_s=t.apply_s * f)
+                     for t in self.tensors],
+            launch_s=self.launch_s * f, backward_s=self.backward_s * f, tail_s=self.tail_s * f,
+            gap_s=self.gap_s * f, notes=list(self.notes) + [note],
+            emulation=dict(self.emulation,
+                           time_scale=float(self.emulation.get("time_scale", time_scale)) / time_scale))
 
     def validate(self, where: str = "profile") -> None:
         """Raises :class:`ProfileError` unless every field is usable by the simulator."""
@@ -160,7 +195,7 @@ class Profile:
             layers = [ProfiledLayer(**layer) for layer in data["layers"]]
             tensors = [ProfiledTensor(**tensor) for tensor in data["tensors"]]
             fields = {k: data[k] for k in ("launch_s", "backward_s", "tail_s", "gap_s", "forward",
-                                           "source", "steps", "notes") if k in data}
+                                           "source", "steps", "notes", "emulation") if k in data}
         except (KeyError, TypeError) as e:
             raise ProfileError(f"{where}: malformed profile ({e})") from None
         profile = cls(layers=layers, tensors=tensors, **fields)
@@ -206,6 +241,25 @@ def load_profile(path: Union[str, Path], *, worker: Optional[int] = None) -> Pro
     except timeline.TraceError as e:
         raise ProfileError(f"{e}; expected a prophet_tf profile or a runtime trace") from None
     return profile_from_trace(events, worker=worker, source=str(path))
+
+
+def emulation_record(time_scale: float, accelerator_tflops: float) -> str:
+    """The name of the instant an emulated worker puts on :data:`EMULATION_TRACK`."""
+    return f"time_scale={time_scale!r} accelerator_tflops={accelerator_tflops!r}"
+
+
+def _parse_emulation(names: Sequence[str], source: str) -> dict[str, float]:
+    record: dict[str, float] = {}
+    for name in names:
+        for item in name.split():
+            key, _, value = item.partition("=")
+            try:
+                record[key] = float(value)
+            except ValueError:
+                raise ProfileError(f"{source}: unreadable emulation record {name!r}") from None
+    if record and not (record.get("time_scale", 0) > 0):
+        raise ProfileError(f"{source}: emulation record {names[0]!r} has no positive time_scale")
+    return record
 
 
 def _median(values: Sequence[float]) -> float:
@@ -276,6 +330,8 @@ def profile_from_trace(events: Sequence[dict], *, worker: Optional[int] = None,
         applies.setdefault(name, []).append(end - start)
     forwards, backwards = spans("forward"), spans("backward")
     measured = bool(forwards)
+    emulation = _parse_emulation([str(e.get("name")) for e in tracks.get(EMULATION_TRACK, [])
+                                  if e.get("ph") in ("i", "I")], source)
 
     per_step: list[dict[str, Any]] = []
     for i in range(skip_steps, len(steps) - 1):
@@ -376,7 +432,7 @@ def profile_from_trace(events: Sequence[dict], *, worker: Optional[int] = None,
     profile = Profile(
         layers=[ProfiledLayer(name, forward_s[name], backward_s.get(name, 0.0)) for name in layer_names],
         tensors=tensors, launch_s=launch, backward_s=backward, tail_s=tail, gap_s=gap,
-        forward="measured", source=source, steps=len(per_step), notes=notes)
+        forward="measured", source=source, steps=len(per_step), notes=notes, emulation=emulation)
     profile.validate(source)
     return profile
 

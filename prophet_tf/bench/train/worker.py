@@ -109,6 +109,18 @@ def _training_data(config: Mapping[str, Any], cfg: Any, global_batch: int) -> tu
     return models.synthetic_batch(cfg, global_batch, seed=1)
 
 
+def _record_emulation(config: Mapping[str, Any]) -> None:
+    """Puts the emulation's time scale and accelerator rate on this worker's timeline (an instant
+    on the "emulation" track), so that a profile recorded from it knows how much slower than the
+    modelled accelerator it ran (``prophet_tf.predict --time_scale profile``)."""
+    from prophet_tf import runtime
+    from prophet_tf.predict.profile import EMULATION_TRACK, emulation_record
+    if runtime.timeline_enabled():
+        runtime.timeline_event(EMULATION_TRACK, emulation_record(float(config["time_scale"]),
+                                                                 float(config["accelerator_tflops"])),
+                               time.monotonic_ns())
+
+
 def run_worker(config: Mapping[str, Any]) -> None:
     """Trains ``config["model"]`` with ``config["system"]`` and prints ``RESULT {json}``.
 
@@ -147,6 +159,8 @@ def run_worker(config: Mapping[str, Any]) -> None:
     global_batch = per_worker * world
     # Any real model the specs need is built here, outside the strategy's scope.
     specs = _layer_specs(config) if config.get("compute", "real") == "emulated" else None
+    if specs is not None and is_prophet:
+        _record_emulation(config)
 
     scope = strategy.scope() if strategy is not None else _null_context()
     with scope:

@@ -1,0 +1,211 @@
+// Fixed predictions of the step simulator on small settings: every schedule, N = 2-16, links with
+// and without ingress limits, latency and what the kernel's socket holds. The numbers were
+// printed by the simulator before its event loop and link model were made faster for N = 256
+// (commit "simulator: golden predictions"); a change of any of them is a change of the model,
+// which must be intended and stated, never a side effect of an optimisation. On a mismatch the
+// test prints the whole table as it is now, ready to paste after such an intended change.
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "ops/core/simulator.h"
+#include "ops/core/testing.h"
+
+namespace prophet {
+namespace {
+
+constexpr int64_t kMs = 1'000'000;
+
+// 24 layers, gradients from 256 bytes to 9 MiB (cut into several 4 MiB partitions, or fewer
+// than N small ones), two tensors per layer, plus one control collective.
+StepProfile VariedModel() {
+  StepProfile profile;
+  const int kLayers = 24;
+  int64_t at = 0;
+  std::vector<int64_t> ready(kLayers);
+  for (int i = kLayers - 1; i >= 0; --i) {
+    at += (1 + (i * 7) % 5) * kMs / 2;
+    ready[i] = at;
+  }
+  for (int i = 0; i < kLayers; ++i) {
+    profile.layers.push_back({"L" + std::to_string(i), (1 + (i * 3) % 4) * kMs / 4, 0});
+    const uint64_t kernel = uint64_t{256} << ((i * 5) % 16);  // 256 B .. 8 MiB
+    ModelTensor k;
+    k.name = "grad/L" + std::to_string(i) + "/kernel";
+    k.bytes = kernel + (i % 3 == 0 ? uint64_t{1} << 20 : 0);
+    k.priority = 2 * (kLayers - i);
+    k.layer = i;
+    k.ready_ns = ready[i];
+    k.apply_ns = (i % 4) * kMs / 10;
+    profile.tensors.push_back(k);
+    ModelTensor b = k;
+    b.name = "grad/L" + std::to_string(i) + "/bias";
+    b.bytes = 4 * static_cast<uint64_t>(64 + 32 * i);
+    b.priority = 2 * (kLayers - i) - 1;
+    b.apply_ns = kMs / 50;
+    profile.tensors.push_back(b);
+  }
+  ModelTensor loss;
+  loss.name = "metrics/loss";
+  loss.bytes = 8;
+  loss.priority = kControlPriority;
+  loss.ready_ns = at;
+  profile.tensors.push_back(loss);
+  profile.backward_ns = at;
+  profile.launch_ns = kMs / 5;
+  profile.tail_ns = kMs / 2;
+  profile.gap_ns = kMs / 3;
+  return profile;
+}
+
+struct Setting {
+  const char* schedule;
+  int workers;
+  int network;  // 0: 1 Gbit/s both ways; 1: 10 Gbit/s, 50 us latency; 2: 2 Gbit/s egress only, autotuned socket
+};
+
+struct Golden {
+  Setting setting;
+  int64_t step_ns;         // the median period
+  int64_t periods_ns;      // the sum of the measured periods
+  int64_t wire_bytes;      // worker 0's bytes on the wire per measured step
+};
+
+NetworkModel Network(const Setting& s) {
+  NetworkModel n;
+  n.workers = s.workers;
+  if (s.network == 0) {
+    n.link_Bps = 125e6;
+  } else if (s.network == 1) {
+    n.link_Bps = 1.25e9;
+    n.latency_ns = 50'000;
+  } else {
+    n.link_Bps = 250e6;
+    n.ingress_limited = false;
+    n.socket_buffer_bytes = 0;
+    n.socket_unsent_bytes = 0;
+  }
+  return n;
+}
+
+const Golden kGoldens[] = {
+    // GOLDEN-BEGIN
+    {{"prophet", 2, 0}, 329596013, 2307172091, 38214664},
+    {{"priority", 2, 0}, 329596013, 2307172091, 38214664},
+    {{"fifo", 2, 0}, 329596013, 2307172091, 38214664},
+    {{"mwms", 2, 0}, 378213741, 2647496187, 38198344},
+    {{"prophet", 3, 0}, 431702326, 3061483969, 50883414},
+    {{"priority", 3, 0}, 438386458, 3068168101, 51014532},
+    {{"fifo", 3, 0}, 438386458, 3068168101, 51014532},
+    {{"mwms", 3, 0}, 486410533, 3404873731, 50931516},
+    {{"prophet", 5, 0}, 531682953, 3714006126, 60698933},
+    {{"priority", 5, 0}, 531203302, 3717236629, 60762122},
+    {{"fifo", 5, 0}, 531790902, 3717824229, 60799672},
+    {{"mwms", 5, 0}, 572973757, 4010816299, 61118736},
+    {{"prophet", 8, 0}, 580270407, 4053055153, 66512749},
+    {{"priority", 8, 0}, 578781857, 4051926331, 66657544},
+    {{"fifo", 8, 0}, 586389028, 4059728291, 66809667},
+    {{"mwms", 8, 0}, 621674751, 4351723257, 66850126},
+    {{"prophet", 16, 0}, 674111525, 4682503063, 70680008},
+    {{"priority", 16, 0}, 672586448, 4605060874, 70661270},
+    {{"fifo", 16, 0}, 672586448, 4605060874, 70642655},
+    {{"mwms", 16, 0}, 662261513, 4635830591, 71626590},
+    {{"prophet", 2, 1}, 54669130, 384407737, 38214664},
+    {{"priority", 2, 1}, 54562166, 381950912, 38214664},
+    {{"fifo", 2, 1}, 54562166, 381950912, 38214664},
+    {{"mwms", 2, 1}, 86241375, 603689625, 38198344},
+    {{"prophet", 3, 1}, 59596714, 418154372, 50932797},
+    {{"priority", 3, 1}, 59596714, 418154372, 50935302},
+    {{"fifo", 3, 1}, 59596714, 418154372, 50935302},
+    {{"mwms", 3, 1}, 97161057, 680127399, 50931516},
+    {{"prophet", 5, 1}, 67731224, 475817079, 60621650},
+    {{"priority", 5, 1}, 67732176, 475820336, 60621399},
+    {{"fifo", 5, 1}, 67732176, 475820336, 60621399},
+    {{"mwms", 5, 1}, 106017381, 742121667, 61118736},
+    {{"prophet", 8, 1}, 72825069, 510054077, 66640346},
+    {{"priority", 8, 1}, 72825069, 510054077, 66640346},
+    {{"fifo", 8, 1}, 72825069, 510054077, 66640346},
+    {{"mwms", 8, 1}, 111187507, 778312549, 66850126},
+    {{"prophet", 16, 1}, 83214506, 579267170, 70361352},
+    {{"priority", 16, 1}, 83214506, 579267170, 70361352},
+    {{"fifo", 16, 1}, 83214506, 579267170, 70361352},
+    {{"mwms", 16, 1}, 117496193, 822473351, 71626590},
+    {{"prophet", 2, 2}, 167559528, 1176013041, 38186815},
+    {{"priority", 2, 2}, 166171254, 1174624767, 38158422},
+    {{"fifo", 2, 2}, 166171254, 1174624767, 38158422},
+    {{"mwms", 2, 2}, 215923539, 1511464773, 38198344},
+    {{"prophet", 3, 2}, 220581217, 1553440258, 50952089},
+    {{"priority", 3, 2}, 222783668, 1555642709, 51083216},
+    {{"fifo", 3, 2}, 222783668, 1555642709, 51083216},
+    {{"mwms", 3, 2}, 270021937, 1890153559, 50931516},
+    {{"prophet", 5, 2}, 271827008, 1884772892, 60889738},
+    {{"priority", 5, 2}, 267626640, 1880463213, 60799672},
+    {{"fifo", 5, 2}, 267626640, 1880463213, 60799672},
+    {{"mwms", 5, 2}, 313303549, 2193124843, 61118736},
+    {{"prophet", 8, 2}, 306873658, 2136080065, 66678623},
+    {{"priority", 8, 2}, 311261904, 2140468311, 66826175},
+    {{"fifo", 8, 2}, 311261904, 2140468311, 66826175},
+    {{"mwms", 8, 2}, 337654063, 2363578441, 66850126},
+    {{"prophet", 16, 2}, 332627297, 2352208091, 70361352},
+    {{"priority", 16, 2}, 332627297, 2352208091, 70361352},
+    {{"fifo", 16, 2}, 332627297, 2352208091, 70361352},
+    {{"mwms", 16, 2}, 357947453, 2505632171, 71626590},
+    // GOLDEN-END
+};
+
+TEST(PredictionsAreUnchanged) {
+  const StepProfile profile = VariedModel();
+  const char* schedules[] = {"prophet", "priority", "fifo", "mwms"};
+  const int workers[] = {2, 3, 5, 8, 16};
+  std::string table;
+  int compared = 0, differ = 0;
+  for (int network = 0; network < 3; ++network) {
+    for (int n : workers) {
+      for (const char* schedule : schedules) {
+        const Setting setting{schedule, n, network};
+        RuntimeModel runtime;
+        runtime.schedule = schedule;
+        SimulationOptions options;
+        options.warmup_steps = 4;
+        options.steps = 7;
+        StepPrediction p;
+        const Status s = Simulate(profile, Network(setting), runtime, options, &p);
+        if (!s.ok()) std::fprintf(stderr, "%s N=%d network %d: %s\n", schedule, n, network, s.message().c_str());
+        EXPECT_TRUE(s.ok());
+        int64_t sum = 0;
+        for (double period : p.periods_s) sum += static_cast<int64_t>(period * 1e9 + 0.5);
+        const Golden now{setting, static_cast<int64_t>(p.step_s * 1e9 + 0.5), sum,
+                         static_cast<int64_t>(p.wire_bytes_per_step + 0.5)};
+        char line[200];
+        std::snprintf(line, sizeof(line), "    {{\"%s\", %d, %d}, %lld, %lld, %lld},\n", schedule, n, network,
+                      static_cast<long long>(now.step_ns), static_cast<long long>(now.periods_ns),
+                      static_cast<long long>(now.wire_bytes));
+        table += line;
+        for (const Golden& g : kGoldens) {
+          if (std::string(g.setting.schedule) != schedule || g.setting.workers != n || g.setting.network != network) continue;
+          ++compared;
+          if (g.step_ns != now.step_ns || g.periods_ns != now.periods_ns || g.wire_bytes != now.wire_bytes) {
+            ++differ;
+            std::fprintf(stderr, "changed: %s N=%d network %d: step %lld -> %lld ns, periods %lld -> %lld ns, "
+                         "wire %lld -> %lld bytes\n", schedule, n, network, static_cast<long long>(g.step_ns),
+                         static_cast<long long>(now.step_ns), static_cast<long long>(g.periods_ns),
+                         static_cast<long long>(now.periods_ns), static_cast<long long>(g.wire_bytes),
+                         static_cast<long long>(now.wire_bytes));
+          }
+        }
+      }
+    }
+  }
+  const int expected = static_cast<int>(sizeof(kGoldens) / sizeof(kGoldens[0]));
+  if (differ > 0 || compared != expected || compared == 0) {
+    std::fprintf(stderr, "%d of %d settings compared, %d differ; the table as it is now:\n%s", compared, expected,
+                 differ, table.c_str());
+  }
+  EXPECT_TRUE(compared > 0 && compared == expected);
+  EXPECT_TRUE(differ == 0);
+}
+
+}  // namespace
+}  // namespace prophet
+
+PROPHET_TEST_MAIN()
