@@ -88,6 +88,7 @@ struct Engine::Impl : public Connection::Handler,
   Failures failures;  // failed operations' keys, lost and departed peers, heartbeats
   Timeouts timeouts;  // operations past their deadline
   Fuser fuser;        // declared tensors held for their fused bucket
+  std::unordered_map<std::string, uint64_t> fused_rounds;  // per fused tensor: its rounds so far (trace only)
   std::unique_ptr<SchedulerPolicy> policy;
   std::string next_schedule;  // switch to it once no partition is queued
   uint64_t next_op_id = 1;
@@ -529,7 +530,9 @@ void Engine::Impl::Route(OpRequest request, uint64_t round, std::vector<uint64_t
     // gradient's bytes. Its span ends when its bucket's sum is copied back.
     const int64_t held_ns = NowNs();
     timeline.Instant("ready", request.name, held_ns);
-    const std::string args = "{\"bytes\": " + std::to_string(request.bytes) + ", \"priority\": " +
+    const uint64_t member_round = fused_rounds[request.name]++;
+    const std::string args = "{\"round\": " + std::to_string(member_round) + ", \"bytes\": " +
+                             std::to_string(request.bytes) + ", \"priority\": " +
                              std::to_string(request.priority) + ", \"fused\": true, \"ok\": ";
     request.done = [this, done = std::move(request.done), name = request.name, args, held_ns](
                        const Status& status, const GatherResult* gather) {

@@ -41,21 +41,27 @@ std::string Digest(const std::vector<FusionDeclaration>& members) {
 
 Status Fuser::Declare(const std::string& group, const std::vector<FusionDeclaration>& tensors, int world_size,
                      uint64_t bucket_bytes) {
+  // The plans this declaration replaces: its group's, and that of any group holding one of its
+  // tensors. A model compiled again gets a new optimizer (a new group) for the same gradients;
+  // the last declaration of a tensor wins, and the old group's other tensors travel alone.
+  std::unordered_map<std::string, int> replaced{{group, 1}};
+  for (const FusionDeclaration& d : tensors) {
+    const auto other = member_of_.find(d.name);
+    if (other != member_of_.end()) replaced.emplace(buckets_[other->second.first].group, 1);
+  }
   for (const Bucket& b : buckets_) {
-    if (b.group != group) continue;
+    if (!replaced.count(b.group)) continue;
     for (const auto& q : b.queued)
       if (!q.empty())
         return Status(Code::kFailedPrecondition,
-                      "fusion declaration '" + group + "' came while '" + q.front().name +
-                          "' of its previous one waits for the rest of its bucket; declare between steps");
+                      "fusion declaration '" + group + "' came while '" + q.front().name + "' of the declaration '" +
+                          b.group + "' waits for the rest of its bucket; declare between steps");
   }
   std::vector<FusionInput> inputs;
   std::unordered_map<std::string, int> seen;
   for (const FusionDeclaration& d : tensors) {
-    const auto other = member_of_.find(d.name);
-    if (!seen.emplace(d.name, 1).second || (other != member_of_.end() && buckets_[other->second.first].group != group))
-      return Status(Code::kInvalidArgument, "fusion declaration '" + group + "' names tensor '" + d.name +
-                                                "' that is declared already (twice, or in another group)");
+    if (!seen.emplace(d.name, 1).second)
+      return Status(Code::kInvalidArgument, "fusion declaration '" + group + "' names tensor '" + d.name + "' twice");
     const size_t elem = DataTypeSize(d.dtype);
     int64_t elements = 1;
     for (const int64_t dim : d.shape) elements = dim < 0 ? -1 : elements * dim;
@@ -74,8 +80,9 @@ Status Fuser::Declare(const std::string& group, const std::vector<FusionDeclarat
     in.fusable = d.priority < kControlPriority;
     inputs.push_back(in);
   }
-  buckets_.erase(std::remove_if(buckets_.begin(), buckets_.end(), [&](const Bucket& b) { return b.group == group; }),
-                 buckets_.end());
+  buckets_.erase(
+      std::remove_if(buckets_.begin(), buckets_.end(), [&](const Bucket& b) { return replaced.count(b.group) != 0; }),
+      buckets_.end());
   for (FusionBucket& plan : PlanFusion(inputs, world_size, bucket_bytes)) {
     if (!plan.fused()) continue;  // travels alone, as without fusion
     Bucket b;

@@ -34,9 +34,10 @@ class Fuser {
   // A member's request that cannot go on, with the status it ends with.
   using Refusal = std::pair<OpRequest, Status>;
 
-  // Replaces the plan of `group` (one optimizer step's gradients; other groups stay). Fails if a
-  // member of the group's current plan is held (declare between steps) or a tensor is declared
-  // twice, in this group or another.
+  // Replaces the plan of `group` (one optimizer step's gradients) and of every other group that
+  // holds one of `tensors` (a model compiled again declares its gradients for a new optimizer:
+  // the last declaration wins, the old group's other tensors travel alone). Fails if a member of
+  // a replaced plan is held (declare between steps) or `tensors` names a tensor twice.
   Status Declare(const std::string& group, const std::vector<FusionDeclaration>& tensors, int world_size,
                  uint64_t bucket_bytes);
   // Whether `request` is a push_pull of a tensor that travels in a fused bucket.

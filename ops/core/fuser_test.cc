@@ -299,14 +299,42 @@ TEST(DeclarationsAreCheckedAndOneWorkerNeverFuses) {
   EXPECT_TRUE(fuser.Fuses(q));
   q.kind = OpKind::kAllgather;
   EXPECT_TRUE(!fuser.Fuses(q));
-  // Groups: another group may not declare the same tensor; its own re-declaration replaces it.
-  EXPECT_TRUE(!fuser.Declare("h", decl, 4, 1 << 20).ok());
-  EXPECT_TRUE(fuser.Declare("h", Declarations("other"), 4, 1 << 20).ok());
-  EXPECT_TRUE(fuser.Declare("g", decl, 4, 0).ok());  // none fused any more
+  // Groups: a re-declaration replaces its group's plan; another group declaring the same tensors
+  // (a model compiled again: a new optimizer for the same gradients) replaces the old group.
   q.kind = OpKind::kPushPull;
+  EXPECT_TRUE(fuser.Declare("h", Declarations("other"), 4, 1 << 20).ok());
+  EXPECT_TRUE(fuser.Declare("g", decl, 4, 0).ok());  // none of g fused any more
   EXPECT_TRUE(!fuser.Fuses(q));
   q.name = "other/grad0";
   EXPECT_TRUE(fuser.Fuses(q));
+  std::vector<FusionDeclaration> some(decl.begin(), decl.begin() + 2);
+  some.push_back(Declarations("other")[0]);
+  EXPECT_TRUE(fuser.Declare("recompiled", some, 4, 1 << 20).ok());
+  EXPECT_TRUE(fuser.Fuses(q));  // now in "recompiled"'s bucket
+  q.name = "other/grad1";
+  EXPECT_TRUE(!fuser.Fuses(q));  // "h" was replaced: its other tensors travel alone
+  // Not while a member of a plan it replaces waits for its bucket.
+  std::vector<OpRequest> ready;
+  std::vector<Fuser::Refusal> refused;
+  std::string notice;
+  OpRequest held;
+  held.kind = OpKind::kPushPull;
+  held.name = some[0].name;
+  held.dtype = some[0].dtype;
+  held.shape = some[0].shape;
+  held.bytes = some[0].bytes;
+  held.priority = some[0].priority;
+  held.average = some[0].average;
+  held.compression = some[0].compression;
+  std::vector<char> data(held.bytes);
+  held.input = held.output = data.data();
+  held.done = [](const Status&, const GatherResult*) {};
+  fuser.Hold(std::move(held), 0, &ready, &refused, &notice);
+  EXPECT_TRUE(ready.empty() && refused.empty());
+  const Status late = fuser.Declare("again", some, 4, 1 << 20);
+  EXPECT_TRUE(!late.ok() && Contains(late.message(), "declare between steps"));
+  std::vector<OpRequest> all;
+  fuser.TakeAll(&all);
 }
 
 }  // namespace

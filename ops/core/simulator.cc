@@ -632,7 +632,8 @@ void Simulation::PartitionDone(int w, uint64_t key) {
     for (size_t m = 0; members.size() > 1 && m < members.size(); ++m) {
       const ModelTensor& member = profile_.tensors[members[m]];
       worker.timeline->Complete("op", member.name, op.submit_ns, now_ns_,
-                                "{\"bytes\": " + std::to_string(member.bytes) + ", \"priority\": " +
+                                "{\"round\": " + std::to_string(step) + ", \"bytes\": " +
+                                    std::to_string(member.bytes) + ", \"priority\": " +
                                     std::to_string(member.priority) + ", \"fused\": true, \"ok\": true}");
     }
   }

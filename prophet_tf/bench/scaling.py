@@ -243,6 +243,8 @@ def _define_flags() -> None:
     flags.DEFINE_integer("workers_per_host", 1, "Workers per host (sharing its NIC).")
     flags.DEFINE_bool("hierarchical", False, "Also predict the two-level path of each runtime "
                       "schedule (PREDICTED ONLY: the engine does not implement it).")
+    flags.DEFINE_string("fusion", "auto", "Fusion of small gradients (ProphetStrategy's fusion): "
+                        "auto (the default), off or a bucket size in bytes.")
     flags.DEFINE_integer("steps", 5, "Measured simulated steps per setting (median).")
     flags.DEFINE_integer("warmup", 4, "Simulated steps before those (Prophet plans after two).")
     flags.DEFINE_integer("threads", 0, "Simulations at once (0: one per core).")
@@ -258,7 +260,7 @@ def main(argv: Sequence[str]) -> int:
     from prophet_tf.bench.models import MODEL_NAMES
     from prophet_tf.bench.schedule_map import _profiles
     from prophet_tf.predict import SCHEDULES, PredictOptions
-    from prophet_tf.predict.__main__ import parse_rate
+    from prophet_tf.predict.__main__ import parse_fusion, parse_rate
     FLAGS = flags.FLAGS
     if len(argv) > 1:
         print(f"unexpected arguments: {' '.join(argv[1:])}", file=sys.stderr)
@@ -276,6 +278,7 @@ def main(argv: Sequence[str]) -> int:
             raise ValueError(f"--workers must be at least 2 and multiples of --workers_per_host "
                              f"({k}), got {FLAGS.workers}")
         bandwidths = [parse_rate(b) for b in FLAGS.bandwidth]
+        fusion_bytes = parse_fusion(FLAGS.fusion)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -285,7 +288,8 @@ def main(argv: Sequence[str]) -> int:
         return _merge(FLAGS.merge, out)
     t0 = time.monotonic()
     profiles = _profiles(FLAGS.models, FLAGS.out, FLAGS.accelerator_tflops, None)
-    options = PredictOptions(steps=FLAGS.steps, warmup_steps=FLAGS.warmup, workers_per_host=k)
+    options = PredictOptions(steps=FLAGS.steps, warmup_steps=FLAGS.warmup, workers_per_host=k,
+                             fusion_bytes=fusion_bytes)
     names = list(FLAGS.schedules) + ([s + HIERARCHICAL_SUFFIX for s in FLAGS.schedules
                                       if s != "mwms"] if FLAGS.hierarchical else [])
     total = len(profiles) * len(bandwidths) * len(workers) * len(names)
@@ -304,6 +308,7 @@ def main(argv: Sequence[str]) -> int:
     lines = shortfalls(points, names)
     command = " ".join(["python -m prophet_tf.bench.scaling", *sys.argv[1:]])
     placement = (f"{k} workers per host" if k > 1 else "one worker per host")
+    placement += f", fusion {FLAGS.fusion}"
     header = (f"# Predicted scaling ({command})\n\nPREDICTIONS, not measurements: {placement}, "
               f"{FLAGS.accelerator_tflops:g} TFLOP/s accelerators, {FLAGS.warmup} + {FLAGS.steps} "
               "simulated steps. Each cell: predicted step ms and, in parentheses, scaling "
