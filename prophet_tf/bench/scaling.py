@@ -257,8 +257,7 @@ def main(argv: Sequence[str]) -> int:
     """Entry point (after absl parsed the flags)."""
     from absl import flags
 
-    from prophet_tf.bench.models import MODEL_NAMES
-    from prophet_tf.bench.schedule_map import _profiles
+    from prophet_tf.bench.schedule_map import _profiles, check_models
     from prophet_tf.predict import SCHEDULES, PredictOptions
     from prophet_tf.predict.__main__ import parse_fusion, parse_rate
     FLAGS = flags.FLAGS
@@ -266,9 +265,7 @@ def main(argv: Sequence[str]) -> int:
         print(f"unexpected arguments: {' '.join(argv[1:])}", file=sys.stderr)
         return 2
     try:
-        bad = [m for m in FLAGS.models if m not in MODEL_NAMES]
-        if bad:
-            raise ValueError(f"unknown model(s) {bad}; choose from {', '.join(MODEL_NAMES)}")
+        check_models(FLAGS.models)
         bad = [s for s in FLAGS.schedules if s not in SCHEDULES]
         if bad:
             raise ValueError(f"unknown schedule(s) {bad}; choose from {', '.join(SCHEDULES)}")

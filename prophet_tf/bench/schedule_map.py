@@ -270,11 +270,18 @@ def _define_flags() -> None:
     flags.DEFINE_string("out", "bench_out", "Output directory (the map goes to OUT/schedule_map).")
 
 
+def check_models(models: Sequence[str]) -> None:
+    """Raises ``ValueError`` naming the models of ``models`` the benchmarks do not have."""
+    from prophet_tf.bench.models import MODEL_NAMES
+    bad = [m for m in models if m not in MODEL_NAMES]
+    if bad:
+        raise ValueError(f"unknown model(s) {bad}; choose from {', '.join(MODEL_NAMES)}")
+
+
 def main(argv: Sequence[str]) -> int:
     """Entry point (after absl parsed the flags)."""
     from absl import flags
 
-    from prophet_tf.bench.models import MODEL_NAMES
     from prophet_tf.predict import PredictOptions
     from prophet_tf.predict.__main__ import parse_duration, parse_rate
     FLAGS = flags.FLAGS
@@ -282,9 +289,7 @@ def main(argv: Sequence[str]) -> int:
         print(f"unexpected arguments: {' '.join(argv[1:])}", file=sys.stderr)
         return 2
     try:
-        bad = [m for m in FLAGS.models if m not in MODEL_NAMES]
-        if bad:
-            raise ValueError(f"unknown model(s) {bad}; choose from {', '.join(MODEL_NAMES)}")
+        check_models(FLAGS.models)
         workers = [int(w) for w in FLAGS.workers]
         if any(n < 2 for n in workers):
             raise ValueError(f"--workers must be at least 2, got {FLAGS.workers}")
