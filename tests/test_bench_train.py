@@ -537,6 +537,11 @@ def test_options_for_emulated_compute():
     cells = train.sweep_cells(full)
     assert [m for m, _ in cells] == list(train.EMULATED_DEFAULT_MODELS)
     assert all(runs == [(n, train.EMULATED_FULL_RATIOS) for n in (2, 4, 8)] for _, runs in cells)
+    # --models alone is the default grid's part for those models (measured per model, joined)
+    part = train.options_from_flags(_flags(compute="emulated", models=["bert_base"]))
+    assert train.sweep_cells(part) == [("bert_base", [(n, train.EMULATED_RATIOS)
+                                                      for n in (2, 4, 8)])]
+    assert part.mwms_ratios == (1.0,)
     # explicit choices replace the default grid
     mine = train.options_from_flags(_flags(compute="emulated", models=["vgg16"], workers=["4"]))
     assert train.sweep_cells(mine) == [("vgg16", [(4, train.EMULATED_RATIOS)])]

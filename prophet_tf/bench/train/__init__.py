@@ -114,8 +114,10 @@ N = 2, 4, 8 x comm/comp 0.5, 1, 2) with :data:`~prophet_tf.bench.train.systems.
 EMULATED_DEFAULT_SYSTEMS`, ``mwms`` only at comm/comp 1; settings whose workers would not fit
 in this machine's memory are skipped with a message (docs/benchmarks.md gives what fits and how
 long the sweep takes); ``--full``: every model x N = 2, 4, 8 x comm/comp 0.5, 1, 1.5, 2 with
-every base system; any of ``--models``, ``--workers``, ``--ratios`` makes a grid of their
-product instead.
+every base system; ``--models`` alone keeps the default grid's settings of those models (so
+the sweep can be measured one model at a time and joined with ``--merge``); ``--workers`` or
+``--ratios`` makes a grid of the product of ``--models``, ``--workers`` and ``--ratios``
+instead.
 
 ``--quick``: one model, 2 workers, comm/comp = 1, no contended run, no ``auto`` (it runs one of
 the other schedules) and no retries (a disturbed launch is flagged, not run twice): the small

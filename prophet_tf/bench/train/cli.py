@@ -62,8 +62,10 @@ def define_flags() -> Any:
                   f"{EMULATED_QUICK_MODEL} with emulated compute.")
     f.DEFINE_list("models", None, f"Models among {', '.join(MODEL_NAMES)} (default: "
                   f"{','.join(DEFAULT_MODELS)} with real compute; emulated: see --full and the "
-                  "module docstring).")
-    f.DEFINE_list("workers", None, "Worker counts, 2-8 (default: 2).")
+                  "module docstring; emulated without --workers and --ratios: the default "
+                  "sweep's settings of these models).")
+    f.DEFINE_list("workers", None, "Worker counts, 2-8 (default: 2; the emulated default sweep: "
+                  "2, 4, 8).")
     f.DEFINE_integer("batch", None, "Per-worker batch size; the global batch is N times this "
                      f"(default per model: {DEFAULT_BATCH} real, {EMULATED_BATCH} emulated).")
     f.DEFINE_integer("steps", None, "Measured steps per run (default 10 real, "
@@ -130,9 +132,11 @@ def options_from_flags(flags_: Any) -> SweepOptions:
         raise ValueError("--full is the emulated-compute grid: use it with --compute emulated "
                          "and without --quick")
     grid: Optional[list] = None
-    if emulated and not quick and not flags_.full and not (
-            flags_.models or flags_.workers or flags_.ratios):
-        grid = [(m, n, tuple(r)) for m, n, r in EMULATED_DEFAULT_GRID]
+    if emulated and not quick and not flags_.full and not (flags_.workers or flags_.ratios):
+        # `--models X` alone is the default sweep's part for X (the sweep is measured per model
+        # and joined with --merge): the same workers, ratios and systems as the whole grid.
+        grid = [(m, n, tuple(r)) for m, n, r in EMULATED_DEFAULT_GRID
+                if not flags_.models or m in flags_.models]
     default_ratios = (EMULATED_FULL_RATIOS if flags_.full else EMULATED_RATIOS) if emulated \
         else DEFAULT_RATIOS
     quick_model = EMULATED_QUICK_MODEL if emulated else QUICK_MODEL
