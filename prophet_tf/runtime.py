@@ -289,8 +289,10 @@ def declare_fusion(group: str, tensors: Sequence[FusedTensor], bucket_bytes: int
 
     Every worker must declare the same tensors with the same ``bucket_bytes`` (-1: sized from the
     workers and the link rate in ``$PROPHET_LINK_GBPS``, else 10 Gbit/s; 0: none fused) before
-    submitting them; a declaration replaces the previous one of ``group``. Raises ProphetError
-    when the runtime refuses it."""
+    submitting them (in any order, under any group name); where they differ, the fused
+    push_pulls fail on every worker within seconds, naming the first tensor that differs. A
+    declaration replaces the previous one of ``group``. Raises ProphetError when the runtime
+    refuses it."""
     _require()
     lines = []
     for t in tensors:

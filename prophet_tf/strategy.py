@@ -837,7 +837,9 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
         instead of a few; a bucket size in bytes; or ``None``/``"off"``: every gradient is its
         own collective. Results stay
         deterministic and the same on every worker; with 3 or more workers a fused element may be
-        summed by another owner than unfused (another fixed order: other last bits).
+        summed by another owner than unfused (another fixed order: other last bits). Workers
+        whose gradients differ (a model built differently on one of them) fail ``fit`` within
+        seconds with an error naming the first gradient that differs.
       sync_random_seed: when no TensorFlow global seed is set, set one (drawn on rank 0) on every
         worker, so that unseeded shuffles (``fit(shuffle=True)`` on arrays, ``Dataset.shuffle``)
         produce the same order everywhere and the shards of every global batch stay disjoint.

@@ -1,8 +1,9 @@
 """Fusion through ProphetStrategy: a model of many small gradients trains to the weights of one
 process on the global batch with its gradients fused into buckets, bitwise the same on every
-worker (docs/design.md, "Fusion"). The bucket plan, fused sums on 2-4 engines (bitwise, any
-submission order, compression, failures naming the tensor) are tested in C++:
-//ops/core:fusion_test and //ops/core:fuser_test."""
+worker; a model built differently on one worker fails fit everywhere, soon, naming the tensor
+(docs/design.md, "Fusion"). The bucket plan, fused sums on 2-4 engines (bitwise, any
+submission order, compression, failures naming the tensor, declarations that differ across
+workers) are tested in C++: //ops/core:fusion_test and //ops/core:fuser_test."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
+from conftest import parse_results  # noqa: E402
 from test_strategy_equivalence import _check_case  # noqa: E402
 
 
@@ -36,6 +38,23 @@ def test_many_small_gradients_fused_on_three_workers_match_one_process(run_worke
             # step: as many push_pulls held for buckets on every worker.
             assert r["fused"] >= r["gradients"] * r["steps"] // 2, r
             assert r["fused"] == run.one(0, case=case)["fused"], r
+
+
+def test_fused_gradients_that_differ_across_workers_fail_fit_soon_naming_the_variable(spawn_workers):
+    # Rank 1 freezes the layer "middle": it declares 4 gradients for fusion, rank 0 declares 6.
+    # Unchecked, each worker's bucket would wait for the operation timeout for the other's.
+    op_timeout_s = 120
+    spawned = spawn_workers("fusion_mismatch.py", 2, str(op_timeout_s))
+    for rank, (code, _, out) in enumerate(spawned.wait(timeout=300)):
+        assert code == 3, f"rank {rank}:\n" + out[-4000:]
+        assert "FINISHED WITHOUT ERROR" not in out
+        (err,) = parse_results(out, default_rank=rank)[rank]
+        message = err["message"]
+        assert "the gradients declared for fusion differ across workers" in message, err
+        assert "middle/kernel' is declared on rank 0 (shape [16, 16] float32" in message, err
+        assert "but not on rank 1" in message and "build the same model" in message, err
+        # Found by the check, not by the operation timeout: a bound only a hang reaches.
+        assert err["seconds"] < op_timeout_s / 2, err
 
 
 def test_fusion_settings_and_link_rate(monkeypatch):

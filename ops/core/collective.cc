@@ -17,7 +17,8 @@ const char* CollectiveOfFrame(FrameType type) {
     case FrameType::kProbeReply:
     case FrameType::kHeartbeat:
     case FrameType::kPeerLost:
-    case FrameType::kLeaving: break;  // control frames belong to no collective
+    case FrameType::kLeaving:
+    case FrameType::kFusionCheck: break;  // control frames belong to no collective
   }
   return "?";
 }

@@ -103,6 +103,7 @@ struct Engine::Impl : public Connection::Handler,
   // Statistics (read by StatsJson from other threads).
   std::atomic<uint64_t> ops_done{0}, ops_failed{0};
   std::atomic<uint64_t> fused_submitted{0};  // push_pulls held for a fused bucket
+  std::atomic<uint64_t> fusion_questions{0};  // fusion check questions asked (fuser.h)
 
   // --- the thread ------------------------------------------------------------------------------
   void Run();
@@ -130,6 +131,21 @@ struct Engine::Impl : public Connection::Handler,
       request.done(status, nullptr);
     }
   }
+  // Fusion's check frames (fuser.h) go out; a disagreement they proved fails fused operations.
+  void SendChecks(std::vector<Fuser::CheckFrame> frames) {
+    for (Fuser::CheckFrame& f : frames) {
+      if (f.kind == FusionCheckKind::kQuery) fusion_questions.fetch_add(1);
+      FrameMeta meta;
+      meta.type = FrameType::kFusionCheck;
+      meta.name = f.name;
+      meta.round = f.round;
+      meta.partition = static_cast<uint32_t>(f.kind);
+      meta.offset = f.digest;
+      meta.payload_bytes = f.payload.size();
+      Send(f.peer, MakeOwnedFrame(meta, std::move(f.payload), kUrgentPriority));
+    }
+  }
+  void OnFusionCheck(int peer, const FrameMeta& meta, const ByteBuffer& data);
   uint64_t NextRound(const std::string& name) {
     std::lock_guard<std::mutex> lock(mu);
     return rounds[name]++;
@@ -377,6 +393,7 @@ std::string Engine::StatsJson() const {
   os << "{\"rank\": " << m.rank() << ", \"world_size\": " << m.world_size() << ", \"schedule\": \""
      << schedule << "\", \"bytes_sent\": " << sent << ", \"bytes_received\": " << received
      << ", \"ops_done\": " << m.ops_done.load() << ", \"ops_failed\": " << m.ops_failed.load()
+     << ", \"fusion_questions\": " << m.fusion_questions.load()
      << ", \"fused_submitted\": " << m.fused_submitted.load() << "}";
   return os.str();
 }
@@ -416,6 +433,11 @@ void Engine::Impl::Run() {
       std::vector<Fuser::Refusal> late;
       fuser.Expire(now, static_cast<int64_t>(options_.timeout_s * 1e9), &late);
       Refuse(std::move(late));
+      std::vector<Fuser::CheckFrame> questions;
+      fuser.Check(now, rank(), world_size(),
+                  [this](const std::string& name, uint64_t round) { return Find(OperationKey(name, round)) != nullptr; },
+                  &questions);
+      SendChecks(std::move(questions));
       failures.Heartbeat(now);
       next_timeout_check = now + kTimeoutCheckNs;
     }
@@ -496,6 +518,9 @@ void Engine::Impl::DrainSubmissions() {
       Declaration& d = declared[next_declaration];
       const Status s = fuser.Declare(d.group, d.tensors, world_size(), d.bucket_bytes);
       if (!s.ok()) PROPHET_INFO("fusion declaration refused: %s", s.message().c_str());
+      std::vector<Fuser::CheckFrame> digest;
+      fuser.TellDigest(rank(), world_size(), &digest);
+      SendChecks(std::move(digest));
       if (d.done) d.done(s);
     }
   };
@@ -519,6 +544,16 @@ void Engine::Impl::DrainSubmissions() {
 }
 
 void Engine::Impl::Route(OpRequest request, uint64_t round, std::vector<uint64_t>* started) {
+  if (request.kind == OpKind::kPushPull) {
+    fuser.Routed(request.name, round);
+    Status differs;
+    if (fuser.Refuses(request, &differs)) {  // the workers' fusion declarations differ
+      failures.FailElsewhere(request.name, round, differs);  // a peer waiting for it fails too
+      std::vector<Fuser::Refusal> refused;
+      refused.emplace_back(std::move(request), std::move(differs));
+      return Refuse(std::move(refused));
+    }
+  }
   if (!fuser.Fuses(request)) {
     if (const uint64_t id = StartOperation(std::move(request), round)) started->push_back(id);
     return;
@@ -543,11 +578,12 @@ void Engine::Impl::Route(OpRequest request, uint64_t round, std::vector<uint64_t
   std::vector<OpRequest> ready;
   std::vector<Fuser::Refusal> refused;
   std::string notice;
-  fuser.Hold(std::move(request), NowNs(), &ready, &refused, &notice);
+  fuser.Hold(std::move(request), round, NowNs(), &ready, &refused, &notice);
   if (!notice.empty()) failures.FailElsewhere(notice, NextRound(notice), refused.front().second);
   Refuse(std::move(refused));
   for (OpRequest& bucket : ready) {
     const uint64_t bucket_round = NextRound(bucket.name);
+    fuser.Started(bucket.name, bucket_round, NowNs());
     if (const uint64_t id = StartOperation(std::move(bucket), bucket_round)) started->push_back(id);
   }
 }
@@ -664,7 +700,8 @@ void Engine::Impl::PushCompleted(const TransferDone& d) {
 // Receiving: frames find their operation by name#round
 
 PayloadSink Engine::Impl::OnFrame(Connection& c, const FrameMeta& meta) {
-  if (meta.type == FrameType::kError || meta.type == FrameType::kPeerLost) return PayloadSink::Buffer();
+  if (meta.type == FrameType::kError || meta.type == FrameType::kPeerLost || meta.type == FrameType::kFusionCheck)
+    return PayloadSink::Buffer();
   if (IsControlFrame(meta.type)) return PayloadSink::Discard();  // no payload; handled when done
   const std::string key = OperationKey(meta.name, meta.round);
   Collective* op = Find(key);
@@ -698,6 +735,7 @@ void Engine::Impl::OnFrameDone(Connection& c, const FrameMeta& meta, PayloadSink
 
 void Engine::Impl::HandleWholeFrame(int peer, const FrameMeta& meta, ByteBuffer data) {
   if (meta.type == FrameType::kPeerLost) return failures.OnLossReport(peer, meta, data);
+  if (meta.type == FrameType::kFusionCheck) return OnFusionCheck(peer, meta, data);
   if (meta.type == FrameType::kError) {
     failures.OnErrorNotice(peer, meta, data);
     early.Take(OperationKey(meta.name, meta.round));
@@ -707,6 +745,30 @@ void Engine::Impl::HandleWholeFrame(int peer, const FrameMeta& meta, ByteBuffer 
   if (Collective* op = Find(key)) return ApplyWholeFrame(op, peer, meta, &data);
   if (failures.FailedWith(key)) return;
   early.Keep(peer, meta, std::move(data));
+}
+
+void Engine::Impl::OnFusionCheck(int peer, const FrameMeta& meta, const ByteBuffer& data) {
+  std::vector<Fuser::CheckFrame> answers;
+  std::vector<Fuser::Refusal> held;
+  const Status error = fuser.OnCheck(rank(), peer, static_cast<FusionCheckKind>(meta.partition), meta.name, meta.round,
+                                     meta.offset, std::string(data.data(), data.size()), &answers, &held);
+  SendChecks(std::move(answers));
+  if (error.ok()) return;
+  // The declarations differ: the fused operations running here fail, and so do the push_pulls of
+  // the tensors either worker declared (a peer may hold one in a bucket that this worker sends
+  // alone), on every worker (error notices).
+  PROPHET_INFO("%s", error.message().c_str());
+  Refuse(std::move(held));
+  std::vector<uint64_t> failing;  // ids: failing one operation may end others
+  for (Collective* op : Running()) {
+    Status ignored;
+    if (op->request().name.rfind(kFusedPrefix, 0) == 0 || fuser.Refuses(op->request(), &ignored))
+      failing.push_back(op->id());
+  }
+  for (const uint64_t id : failing) {
+    const auto it = ops_by_id.find(id);
+    if (it != ops_by_id.end()) failures.FailEverywhere(it->second, error);
+  }
 }
 
 // ------------------------------------------------------------------------------------------------

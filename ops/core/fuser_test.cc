@@ -1,7 +1,10 @@
 // Fused push_pull on real engines over loopback: declared small tensors travel in buckets; the
 // results are the sums, bitwise the same on every worker and run to run whatever order the
 // tensors are submitted in, bitwise the unfused results on two workers; a member that differs
-// from its declaration, or one never submitted, fails with an error naming it, on every worker.
+// from its declaration, or one never submitted, fails with an error naming it, on every worker;
+// declarations that differ across workers fail every fused member within seconds (not the
+// operation timeout), naming the first tensor that differs, while a late worker, another order
+// of the same declaration and a worker compiling again alone go on.
 #include "ops/core/fuser.h"
 
 #include <algorithm>
@@ -122,11 +125,12 @@ std::vector<Step> RunStep(std::vector<std::unique_ptr<Engine>>& engines, const s
   return steps;
 }
 
-std::vector<Status> Await(Step& s) {
+// Waits for every callback of `s` (at most `bound` each); the statuses.
+std::vector<Status> AwaitWithin(Step& s, std::chrono::seconds bound) {
   std::vector<Status> out;
   for (std::future<Status>& f : s.done) {
-    if (f.wait_for(std::chrono::seconds(30)) != std::future_status::ready) {
-      FAIL("no done callback within 30 s");
+    if (f.wait_for(bound) != std::future_status::ready) {
+      FAIL("no done callback within " + std::to_string(bound.count()) + " s");
       out.push_back(Status(Code::kInternal, "test: no callback"));
       continue;
     }
@@ -134,6 +138,8 @@ std::vector<Status> Await(Step& s) {
   }
   return out;
 }
+
+std::vector<Status> Await(Step& s) { return AwaitWithin(s, std::chrono::seconds(30)); }
 
 const std::vector<float>& Result(const Step& s, size_t i) { return s.out[i].empty() ? s.in[i] : s.out[i]; }
 
@@ -280,6 +286,163 @@ TEST(AMemberNeverSubmittedFailsTheHeldOnesNamingIt) {
   }
 }
 
+// One worker submits each of `decl` (ones as input) in its own thread.
+std::thread SubmitAll(Engine& engine, const std::vector<FusionDeclaration>& decl, Step* s) {
+  for (const FusionDeclaration& d : decl) {
+    s->in.push_back(std::vector<float>(d.bytes / 4, 1.0f));
+    s->out.push_back(std::vector<float>(d.bytes / 4));
+  }
+  s->done.resize(decl.size());
+  return std::thread([&engine, &decl, s] {
+    for (size_t i = 0; i < decl.size(); ++i) s->done[i] = Submit(engine, decl[i], s->in[i].data(), s->out[i].data());
+  });
+}
+
+uint64_t StatsField(const Engine& e, const std::string& field) {
+  const std::string stats = e.StatsJson();
+  const size_t at = stats.find("\"" + field + "\": ");
+  return at == std::string::npos ? 0 : std::stoull(stats.substr(at + field.size() + 4));
+}
+
+std::vector<DeclaredTensor> AsDeclared(const std::vector<FusionDeclaration>& decl, uint64_t bucket_bytes) {
+  std::vector<DeclaredTensor> out;
+  for (const FusionDeclaration& d : decl) out.push_back(DeclaredTensor{d, bucket_bytes});
+  return out;
+}
+
+TEST(ADisagreementNamesTheFirstTensorThatDiffersAndBothDeclarations) {
+  const std::vector<FusionDeclaration> base = Declarations("say");
+  const std::vector<DeclaredTensor> a = AsDeclared(base, 1000);
+  // grad5 (1886 floats) has one float more on rank 1.
+  std::vector<DeclaredTensor> b = a;
+  b[5].tensor.shape = {1887};
+  b[5].tensor.bytes += 4;
+  const std::string shape = DescribeDisagreement(0, a, 1, b, "unused");
+  EXPECT_TRUE(Contains(shape, "the gradients declared for fusion differ across workers: 'say/grad5' has shape [1886] "
+                              "float32 (7544 bytes), averaged, compression none on rank 0 but shape [1887] float32 "
+                              "(7548 bytes), averaged, compression none on rank 1; every worker must build the same "
+                              "model"));
+  // The same sentence whichever worker writes it.
+  EXPECT_TRUE(DescribeDisagreement(1, b, 0, a, "unused") == shape);
+  // A tensor only one worker declares (the priorities of those before it shift too): that tensor.
+  std::vector<DeclaredTensor> fewer = a;
+  fewer.erase(fewer.begin() + 3);
+  for (int i = 0; i < 3; ++i) --fewer[i].tensor.priority;
+  const std::string missing = DescribeDisagreement(2, fewer, 0, a, "unused");
+  EXPECT_TRUE(Contains(missing, "'say/grad3' is declared on rank 0 (shape ") && Contains(missing, "but not on rank 2"));
+  // Only a priority.
+  std::vector<DeclaredTensor> urgent = a;
+  urgent[7].tensor.priority = 100;
+  EXPECT_TRUE(Contains(DescribeDisagreement(0, a, 3, urgent, "unused"), "'say/grad7' has priority 17 on rank 0 but 100 on rank 3"));
+  // Only the bucket size; then nothing but the caller's observation.
+  EXPECT_TRUE(Contains(DescribeDisagreement(0, a, 1, AsDeclared(base, 2000), "unused"),
+                       "in buckets of 1000 bytes on rank 0 but 2000 bytes on rank 1"));
+  EXPECT_TRUE(Contains(DescribeDisagreement(0, a, 1, a, "'x' travels alone on rank 1"), "'x' travels alone on rank 1"));
+  // Declarations travel as lines (also from Python): every field comes back.
+  std::vector<FusionDeclaration> lines = base;
+  lines[0].shape = {};
+  lines[0].bytes = 4;
+  lines[1].name = "a name with spaces";
+  lines[2].compression = Encoding::kBFloat16;
+  lines[3].dtype = DataType::kFloat64;
+  lines[3].bytes *= 2;
+  for (const FusionDeclaration& d : lines) {
+    FusionDeclaration back;
+    if (!ParseFusionDeclarationLine(FusionDeclarationLine(d), &back) || back.name != d.name || back.dtype != d.dtype ||
+        back.shape != d.shape || back.bytes != d.bytes || back.priority != d.priority || back.average != d.average ||
+        back.compression != d.compression)
+      FAIL("the line '" + FusionDeclarationLine(d) + "' did not come back");
+  }
+  FusionDeclaration bad;
+  for (const char* line : {"", "float32 4 16 1 0 none", "float99 4 16 1 0 none x", "float32 4,a 16 1 0 none x",
+                           "float32 4 16 1 0 zip x"})
+    EXPECT_TRUE(!ParseFusionDeclarationLine(line, &bad));
+}
+
+TEST(DeclarationsThatDifferAcrossWorkersFailSoonNamingTheTensorEverywhere) {
+  // The operation timeout is 300 s: every callback within 60 s shows the check, not the timeout.
+  auto engines = Cluster(3, /*timeout_s=*/300.0);
+  if (engines.size() != 3 || !engines[2]) return;
+  std::vector<FusionDeclaration> decl = Declarations("apart");
+  decl.resize(6);
+  for (FusionDeclaration& d : decl) d.average = false;
+  // Rank 1 built its model with one more float in grad2 (1955 floats elsewhere).
+  std::vector<FusionDeclaration> other = decl;
+  other[2].shape[0] += 1;
+  other[2].bytes += 4;
+  std::vector<Step> steps(3);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 3; ++r) {
+    const std::vector<FusionDeclaration>& mine = r == 1 ? other : decl;
+    engines[r]->DeclareFusion("g" + std::to_string(r), mine, Bucket(3) * 100);  // one bucket
+    threads.push_back(SubmitAll(*engines[r], mine, &steps[r]));
+  }
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < 3; ++r) {
+    for (const Status& st : AwaitWithin(steps[r], std::chrono::seconds(60))) {
+      // Rank 2 hears it from rank 0 (the same buckets) or finds it itself: "rank 1 ... rank 2".
+      if (st.ok() || st.code() != Code::kInvalidArgument ||
+          !Contains(st.message(), "differ across workers: 'apart/grad2' has shape [") ||
+          !Contains(st.message(), "[1955] float32") || !Contains(st.message(), "[1956] float32") ||
+          !Contains(st.message(), "on rank 1"))
+        FAIL("rank " + std::to_string(r) + ": " + st.message());
+    }
+  }
+}
+
+TEST(AWorkerThatDoesNotFuseFailsSoonAsTheOneThatDoes) {
+  auto engines = Cluster(2, /*timeout_s=*/300.0);
+  if (engines.size() != 2 || !engines[1]) return;
+  std::vector<FusionDeclaration> decl = Declarations("onesided");
+  decl.resize(5);
+  for (FusionDeclaration& d : decl) d.average = false;
+  engines[0]->DeclareFusion("g", decl, Bucket(2) * 100);  // rank 1 declares nothing: all alone
+  std::vector<Step> steps(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) threads.push_back(SubmitAll(*engines[r], decl, &steps[r]));
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) {
+    for (const Status& st : AwaitWithin(steps[r], std::chrono::seconds(60))) {
+      if (st.ok() || !Contains(st.message(), "'onesided/grad0' is declared on rank 0 (shape [1] float32 (4 bytes)") ||
+          !Contains(st.message(), "but not on rank 1"))
+        FAIL("rank " + std::to_string(r) + ": " + st.message());
+    }
+  }
+}
+
+TEST(ALateWorkerAnotherOrderAndACompileOnOneWorkerOnlyAgree) {
+  auto engines = Cluster(2, /*timeout_s=*/300.0);
+  if (engines.size() != 2 || !engines[1]) return;
+  const std::vector<FusionDeclaration> decl = Declarations("agree");
+  std::vector<FusionDeclaration> reversed(decl.rbegin(), decl.rend());
+  // Rank 0 declares and submits; rank 1 only after rank 0 has asked it about a waiting bucket
+  // (rank 1 had declared nothing yet: no answer proves anything). Rank 1 declares the same
+  // tensors in another order under another group name.
+  engines[0]->DeclareFusion("optimizer 1", decl, Bucket(2) / 8);  // several buckets
+  std::vector<Step> steps(2);
+  std::thread first = SubmitAll(*engines[0], decl, &steps[0]);
+  first.join();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (StatsField(*engines[0], "fusion_questions") == 0 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  if (StatsField(*engines[0], "fusion_questions") == 0) FAIL("rank 0 never asked rank 1 about its waiting bucket");
+  engines[1]->DeclareFusion("optimizer 2", reversed, Bucket(2) / 8);
+  std::thread second = SubmitAll(*engines[1], decl, &steps[1]);
+  second.join();
+  for (Step& s : steps)
+    for (const Status& st : AwaitWithin(s, std::chrono::seconds(60)))
+      if (!st.ok()) FAIL(st.message());
+  for (size_t i = 0; i < decl.size(); ++i)
+    if (steps[0].out[i] != std::vector<float>(decl[i].bytes / 4, decl[i].average ? 1.0f : 2.0f) ||
+        steps[1].out[i] != steps[0].out[i])
+      FAIL("not the sum: " + decl[i].name);
+  if (OpsDone(*engines[0]) >= decl.size()) FAIL("the tensors did not travel fused");
+  // Rank 1 alone compiles again (a new group for the same tensors): nothing changes for the plan.
+  engines[1]->DeclareFusion("optimizer 3", decl, Bucket(2) / 8);
+  std::vector<Step> again = RunStep(engines, decl, 4);
+  SameEverywhere(again, decl);
+}
+
 TEST(DeclarationsAreCheckedAndOneWorkerNeverFuses) {
   Fuser fuser;
   std::vector<FusionDeclaration> decl = Declarations("check");
@@ -329,7 +492,7 @@ TEST(DeclarationsAreCheckedAndOneWorkerNeverFuses) {
   std::vector<char> data(held.bytes);
   held.input = held.output = data.data();
   held.done = [](const Status&, const GatherResult*) {};
-  fuser.Hold(std::move(held), 0, &ready, &refused, &notice);
+  fuser.Hold(std::move(held), 0, 0, &ready, &refused, &notice);
   EXPECT_TRUE(ready.empty() && refused.empty());
   const Status late = fuser.Declare("again", some, 4, 1 << 20);
   EXPECT_TRUE(!late.ok() && Contains(late.message(), "declare between steps"));

@@ -61,6 +61,10 @@ Status ValidateHeader(const FrameHeader& h) {
   if (type == FrameType::kError || type == FrameType::kPeerLost)
     return h.payload_bytes <= kMaxErrorMessageBytes ? Status::OK()
                                                     : bad("error message of " + std::to_string(h.payload_bytes) + " bytes");
+  if (type == FrameType::kFusionCheck)
+    return h.payload_bytes <= kMaxFusionCheckBytes && h.ndims == 0
+               ? Status::OK()
+               : bad("fusion check of " + std::to_string(h.payload_bytes) + " bytes or with a shape");
   if (IsControlFrame(type))
     return h.payload_bytes == 0 && h.ndims == 0 ? Status::OK() : bad("a control frame with a payload or a shape");
   if (DataTypeSize(static_cast<DataType>(h.dtype)) == 0)

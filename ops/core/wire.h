@@ -20,7 +20,8 @@ namespace prophet {
 constexpr uint32_t kFrameMagic = 0x31465450;  // "PTF1" little-endian
 // 2: authenticated handshake (handshake.h). Version 1 sent a hash of the job token.
 // 4: payload encodings (compressed gradients): `encoding` and `scale_exp` in the header.
-constexpr uint16_t kProtocolVersion = 4;
+// 5: kFusionCheck (fused declarations that differ across workers).
+constexpr uint16_t kProtocolVersion = 5;
 constexpr uint32_t kMaxNameBytes = 4096;
 constexpr uint32_t kMaxDims = 32;
 constexpr uint64_t kMaxPayloadBytes = uint64_t{1} << 38;  // 256 GiB: any tensor a host can hold
@@ -44,14 +45,19 @@ enum class FrameType : uint8_t {
   // it half-closes, so that its EOF reads as a departure, not a crash: a worker still waiting for
   // data from it fails naming the departure, and one that is not goes on.
   kLeaving = 10,
+  // Fusion's check that every worker declared the same tensors (fuser.h): value: its kind
+  // (FusionCheckKind); offset: a digest; payload: text (a bucket's members and a declaration, or
+  // the message of a disagreement).
+  kFusionCheck = 11,
 };
-constexpr uint8_t kLastFrameType = static_cast<uint8_t>(FrameType::kLeaving);
+constexpr uint8_t kLastFrameType = static_cast<uint8_t>(FrameType::kFusionCheck);
 inline bool IsControlFrame(FrameType type) { return type >= FrameType::kError; }
 // Frames about a worker, not an operation: they carry no name.
 inline bool IsNamelessFrame(FrameType type) {
   return type == FrameType::kHeartbeat || type == FrameType::kPeerLost || type == FrameType::kLeaving;
 }
 constexpr uint64_t kMaxErrorMessageBytes = uint64_t{64} << 10;  // the receiver buffers it whole
+constexpr uint64_t kMaxFusionCheckBytes = uint64_t{16} << 20;   // a declaration of ~200k tensors
 
 #pragma pack(push, 1)
 struct FrameHeader {

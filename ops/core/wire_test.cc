@@ -225,6 +225,27 @@ TEST(PeerLostFramesNeedNoNameAndCarryTheWords) {
   EXPECT_REJECTED(f, "error message");
 }
 
+TEST(FusionChecksCarryTextUpToTheirBound) {
+  FrameMeta m;
+  m.type = FrameType::kFusionCheck;
+  m.name = "fused:a..b/2~00ff";
+  m.round = 3;
+  m.partition = 1;       // its kind
+  m.offset = 0xabcdef;   // a digest
+  const std::string text = "M 3 a\nM 3 b\nD 4096 float32 4 16 2 0 none a\n";
+  std::string f = WithMessage(m, text);
+  FrameMeta got;
+  const char* payload = nullptr;
+  EXPECT_TRUE(DecodeFrame(f.data(), f.size(), &got, &payload).ok());
+  EXPECT_TRUE(got.type == FrameType::kFusionCheck && got.name == m.name && got.round == 3u && got.partition == 1u &&
+              got.offset == 0xabcdefu);
+  EXPECT_EQ(std::string(payload, got.payload_bytes), text);
+  m.payload_bytes = kMaxFusionCheckBytes + 1;
+  f.clear();
+  EncodeFrameMeta(m, &f);
+  EXPECT_REJECTED(f, "fusion check");
+}
+
 TEST(ErrorFramesRoundTrip) {
   FrameMeta m;
   m.type = FrameType::kError;  // dtype kInvalid, no shape, no partitions: all fine for errors

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "ops/core/engine.h"
+#include "ops/core/fuser.h"
 #include "ops/core/fusion.h"
 #include "ops/core/gate.h"
 #include "ops/core/step_meter.h"
@@ -51,9 +52,8 @@ __attribute__((visibility("default"))) int prophet_set_schedule(const char* sche
   return 0;
 }
 
-// Engine::DeclareFusion. `tensors`: one line per tensor, "DTYPE SHAPE BYTES PRIORITY AVERAGE
-// COMPRESSION NAME" (DTYPE as DataTypeName, SHAPE its dimensions joined by ',' or '-' for a scalar,
-// AVERAGE 0/1, COMPRESSION none/fp16/bf16; NAME to the end of the line); `bucket_bytes` as ResolveFusionBytes's setting (-1: automatic, for links of `link_Bps`
+// Engine::DeclareFusion. `tensors`: one line per tensor, as prophet::FusionDeclarationLine
+// writes it (fuser.h); `bucket_bytes` as ResolveFusionBytes's setting (-1: automatic, for links of `link_Bps`
 // bytes/s, 0: the assumed rate; 0: none fused). Waits for the engine to apply it. Returns 0, or the
 // status code with the message in `error`.
 __attribute__((visibility("default"))) int prophet_declare_fusion(const char* group, const char* tensors,
@@ -67,27 +67,8 @@ __attribute__((visibility("default"))) int prophet_declare_fusion(const char* gr
   std::string line;
   while (s.ok() && std::getline(lines, line)) {
     if (line.empty()) continue;
-    std::istringstream in(line);
-    std::string dtype, shape, compression;
     prophet::FusionDeclaration d;
-    int average = 0;
-    bool numbers = static_cast<bool>(in >> dtype >> shape >> d.bytes >> d.priority >> average >> compression);
-    if (numbers && shape != "-") {
-      std::istringstream dims(shape);
-      std::string dim;
-      while (numbers && std::getline(dims, dim, ',')) {
-        char* end = nullptr;
-        d.shape.push_back(std::strtoll(dim.c_str(), &end, 10));
-        numbers = !dim.empty() && end != nullptr && *end == '\0';
-      }
-    }
-    if (numbers) std::getline(in >> std::ws, d.name);
-    d.average = average != 0;
-    d.dtype = prophet::DataType::kInvalid;
-    for (int code = 1; code <= 8; ++code)
-      if (dtype == prophet::DataTypeName(static_cast<prophet::DataType>(code))) d.dtype = static_cast<prophet::DataType>(code);
-    if (!numbers || d.name.empty() || d.dtype == prophet::DataType::kInvalid ||
-        !prophet::ParseEncoding(compression, &d.compression))
+    if (!prophet::ParseFusionDeclarationLine(line, &d))
       s = prophet::Status(prophet::Code::kInvalidArgument, "bad fusion declaration line '" + line + "'");
     declared.push_back(std::move(d));
   }
