@@ -242,8 +242,10 @@ Status Fuser::Declare(const std::string& group, const std::vector<FusionDeclarat
   }
   member_of_.clear();
   std::vector<std::string> names;
+  uint64_t fused_bytes = 0;
   for (size_t i = 0; i < buckets_.size(); ++i) {
     names.push_back(buckets_[i].name);
+    fused_bytes += buckets_[i].plan.bytes;
     for (size_t slot = 0; slot < buckets_[i].members.size(); ++slot) member_of_[buckets_[i].members[slot].name] = {i, slot};
   }
   // Bucket names carry their members' declarations: equal sets of names, equal buckets.
@@ -251,6 +253,7 @@ Status Fuser::Declare(const std::string& group, const std::vector<FusionDeclarat
   std::string text;
   for (const std::string& name : names) text += name + "\n";
   digest_ = names.empty() ? 0 : HashString(text) | 1;
+  buffers_ = std::make_shared<BufferPool>(fused_bytes);
   ++epoch_;
   disagreement_ = Status::OK();  // the new declarations may agree; the check tells
   disagreed_.clear();
@@ -317,11 +320,13 @@ void Fuser::Hold(OpRequest request, uint64_t round, int64_t now_ns, std::vector<
 
 OpRequest Fuser::Launch(Bucket& b) {
   struct Run {
-    std::vector<char> data;  // the packed bucket, summed in place
+    ByteBuffer data;  // the packed bucket, summed in place (every byte is a member's)
+    std::shared_ptr<BufferPool> pool;
     std::vector<OpRequest> members;
   };
   auto run = std::make_shared<Run>();
-  run->data.resize(b.plan.bytes);
+  run->pool = buffers_;
+  run->data = buffers_->Take(b.plan.bytes);
   b.launching.clear();
   for (size_t m = 0; m < b.queued.size(); ++m) {
     OpRequest member = std::move(b.queued[m].front());
@@ -359,6 +364,7 @@ OpRequest Fuser::Launch(Bucket& b) {
         member.done(Status(status.code(), what + ": " + status.message()), nullptr);
       }
     }
+    run->pool->Give(std::move(run->data));  // the operation is over: no frame uses it any more
   };
   return r;
 }

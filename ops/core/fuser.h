@@ -40,6 +40,7 @@
 #include <utility>
 #include <vector>
 
+#include "ops/core/buffer_pool.h"
 #include "ops/core/common.h"
 #include "ops/core/engine.h"
 #include "ops/core/fusion.h"
@@ -186,6 +187,10 @@ class Fuser {
   void Disagree(const Status& error, const std::vector<DeclaredTensor>& theirs, std::vector<Refusal>* refused);
   Status disagreement_;
   std::unordered_map<std::string, int> disagreed_;
+  // The packed buckets' memory, reused step after step (a new buffer would be zeroed and, when
+  // large, page-faulted in on every launch); holds one of each bucket. Shared with the runs in
+  // flight, which give their buffer back when their sums are copied out.
+  std::shared_ptr<BufferPool> buffers_ = std::make_shared<BufferPool>(0);
 };
 
 // "a, b and c" of the members' names, for error messages.
