@@ -436,7 +436,7 @@ TEST(TwoLevelPathCrossesTheNetworkOncePerHost) {
   RuntimeModel runtime;
   runtime.schedule = "priority";
   const StepPrediction flat = Run(OneTensor(), network, runtime);
-  runtime.hierarchical = true;
+  runtime.hierarchical = Hierarchy::kOn;
   const StepPrediction two_level = Run(OneTensor(), network, runtime);
   EXPECT_NEAR(two_level.step_s, 210.0 * kMsS, 0.001 * kMsS);
   EXPECT_NEAR(flat.step_s, 410.0 * kMsS, 0.001 * kMsS);
@@ -470,7 +470,7 @@ TEST(TwoHundredFiftySixWorkersFinishAboveTheIdealBound) {
         if (hierarchical && (per_host == 1 || std::string(schedule) == "mwms")) continue;
         RuntimeModel runtime;
         runtime.schedule = schedule;
-        runtime.hierarchical = hierarchical;
+        runtime.hierarchical = hierarchical ? Hierarchy::kOn : Hierarchy::kOff;
         StepPrediction p;
         const Status s = Simulate(profile, network, runtime, options, &p);
         if (!s.ok()) std::fprintf(stderr, "%s, %d per host: %s\n", schedule, per_host, s.message().c_str());
