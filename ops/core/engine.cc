@@ -407,7 +407,8 @@ std::string Engine::StatsJson() const {
      << schedule << "\", \"bytes_sent\": " << sent << ", \"bytes_received\": " << received
      << ", \"ops_done\": " << m.ops_done.load() << ", \"ops_failed\": " << m.ops_failed.load()
      << ", \"fusion_questions\": " << m.fusion_questions.load()
-     << ", \"fused_submitted\": " << m.fused_submitted.load() << "}";
+     << ", \"fused_submitted\": " << m.fused_submitted.load()
+     << ", \"two_level_hosts\": " << (m.two_level ? m.two_level->hosts() : 0) << "}";
   return os.str();
 }
 

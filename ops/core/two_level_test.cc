@@ -233,6 +233,9 @@ std::vector<Tensor> Tensors(const std::string& prefix) {
 void CheckLayout(const std::vector<std::string>& labels, Encoding compression = Encoding::kNone) {
   auto engines = Cluster(Options(labels));
   if (!Started(engines)) return;
+  const std::string hosts = "\"two_level_hosts\": " + std::to_string(LayoutFromLabels(labels).hosts()) + "}";
+  for (auto& e : engines)
+    if (!Contains(e->StatsJson(), hosts)) FAIL("not on the two-level path: " + e->StatsJson());
   std::string prefix = std::string(EncodingName(compression)) + "/";
   for (const std::string& l : labels) prefix += l;
   std::vector<Tensor> tensors = Tensors(prefix);
@@ -370,7 +373,7 @@ TEST(FusedBucketsTravelTheTwoLevelPathTheSameEverywhereRunToRun) {
     }
   }
   // They travelled fused.
-  EXPECT_TRUE(!Contains(engines[0]->StatsJson(), "\"fused_submitted\": 0}"));
+  EXPECT_TRUE(!Contains(engines[0]->StatsJson(), "\"fused_submitted\": 0,"));
 }
 
 TEST(ALostWorkerIsNamedByEverySurvivor) {
