@@ -440,9 +440,16 @@ TEST(TwoLevelPathCrossesTheNetworkOncePerHost) {
   const StepPrediction two_level = Run(OneTensor(), network, runtime);
   EXPECT_NEAR(two_level.step_s, 210.0 * kMsS, 0.001 * kMsS);
   EXPECT_NEAR(flat.step_s, 410.0 * kMsS, 0.001 * kMsS);
+  // auto decides as the engine does (hosts.h): two hosts of two workers take the two-level path.
+  runtime.hierarchical = Hierarchy::kAuto;
+  EXPECT_NEAR(Run(OneTensor(), network, runtime).step_s, 210.0 * kMsS, 0.001 * kMsS);
+  runtime.hierarchical = Hierarchy::kOn;
   runtime.schedule = "mwms";
   StepPrediction p;
   EXPECT_TRUE(!Simulate(OneTensor(), network, runtime, SimulationOptions(), &p).ok());
+  runtime.hierarchical = Hierarchy::kAuto;  // auto keeps mwms's ring
+  EXPECT_TRUE(Simulate(OneTensor(), network, runtime, SimulationOptions(), &p).ok());
+  runtime.hierarchical = Hierarchy::kOn;
   network.workers = 5;  // not a multiple of 2
   runtime.schedule = "priority";
   const Status s = Simulate(OneTensor(), network, runtime, SimulationOptions(), &p);
