@@ -73,6 +73,8 @@ def init(
     timeline_path: Optional[str] = None,
     allow_no_token: Optional[bool] = None,
     bind_host: Optional[str] = None,
+    hierarchical: Optional[str] = None,
+    hosts: Optional[Sequence[str]] = None,
 ) -> None:
     """Starts the runtime: listens on ``addresses[rank]`` and connects to every other worker.
 
@@ -120,6 +122,13 @@ def init(
         ``$PROPHET_BIND_HOST``), e.g. the pod IP or ``0.0.0.0`` in Kubernetes, where the address
         in ``TF_CONFIG`` may be a Service that no pod can bind. Without it, a worker whose own
         address is not an address of its machine listens on every interface and logs a warning.
+      hierarchical: ``"off"``, ``"on"`` or ``"auto"`` (default ``$PROPHET_HIERARCHICAL``, else
+        off): the two-level push_pull sums on each host first (the host's workers push to one
+        leader per partition over loopback), then across hosts, so the network carries each
+        host's share once. ``"auto"`` takes it when the job spans several hosts and some host has
+        several workers. Every worker must use the same (checked at start-up).
+      hosts: one host label per rank (ranks with equal labels share a host), for the two-level
+        path; default: workers whose addresses have the same host part share a host.
 
     Calling it again with the same arguments does nothing; with different ones it raises.
     """
@@ -138,6 +147,12 @@ def init(
     default = defaults()
     if timeout_s is None:
         timeout_s = float(os.environ.get("PROPHET_TIMEOUT_S", default["timeout_s"]))
+    if hierarchical is None:
+        hierarchical = os.environ.get("PROPHET_HIERARCHICAL", "").strip().lower() or default["hierarchical"]
+    if hierarchical not in ("off", "on", "auto"):
+        raise ValueError(f"hierarchical must be 'off', 'on' or 'auto', got {hierarchical!r}")
+    if hosts is not None and len(hosts) != world_size:
+        raise ValueError(f"hosts names {len(hosts)} host(s) for {world_size} workers: give one label per rank")
 
     def pick(value: Any, key: str) -> Any:
         return default[key] if value is None else value
@@ -167,6 +182,8 @@ def init(
         timeline_path=timeline_path or "",
         allow_no_token=int(bool(allow_no_token)),
         bind_host=bind_host or "",
+        hierarchical=hierarchical,
+        hosts=",".join(hosts or ()),
     )
     for key, value in config.items():
         if "\n" in str(value):

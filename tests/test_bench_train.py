@@ -506,7 +506,8 @@ def _flags(**overrides):
                   json=None, intra_threads=1, inter_threads=2, launch_timeout=600.0,
                   prophet_options="{}", model_options="{}", contended=None, retries=None,
                   noise_cores=0.3, netns_prefix="ptfbench", timeline=None, alone=False,
-                  verbose=False, rate_change=None, plan=False, compression=None)
+                  verbose=False, rate_change=None, plan=False, compression=None,
+                  workers_per_host=1)
     values.update(overrides)
     return SimpleNamespace(**values)
 
@@ -635,6 +636,35 @@ def test_plan_says_what_would_run_and_how_long(monkeypatch, tmp_path):
     assert not list(tmp_path.iterdir())                      # nothing written
     with pytest.raises(ValueError, match="--compute emulated"):
         train.run_sweep(train.options_from_flags(_flags(plan=True, out=str(tmp_path))))
+
+
+def test_workers_per_host_places_several_workers_on_one_emulated_host():
+    opts = train.options_from_flags(_flags(compute="emulated", workers=["4"], ratios=["1"],
+                                           workers_per_host=2))
+    assert opts.workers_per_host == 2
+    for workers in (["6"], ["2"]):  # not a multiple; a single host
+        with pytest.raises(ValueError, match="multiple of --workers_per_host 4"):
+            train.options_from_flags(_flags(compute="emulated", workers=workers, workers_per_host=4))
+    with pytest.raises(ValueError, match="drop --loopback"):
+        train.options_from_flags(_flags(workers=["4"], workers_per_host=2, loopback=True))
+    from prophet_tf.bench.train.sweep import _placement
+
+    class Cluster:
+        def host_address(self, i):
+            return f"10.9.0.{i + 1}"
+
+        def exec_argv(self, i, argv):
+            return [f"ns{i}", *argv]
+
+    placement = _placement(Cluster(), 4, 2)
+    assert placement["hosts"] == ["10.9.0.1", "10.9.0.1", "10.9.0.2", "10.9.0.2"]
+    assert placement["wrap_argv"](3, ["python"]) == ["ns1", "python"]
+    assert placement["base_port"] > 0
+    assert "base_port" not in _placement(Cluster(), 4, 1)
+    # The bounds are those of the hosts' links: 4 workers on 2 hosts are bound like 2 hosts.
+    flat = train.make_setting("m", 2, 1e9, 1.0, int(1e9), 8, {"prophet": 2.0})
+    shared = train.make_setting("m", 4, 1e9, 1.0, int(1e9), 8, {"prophet": 2.0}, workers_per_host=2)
+    assert shared["lower_bound_s"] == flat["lower_bound_s"] and shared["workers_per_host"] == 2
 
 
 def test_rate_change_flag_and_summary():

@@ -106,7 +106,7 @@ def test_command_line_time_scale_and_placement(tmp_path):
                    "priority,mwms", "--time_scale", "profile", "--workers_per_host", "2",
                    "--hierarchical", "--output", "", "--json", str(out))
     assert done.returncode == 0, done.stderr
-    assert "divided by 4" in done.stdout and "PREDICTED ONLY" in done.stdout
+    assert "divided by 4" in done.stdout and "two-level path (--hierarchical" in done.stdout
     data = json.loads(out.read_text())
     assert data["options"]["workers_per_host"] == 2 and data["options"]["hierarchical"]
     assert data["profile"]["emulation"]["time_scale"] == pytest.approx(1.0)

@@ -39,6 +39,19 @@ def test_two_workers_match_one_process(two_workers, case):
     _check_case(two_workers, case)
 
 
+def test_two_level_push_pull_on_two_hosts_matches_one_process(run_workers):
+    # Ranks 0 and 1 share host "a", rank 2 has host "b" (hosts of different sizes): every
+    # gradient is summed on its host first, then across the hosts (ops/core/two_level.h); fused
+    # small gradients (many_small) and synchronous averaged ones (adam) alike.
+    cases = ["many_small", "adam"]
+    run = run_workers("strategy_equivalence.py", 3, "--cases", ",".join(cases), "--hosts", "a,a,b",
+                      timeout=240).check_ok()
+    for case in cases:
+        _check_case(run, case)
+        # The engine took the two-level path over the two hosts.
+        assert all(run.one(rank, case=case)["two_level_hosts"] == 2 for rank in range(3))
+
+
 def test_three_workers_match_one_process(run_workers):
     cases = ["momentum", "adam", "embedding"]
     run = run_workers("strategy_equivalence.py", 3, "--cases", ",".join(cases),

@@ -3,6 +3,7 @@
 #include "ops/core/allgather.h"
 #include "ops/core/broadcast.h"
 #include "ops/core/push_pull.h"
+#include "ops/core/two_level.h"
 
 namespace prophet {
 
@@ -38,7 +39,10 @@ std::string OperationKey(const std::string& name, uint64_t round) { return name 
 
 std::unique_ptr<Collective> Collective::Make(CollectiveHost* host, uint64_t id, OpRequest request, uint64_t round) {
   switch (request.kind) {
-    case OpKind::kPushPull: return std::unique_ptr<Collective>(new PushPull(host, id, std::move(request), round));
+    case OpKind::kPushPull:
+      if (const HostLayout* hosts = host->two_level_hosts())
+        return std::unique_ptr<Collective>(new TwoLevelPushPull(host, id, std::move(request), round, *hosts));
+      return std::unique_ptr<Collective>(new PushPull(host, id, std::move(request), round));
     case OpKind::kBroadcast: return std::unique_ptr<Collective>(new Broadcast(host, id, std::move(request), round));
     case OpKind::kAllgather: return std::unique_ptr<Collective>(new Allgather(host, id, std::move(request), round));
   }

@@ -21,6 +21,7 @@
 
 #include "ops/core/connection.h"
 #include "ops/core/engine.h"
+#include "ops/core/hosts.h"
 #include "ops/core/partition.h"
 #include "ops/core/scheduler.h"
 #include "ops/core/wire.h"
@@ -42,6 +43,8 @@ class CollectiveHost {
   virtual int rank() const = 0;
   virtual int world_size() const = 0;
   virtual const EngineOptions& options() const = 0;
+  // The hosts when push_pulls take the two-level path (two_level.h), else null.
+  virtual const HostLayout* two_level_hosts() const { return nullptr; }
   // Queues a frame to `peer` (dropped if that connection is closed).
   virtual void Send(int peer, OutFrame frame) = 0;
   // Whether the operation with this id is still running (not finished nor failed).

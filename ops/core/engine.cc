@@ -13,6 +13,7 @@
 #include "ops/core/early_frames.h"
 #include "ops/core/failures.h"
 #include "ops/core/fuser.h"
+#include "ops/core/hosts.h"
 #include "ops/core/timeouts.h"
 #include "ops/core/transport.h"
 
@@ -89,6 +90,8 @@ struct Engine::Impl : public Connection::Handler,
   Timeouts timeouts;  // operations past their deadline
   Fuser fuser;        // declared tensors held for their fused bucket
   std::unordered_map<std::string, uint64_t> fused_rounds;  // per fused tensor: its rounds so far (trace only)
+  // The hosts when push_pulls take the two-level path (EngineOptions::hierarchical), else null.
+  std::unique_ptr<HostLayout> two_level;
   std::unique_ptr<SchedulerPolicy> policy;
   std::string next_schedule;  // switch to it once no partition is queued
   uint64_t next_op_id = 1;
@@ -181,6 +184,7 @@ struct Engine::Impl : public Connection::Handler,
   int rank() const override { return options_.rank; }
   int world_size() const override { return options_.world_size; }
   const EngineOptions& options() const override { return options_; }
+  const HostLayout* two_level_hosts() const override { return two_level.get(); }
   void Send(int peer, OutFrame frame) override {
     if (conns[peer]) conns[peer]->Queue(std::move(frame));
   }
@@ -246,6 +250,13 @@ Status Engine::Start(const EngineOptions& options, std::unique_ptr<Engine>* out)
   if (!options.timeline_path.empty() && !m.timeline.Open(options.timeline_path, options.rank, &error))
     return Status(Code::kInvalidArgument, "cannot write the timeline: " + error);
 
+  if (options.hierarchical != Hierarchy::kOff) {
+    std::vector<std::string> labels;
+    const Status s = HostLabels(options.hosts, options.addresses, options.world_size, &labels);
+    if (!s.ok()) return s;
+    HostLayout layout = LayoutFromLabels(labels);
+    if (UseTwoLevel(options.hierarchical, layout)) m.two_level = std::make_unique<HostLayout>(std::move(layout));
+  }
   std::vector<int> fds(options.world_size, -1);
   if (options.world_size > 1) {
     BootstrapOptions b;
@@ -258,6 +269,7 @@ Status Engine::Start(const EngineOptions& options, std::unique_ptr<Engine>* out)
     b.heartbeat_s = options.heartbeat_s;
     b.socket_buffer_bytes = options.socket_buffer_bytes;
     b.socket_unsent_bytes = options.socket_unsent_bytes;
+    b.path_tag = m.two_level ? PathTag(true, *m.two_level) : 0;
     int listen_fd = -1;
     Status s = Listen(b, &listen_fd);
     if (s.ok()) s = ConnectAll(b, listen_fd, &fds);
@@ -280,6 +292,7 @@ Status Engine::Start(const EngineOptions& options, std::unique_ptr<Engine>* out)
   PROPHET_INFO("runtime started: %d workers, schedule %s, partitions of %llu bytes, credit %llu bytes",
                options.world_size, m.policy->name(), static_cast<unsigned long long>(options.partition_bytes),
                static_cast<unsigned long long>(options.credit_bytes));
+  if (m.two_level) PROPHET_INFO("push_pulls take the two-level path over %s", m.two_level->Describe().c_str());
   m.thread = std::thread([&m] { m.Run(); });
   *out = std::move(engine);
   return Status::OK();
@@ -394,7 +407,8 @@ std::string Engine::StatsJson() const {
      << schedule << "\", \"bytes_sent\": " << sent << ", \"bytes_received\": " << received
      << ", \"ops_done\": " << m.ops_done.load() << ", \"ops_failed\": " << m.ops_failed.load()
      << ", \"fusion_questions\": " << m.fusion_questions.load()
-     << ", \"fused_submitted\": " << m.fused_submitted.load() << "}";
+     << ", \"fused_submitted\": " << m.fused_submitted.load()
+     << ", \"two_level_hosts\": " << (m.two_level ? m.two_level->hosts() : 0) << "}";
   return os.str();
 }
 

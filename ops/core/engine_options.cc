@@ -38,6 +38,15 @@ Status ParseEngineOptions(const std::string& text, EngineOptions* o) {
       else if (key == "socket_unsent_bytes") o->socket_unsent_bytes = std::stoi(value);
       else if (key == "max_early_bytes") o->max_early_bytes = std::stoull(value);
       else if (key == "timeline_path") o->timeline_path = value;
+      else if (key == "hierarchical") {
+        if (!ParseHierarchy(value, &o->hierarchical))
+          return Status(Code::kInvalidArgument, "runtime option hierarchical must be off, on or auto, got '" + value + "'");
+      } else if (key == "hosts") {
+        o->hosts.clear();
+        std::istringstream parts(value);
+        std::string h;
+        while (std::getline(parts, h, ',')) o->hosts.push_back(h);
+      }
       else return Status(Code::kInvalidArgument, "unknown runtime option '" + key + "'");
     } catch (const std::exception&) {
       return Status(Code::kInvalidArgument, "runtime option " + key + " has an invalid value '" + value + "'");
@@ -110,7 +119,8 @@ std::string RuntimeConstantsJson() {
      << ", \"replan_threshold\": " << Number(d.replan_threshold) << ", \"timeout_s\": " << Number(d.timeout_s)
      << ", \"connect_timeout_s\": " << Number(d.connect_timeout_s) << ", \"heartbeat_s\": " << Number(d.heartbeat_s)
      << ", \"socket_buffer_bytes\": " << d.socket_buffer_bytes << ", \"socket_unsent_bytes\": "
-     << d.socket_unsent_bytes << ", \"max_early_bytes\": " << d.max_early_bytes << "}}";
+     << d.socket_unsent_bytes << ", \"max_early_bytes\": " << d.max_early_bytes << ", \"hierarchical\": \""
+     << HierarchyName(d.hierarchical) << "\"}}";
   return os.str();
 }
 

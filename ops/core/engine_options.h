@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "ops/core/common.h"
+#include "ops/core/hosts.h"
 #include "ops/core/scheduler.h"
 
 namespace prophet {
@@ -44,6 +45,14 @@ struct EngineOptions {
   // contribution may hold. Beyond it the operation fails everywhere and the sender is dropped.
   uint64_t max_early_bytes = uint64_t{4} << 30;
   std::string timeline_path;        // empty: no timeline
+  // The two-level push_pull (two_level.h): sum on each host first, then across hosts, so the
+  // network carries each host's share once. Off by default; auto takes it when the job spans
+  // several hosts and some host has several workers (hosts.h). Every worker must use the same
+  // (checked at start-up).
+  Hierarchy hierarchical = Hierarchy::kOff;
+  // One host label per rank, ranks with equal labels sharing a host. Empty: the host part of each
+  // address (workers whose addresses name the same host share it).
+  std::vector<std::string> hosts;
 };
 
 // Parses "key=value" lines (the C API's configuration string). Unknown keys are errors.

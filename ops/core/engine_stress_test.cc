@@ -182,7 +182,7 @@ std::string RunCluster(int n, const char* schedule, uint64_t partition, uint64_t
   engines.clear();
   for (const std::string& e : errors)
     if (!e.empty()) return e;
-  if (fused && stats.find("\"fused_submitted\": 0}") != std::string::npos) return "nothing travelled fused: " + stats;
+  if (fused && stats.find("\"fused_submitted\": 0,") != std::string::npos) return "nothing travelled fused: " + stats;
   return "";
 }
 

@@ -97,7 +97,7 @@ std::map<std::string, std::function<bool(const std::string&)>> OptionSetters(Sim
       {"sum_Bps", real(&r->network.sum_Bps)},
       {"schedule", text(&r->runtime.schedule)},
       {"cross_barrier", boolean(&r->runtime.cross_barrier)},
-      {"hierarchical", boolean(&r->runtime.hierarchical)},
+      {"hierarchical", [r](const std::string& v) { return ParseHierarchy(v, &r->runtime.hierarchical); }},
       {"partition_bytes", u64(&r->runtime.partition_bytes)},
       {"credit_bytes", u64(&r->runtime.credit_bytes)},
       {"replan_threshold", real(&r->runtime.replan_threshold)},

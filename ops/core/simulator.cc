@@ -129,7 +129,9 @@ class Simulation {
   Simulation(const StepProfile& profile, const NetworkModel& network, const RuntimeModel& runtime,
              const SimulationOptions& options)
       : profile_(profile), network_(network), runtime_(runtime), options_(options),
-        n_(network.workers), link_(MakeLinkOptions(network)) {}
+        n_(network.workers), link_(MakeLinkOptions(network)),
+        two_level_(runtime.schedule != "mwms" &&
+                   UseTwoLevel(runtime.hierarchical, UniformLayout(network.workers, network.workers_per_host))) {}
 
   Status Run(StepPrediction* prediction);
 
@@ -149,7 +151,7 @@ class Simulation {
   bool mwms() const { return runtime_.schedule == "mwms"; }
   // The two-level path (RuntimeModel::hierarchical): partitions are owned by hosts; on each host
   // one worker, the partition's leader, sums the host's contributions and exchanges them.
-  bool two_level() const { return runtime_.hierarchical && !mwms(); }
+  bool two_level() const { return two_level_; }
   int per_host() const { return link_.options().workers_per_host; }
   int Leader(int host, int tensor, int partition) const {
     return host * per_host() + leader_rank_[tensor][partition];
@@ -232,6 +234,7 @@ class Simulation {
   const SimulationOptions& options_;
   const int n_;
   LinkModel link_;
+  const bool two_level_;
   std::priority_queue<Event, std::vector<Event>, std::greater<Event>> events_;
   uint64_t seq_ = 0;
   int64_t now_ns_ = 0;
@@ -1016,7 +1019,7 @@ Status Simulate(const StepProfile& profile, const NetworkModel& network, const R
   if (network.workers_per_host > 1 && !(network.loopback_Bps > 0)) {
     return Status(Code::kInvalidArgument, "loopback_Bps must be positive with several workers per host");
   }
-  if (runtime.hierarchical && runtime.schedule == "mwms") {
+  if (runtime.hierarchical == Hierarchy::kOn && runtime.schedule == "mwms") {
     return Status(Code::kInvalidArgument, "the two-level path (hierarchical) applies to the runtime's schedules, not mwms");
   }
   if (options.warmup_steps < 0 || options.steps < 1) {

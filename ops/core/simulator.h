@@ -43,6 +43,7 @@
 #include "ops/core/common.h"
 #include "ops/core/engine_options.h"
 #include "ops/core/fusion.h"
+#include "ops/core/hosts.h"
 
 namespace prophet {
 
@@ -136,14 +137,15 @@ struct RuntimeModel {
   uint64_t partition_bytes = EngineOptions().partition_bytes;
   uint64_t credit_bytes = EngineOptions().credit_bytes;
   double replan_threshold = kDefaultReplanThreshold;
-  // The two-level path, PREDICTED ONLY (the engine does not implement it yet): every tensor is
-  // cut for the hosts and each partition owned by a host; on every host one worker, the
-  // partition's leader, first sums its host's contributions (sent to it over loopback), pushes
-  // that sum to the owning host's leader through its policy and under its credit (as a push),
-  // the owner's leader sums the hosts' and sends the sum to the other leaders, and every leader
-  // passes it on to its host's workers. BytePS's and Horovod's hierarchical all-reduce: the
-  // network carries each host's share once. Not with mwms.
-  bool hierarchical = false;
+  // The two-level path, as the engine's `hierarchical` option (hosts.h decides, over the
+  // network's hosts x workers_per_host; two_level.h is the engine's side): every tensor is cut for
+  // the hosts and each partition owned by a host; on every host one worker, the partition's
+  // leader, first sums its host's contributions (sent to it over loopback), pushes that sum to the
+  // owning host's leader through its policy and under its credit (as a push), the owner's leader
+  // sums the hosts' and sends the sum to the other leaders, and every leader passes it on to its
+  // host's workers. BytePS's and Horovod's hierarchical all-reduce: the network carries each
+  // host's share once. Not with mwms (kOn is refused there, kAuto keeps the ring).
+  Hierarchy hierarchical = Hierarchy::kOff;
   int apply_threads = 2;
   // mwms: TensorFlow's ring (ring_reducer.cc): chunks of at most ring_chunk_bytes, at most
   // ring_max_subdivs subdivisions per worker; each message costs ring_message_ns on arrival.

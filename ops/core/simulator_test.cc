@@ -436,13 +436,20 @@ TEST(TwoLevelPathCrossesTheNetworkOncePerHost) {
   RuntimeModel runtime;
   runtime.schedule = "priority";
   const StepPrediction flat = Run(OneTensor(), network, runtime);
-  runtime.hierarchical = true;
+  runtime.hierarchical = Hierarchy::kOn;
   const StepPrediction two_level = Run(OneTensor(), network, runtime);
   EXPECT_NEAR(two_level.step_s, 210.0 * kMsS, 0.001 * kMsS);
   EXPECT_NEAR(flat.step_s, 410.0 * kMsS, 0.001 * kMsS);
+  // auto decides as the engine does (hosts.h): two hosts of two workers take the two-level path.
+  runtime.hierarchical = Hierarchy::kAuto;
+  EXPECT_NEAR(Run(OneTensor(), network, runtime).step_s, 210.0 * kMsS, 0.001 * kMsS);
+  runtime.hierarchical = Hierarchy::kOn;
   runtime.schedule = "mwms";
   StepPrediction p;
   EXPECT_TRUE(!Simulate(OneTensor(), network, runtime, SimulationOptions(), &p).ok());
+  runtime.hierarchical = Hierarchy::kAuto;  // auto keeps mwms's ring
+  EXPECT_TRUE(Simulate(OneTensor(), network, runtime, SimulationOptions(), &p).ok());
+  runtime.hierarchical = Hierarchy::kOn;
   network.workers = 5;  // not a multiple of 2
   runtime.schedule = "priority";
   const Status s = Simulate(OneTensor(), network, runtime, SimulationOptions(), &p);
@@ -470,7 +477,7 @@ TEST(TwoHundredFiftySixWorkersFinishAboveTheIdealBound) {
         if (hierarchical && (per_host == 1 || std::string(schedule) == "mwms")) continue;
         RuntimeModel runtime;
         runtime.schedule = schedule;
-        runtime.hierarchical = hierarchical;
+        runtime.hierarchical = hierarchical ? Hierarchy::kOn : Hierarchy::kOff;
         StepPrediction p;
         const Status s = Simulate(profile, network, runtime, options, &p);
         if (!s.ok()) std::fprintf(stderr, "%s, %d per host: %s\n", schedule, per_host, s.message().c_str());

@@ -81,6 +81,10 @@ Status ResolveAll(const std::string& host, int port, bool passive, std::vector<s
 }
 
 uint32_t HeartbeatMs(double heartbeat_s) { return static_cast<uint32_t>(heartbeat_s * 1000 + 0.5); }
+// A hello's path tag (BootstrapOptions::path_tag) in words.
+std::string PathName(uint16_t tag) {
+  return tag == 0 ? std::string("the flat path") : "the two-level path (hosts digest " + std::to_string(tag) + ")";
+}
 
 socklen_t SockaddrLen(const sockaddr_storage& a) {
   return a.ss_family == AF_INET6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in);
@@ -310,7 +314,7 @@ void Bootstrap::OnConnectFailed(int peer, int err) {
 void Bootstrap::OnConnected(Session& s) {
   dialled_[s.peer].seen = true;
   ClientHello& h = s.hello;
-  h.prefix = HelloPrefix{kFrameMagic, kProtocolVersion, 0};
+  h.prefix = HelloPrefix{kFrameMagic, kProtocolVersion, o_.path_tag};
   h.rank = o_.rank;
   h.world_size = n_;
   h.acceptor_rank = s.peer;
@@ -503,6 +507,13 @@ void Bootstrap::OnIncomingData(Session& s) {
                         SecondsString(o_.heartbeat_s) + ": every worker needs the same heartbeat_s",
                     "heartbeat_s " + SecondsString(h.heartbeat_ms / 1e3) + ", expected " +
                         SecondsString(o_.heartbeat_s) + " (every worker needs the same heartbeat_s)");
+    if (h.prefix.flags != o_.path_tag)
+      return Reject(s,
+                    "push_pulls take " + PathName(h.prefix.flags) + " but " + me + " takes " + PathName(o_.path_tag) +
+                        ": every worker needs the same hierarchical setting and sees the same hosts (the same cluster "
+                        "addresses, or the same hosts option)",
+                    "push_pulls take " + PathName(h.prefix.flags) + ", expected " + PathName(o_.path_tag) +
+                        " (every worker needs the same hierarchical setting and the same hosts)");
     if (h.rank <= o_.rank || h.rank >= n_)
       return Reject(s,
                     "rank " + std::to_string(h.rank) + " cannot connect to " + me +

@@ -48,6 +48,9 @@ struct BootstrapOptions {
   // each to the kernel.
   int socket_buffer_bytes = 0;         // SO_SNDBUF / SO_RCVBUF
   int socket_unsent_bytes = 0;         // TCP_NOTSENT_LOWAT
+  // The path push_pulls take (hosts.h, PathTag: 0 flat, else a digest of the hosts): carried in
+  // the hello's flags; peers must use the same (checked here).
+  uint16_t path_tag = 0;
 };
 
 // Splits "host:port"; accepts "[v6]:port".

@@ -87,6 +87,9 @@ def predict_options(opts: "train.SweepOptions", system: Optional["train.System"]
         if key in runtime:
             setattr(options, key, int(runtime[key]))
     options.compression = runtime.get("compression")   # prophet+bf16: half the gradient bytes
+    # prophet[hierarchical=on]: the two-level path, over the run's hosts x workers per host.
+    options.hierarchical = runtime.get("hierarchical", False)
+    options.workers_per_host = opts.workers_per_host
     # The hosts share this machine's kernel.
     options.max_socket_buffer_bytes = kernel_socket_buffer_cap()
     options.autotuned_socket_buffer_bytes = kernel_autotuned_socket_buffer()
@@ -305,6 +308,11 @@ def _use_run_facts(opts: "train.SweepOptions", settings: Sequence[Mapping[str, A
     opts.steps, opts.warmup = int(first["steps"]), int(first["warmup"])
     opts.intra_threads, opts.inter_threads = int(first["intra_threads"]), int(first["inter_threads"])
     opts.prophet_options = dict(first["prophet_options"])
+    per_host = {int(st.get("workers_per_host") or 1) for st in settings}
+    if len(per_host) > 1:
+        raise ValueError("the measured settings have different workers per host; give one run's "
+                         "results.json")
+    opts.workers_per_host = per_host.pop() if per_host else 1
 
 
 def _define_flags() -> None:

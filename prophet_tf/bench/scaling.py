@@ -13,7 +13,7 @@ each layer's gradients ready when its backward pass ends, the training benchmark
 batch, updates free; :func:`prophet_tf.bench.emulated.emulated_profile`), so the step times are
 those of real accelerators, not of this machine's emulation. Each worker has a host of its own
 (``--workers_per_host`` places several on one host; ``--hierarchical`` adds the two-level path,
-itself predicted only: the engine does not implement it) whose NIC carries the link rate both
+the runtime's ``hierarchical="on"``) whose NIC carries the link rate both
 ways, 1448 payload bytes per 1538 on the wire.
 
 Scaling efficiency = throughput at N / (N x one worker's throughput) = one worker's step / the
@@ -242,7 +242,7 @@ def _define_flags() -> None:
     flags.DEFINE_float("accelerator_tflops", 100.0, "The modelled accelerator's TFLOP/s.")
     flags.DEFINE_integer("workers_per_host", 1, "Workers per host (sharing its NIC).")
     flags.DEFINE_bool("hierarchical", False, "Also predict the two-level path of each runtime "
-                      "schedule (PREDICTED ONLY: the engine does not implement it).")
+                      "schedule (the runtime's hierarchical='on').")
     flags.DEFINE_string("fusion", "auto", "Fusion of small gradients (ProphetStrategy's fusion): "
                         "auto (the default), off or a bucket size in bytes.")
     flags.DEFINE_integer("steps", 5, "Measured simulated steps per setting (median).")

@@ -15,7 +15,7 @@ uncompressed); the ideal column is then the bound of the compressed bytes. ``--t
 divides every time of the profile (an emulated benchmark run's, slowed S times, gives the modelled
 accelerator's; ``profile``: the S the run recorded). ``--workers_per_host K`` puts K workers on
 each host (they share its NIC, loopback between them); ``--hierarchical`` predicts the two-level
-path (sum on the host first), which the engine does not implement yet.
+path (sum on the host first; the runtime's ``hierarchical="on"``).
 """
 
 from __future__ import annotations
@@ -199,9 +199,9 @@ def _define_flags() -> None:
                          "multiple.")
     flags.DEFINE_string("loopback", "100G", "Loopback rate between the workers of one host (bit/s), "
                         "shared by the host's local connections.")
-    flags.DEFINE_bool("hierarchical", False, "PREDICTED ONLY (the engine does not implement it): "
-                      "the two-level path for prophet/priority/fifo: sum on each host, then "
-                      "across hosts, then back (mwms keeps its flat ring).")
+    flags.DEFINE_bool("hierarchical", False, "The two-level path for prophet/priority/fifo (the "
+                      "runtime's hierarchical='on'): sum on each host, then across hosts, then "
+                      "back (mwms keeps its flat ring).")
     flags.DEFINE_string("compression", "none", "Gradient compression of ProphetStrategy: none, "
                         "fp16 or bf16 (float32 gradients travel in half the bytes; mwms never "
                         "compresses).")
@@ -294,8 +294,8 @@ def main(argv: Sequence[str]) -> int:
             print(f"  {options.workers_per_host} workers per host (loopback "
                   f"{format_rate(options.loopback_bytes_per_s * 8)})")
         if options.hierarchical:
-            print("  two-level path (--hierarchical): PREDICTED ONLY, the engine does not "
-                  "implement it; mwms keeps its flat ring")
+            print("  two-level path (--hierarchical, the runtime's hierarchical='on'); mwms "
+                  "keeps its flat ring")
         if FLAGS.save_profile:
             profile.save(FLAGS.save_profile)
             print(f"wrote {FLAGS.save_profile}")

@@ -13,7 +13,7 @@ import ctypes
 import dataclasses
 import json
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 from prophet_tf.errors import ProphetError
 from prophet_tf.predict.profile import Profile
@@ -47,6 +47,15 @@ _FAILED_PRECONDITION = 9
 def _runtime_default(key: str) -> Any:
     from prophet_tf._library import runtime_constants
     return runtime_constants()["defaults"][key]
+
+
+def hierarchy_setting(value: Union[bool, str]) -> str:
+    """The runtime's ``hierarchical`` setting ("off", "on" or "auto") of a bool or a setting."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value not in ("off", "on", "auto"):
+        raise ValueError(f"hierarchical must be 'off', 'on', 'auto' or a bool, got {value!r}")
+    return value
 
 
 def _read_sysctl_field(path: str, field: int) -> int:
@@ -120,11 +129,13 @@ class PredictOptions:
         Gbit/s), an assumption: about what several TCP streams over Linux loopback move
         together on a current multi-core server (one stream about 30-50 Gbit/s, bounded by the
         kernel's copies); shared memory would be faster.
-      hierarchical: PREDICTED ONLY, the engine does not implement it: the two-level path
-        (``RuntimeModel::hierarchical`` in ops/core/simulator.h): every partition is summed on
+      hierarchical: the runtime's ``hierarchical`` option, ``"off"``, ``"on"`` or ``"auto"``
+        (``True``/``False``: on/off): the two-level path (``RuntimeModel::hierarchical`` in
+        ops/core/simulator.h, the engine's ops/core/two_level.h): every partition is summed on
         each host first (by the partition's leader there, over loopback), then across hosts
         between the leaders (the runtime's push_pull, under its policy and credit), and the sum
-        goes back to each host's workers from their leader. ``mwms`` ignores it (its ring stays flat).
+        goes back to each host's workers from their leader. ``"auto"`` takes it with several
+        hosts of several workers, as the engine decides. ``mwms`` ignores it (its ring stays flat).
       warmup_steps, steps: simulated steps not measured, then measured (median).
       compression: ``ProphetStrategy(compression=...)``: None, ``"fp16"`` or ``"bf16"``. The
         gradients of 4-byte elements travel in half the bytes (pushes, sums, the credit, the
@@ -160,7 +171,7 @@ class PredictOptions:
     ring_message_s: float = 0.0
     workers_per_host: int = 1
     loopback_bytes_per_s: float = 12.5e9
-    hierarchical: bool = False
+    hierarchical: Union[bool, str] = False
     warmup_steps: int = 5
     steps: int = 20
     compression: Optional[str] = None
@@ -259,7 +270,7 @@ def _request(profile: Profile, workers: int, bandwidth_bps: float, schedule: str
         f"option sum_Bps={float(options.sum_bps)!r}",
         f"option schedule={base}",
         f"option cross_barrier={int(cross)}",
-        f"option hierarchical={int(options.hierarchical and base != 'mwms')}",
+        f"option hierarchical={'off' if base == 'mwms' else hierarchy_setting(options.hierarchical)}",
         f"option partition_bytes={int(options.partition_bytes)}",
         f"option credit_bytes={int(options.credit_bytes)}",
         f"option replan_threshold={float(options.replan_threshold)!r}",

@@ -171,10 +171,16 @@ def run_case(strategy, name):
         ops=ops_after - ops_before,
         fused=fused_after - fused_before,
         gradients=len(model.trainable_weights),
+        two_level_hosts=int(runtime_stats().get("two_level_hosts", 0)),
         steps=EPOCHS * NUM_SAMPLES // GLOBAL_BATCH,
         seconds=round(time.time() - t0, 2),
         fit_seconds=round(t_ref - t0, 2),
     )
+
+
+def runtime_stats() -> dict:
+    from prophet_tf import runtime
+    return runtime.stats()
 
 
 def _runtime_ops() -> tuple[int, int]:
@@ -191,10 +197,15 @@ def main():
     p.add_argument("--schedule", default="priority")
     p.add_argument("--fusion", default=None,
                    help="ProphetStrategy(fusion=...): auto, off or bytes (default: the strategy's)")
+    p.add_argument("--hosts", default=None,
+                   help="comma-separated host label per rank: the two-level push_pull over them "
+                        "(ProphetStrategy(hierarchical='on', hosts=...))")
     args = p.parse_args()
-    fusion = ({} if args.fusion is None else
-              {"fusion": args.fusion if args.fusion in ("auto", "off") else int(args.fusion)})
-    strategy = ProphetStrategy(schedule=args.schedule, **fusion)
+    options = ({} if args.fusion is None else
+               {"fusion": args.fusion if args.fusion in ("auto", "off") else int(args.fusion)})
+    if args.hosts:
+        options.update(hierarchical="on", hosts=args.hosts.split(","))
+    strategy = ProphetStrategy(schedule=args.schedule, **options)
     for name in args.cases.split(","):
         run_case(strategy, name)
     print("WORKER DONE", flush=True)

@@ -119,6 +119,11 @@ def define_flags() -> Any:
                   "long the sweep takes, without running it (builds the layer specs if needed).")
     f.DEFINE_list("merge", None, "Run nothing: join the results.json of several runs (parts of "
                   "one sweep, e.g. one per --models) into one report in --out.")
+    f.DEFINE_integer("workers_per_host", 1, "Emulated cluster: workers per host. The K workers "
+                     "of a host share its network namespace and shaped link (loopback between "
+                     "them); comm/comp, the time scale and the bounds are then the N/K hosts' "
+                     "links'. Compare the flat and two-level paths with systems "
+                     "'prophet,prophet[hierarchical=on]'. Every --workers must be a multiple.")
     f.DEFINE_bool("verbose", False, "Echo the workers' output.")
     f.DEFINE_string("worker", None, "Internal: run as a worker with this JSON configuration.")
     return flags.FLAGS
@@ -175,6 +180,12 @@ def options_from_flags(flags_: Any) -> SweepOptions:
     if COMPRESSION_OPTION in prophet_options:
         raise ValueError("--prophet_options: give the compression with --compression (systems "
                          "named prophet+bf16 etc., with their own bounds), not as an option")
+    per_host = flags_.workers_per_host
+    if per_host < 1 or any(w % per_host or w // per_host < 2 for w in workers):
+        raise ValueError(f"every --workers value must be a multiple of --workers_per_host "
+                         f"{per_host}, on at least 2 hosts, got {workers}")
+    if per_host > 1 and flags_.loopback:
+        raise ValueError("--workers_per_host needs the emulated cluster; drop --loopback")
     rate_change: Optional[tuple[int, float]] = None
     if flags_.rate_change:
         try:
@@ -207,7 +218,7 @@ def options_from_flags(flags_: Any) -> SweepOptions:
                         timeline=flags_.timeline or os.environ.get("PROPHET_TIMELINE") or None,
                         grid=grid, rate_change=rate_change,
                         mwms_ratios=(1.0,) if grid is not None and not flags_.systems else None,
-                        plan=flags_.plan)
+                        plan=flags_.plan, workers_per_host=per_host)
 
 
 def worker_or_bad_arguments(argv: Sequence[str], flags_: Any) -> Optional[int]:

@@ -90,15 +90,18 @@ def lower_bound_s(compute_s: float, gradient_bytes: float, workers: int,
 
 
 def ideal_bound(profile: Any, workers: int, bandwidth_bps: Optional[float],
-                payload_efficiency: float, compression: Optional[str] = None) -> Any:
+                payload_efficiency: float, compression: Optional[str] = None,
+                workers_per_host: int = 1) -> Any:
     """The ideal bound (:func:`prophet_tf.predict.ideal_bound`) of ``workers`` workers running
     ``profile``'s step (the layers' compute and gradients) on links of ``bandwidth_bps``, of
     which ``payload_efficiency`` carries payload; with ``compression`` (``"fp16"``, ``"bf16"``)
     the gradients take the bytes they travel in (half; its ``gradient_bytes``). Unshaped links
-    (None or 0): no communication limit, the bound is the profile's compute."""
+    (None or 0): no communication limit, the bound is the profile's compute.
+    ``workers_per_host``: the workers share their host's link (traffic inside a host is free)."""
     from prophet_tf.predict import PredictOptions
     from prophet_tf.predict import ideal_bound as predictor_ideal_bound
-    options = PredictOptions(payload_efficiency=payload_efficiency, compression=compression)
+    options = PredictOptions(payload_efficiency=payload_efficiency, compression=compression,
+                             workers_per_host=workers_per_host)
     if not bandwidth_bps:
         return predictor_ideal_bound(profile, workers=1, bandwidth_bps=None, options=options)
     return predictor_ideal_bound(profile, workers=workers, bandwidth_bps=bandwidth_bps,
@@ -180,7 +183,8 @@ def make_setting(model: str, workers: int, bandwidth_bps: Optional[float], compu
                  notes: Sequence[str] = (), compute: str = "real",
                  ideal_bound_s: Optional[float] = None,
                  ideal: Optional[Mapping[str, Any]] = None,
-                 compressed: Optional[Mapping[str, Mapping[str, Any]]] = None) -> dict[str, Any]:
+                 compressed: Optional[Mapping[str, Mapping[str, Any]]] = None,
+                 workers_per_host: int = 1) -> dict[str, Any]:
     """One output object (one model, worker count and bandwidth) in the JSON schema.
 
     Args:
@@ -201,19 +205,22 @@ def make_setting(model: str, workers: int, bandwidth_bps: Optional[float], compu
     "ideal_bound_s", "compute", "results": {SYSTEM: {"step_s_median", "samples_per_s",
     "speedup_vs_mwms", "ratio_to_lower_bound", "ratio_to_ideal_bound", ...}}, ...}`` plus context
     fields (``comm_compute_ratio``, ``global_batch``, ``gradient_bytes``, ``comm_s``, ``ideal``,
-    ``notes``, ``compressed_bounds``).
+    ``notes``, ``compressed_bounds``, ``workers_per_host``). With ``workers_per_host`` K > 1
+    the bounds and the communication time are those of the workers / K hosts' links (the
+    all-reduce optimum between hosts; traffic inside a host is free).
     """
     if compute not in COMPUTE_MODES:
         raise ValueError(f"compute must be one of {COMPUTE_MODES}, got {compute!r}")
     global_batch = batch_per_worker * workers
-    lb = lower_bound_s(compute_s, gradient_bytes, workers, bandwidth_bps)
+    links = max(1, workers // max(1, workers_per_host))
+    lb = lower_bound_s(compute_s, gradient_bytes, links, bandwidth_bps)
     ib = _positive(ideal_bound_s)
     bounds: dict[str, dict[str, Any]] = {}
     for compression, c in (compressed or {}).items():
         wire = c.get("gradient_bytes")
         bounds[compression] = {
             "gradient_bytes": int(wire) if finite(wire) else None,
-            "lower_bound_s": (lower_bound_s(compute_s, wire or 0, workers, bandwidth_bps)
+            "lower_bound_s": (lower_bound_s(compute_s, wire or 0, links, bandwidth_bps)
                               if finite(wire) or not bandwidth_bps else None),
             "ideal_bound_s": _positive(c.get("ideal_bound_s")),
             "ideal": dict(c["ideal"]) if c.get("ideal") else None}
@@ -248,9 +255,10 @@ def make_setting(model: str, workers: int, bandwidth_bps: Optional[float], compu
         "compute": compute,
         "results": results,
         "comm_compute_ratio": ratio if ratio is not None else (
-            comm_time_s(gradient_bytes, workers, bandwidth_bps) / compute_s
+            comm_time_s(gradient_bytes, links, bandwidth_bps) / compute_s
             if compute_s and bandwidth_bps else None),
-        "comm_s": comm_time_s(gradient_bytes, workers, bandwidth_bps),
+        "comm_s": comm_time_s(gradient_bytes, links, bandwidth_bps),
+        "workers_per_host": int(workers_per_host),
         "global_batch": global_batch,
         "gradient_bytes": int(gradient_bytes),
         "ideal": dict(ideal) if ideal else None,
@@ -366,6 +374,8 @@ class SweepOptions:
     mwms_ratios: Optional[tuple[float, ...]] = None  # mwms runs only at these comm/comp ratios
                                           # (None: at all)
     plan: bool = False                    # only say what would run and how long it would take
+    workers_per_host: int = 1             # emulated cluster: workers sharing one host (its
+                                          # namespace and shaped link; loopback between them)
 
     def __post_init__(self) -> None:
         self.systems = [s if isinstance(s, System) else parse_system(s) for s in self.systems]

@@ -178,8 +178,7 @@ def _launch_system(system: str, n: int, cluster: Any, cfg: Mapping[str, Any], ba
            "PROPHET_TIMELINE": timeline}
     kwargs: dict[str, Any] = {}
     if cluster is not None and n > 1 and not opts.loopback:
-        kwargs = {"hosts": [cluster.host_address(i) for i in range(n)],
-                  "wrap_argv": cluster.exec_argv}
+        kwargs = _placement(cluster, n, opts.workers_per_host)
         if opts.rate_change is not None:
             step, factor = opts.rate_change
             # Each worker changes its own host's link at the start of step K (all hosts within
@@ -207,6 +206,24 @@ def _launch_system(system: str, n: int, cluster: Any, cfg: Mapping[str, Any], ba
         raise LaunchFailed(f"{system}: launcher exit status {code}"
                            f"{' (timeout)' if code == 124 else ''}; last output:\n{tail}")
     return results
+
+
+def _placement(cluster: Any, n: int, per_host: int) -> dict[str, Any]:
+    """The launcher's ``hosts`` and ``wrap_argv`` (and ports) placing ``n`` workers on the
+    emulated cluster, ``per_host`` per host: worker w on host w // per_host. The workers of a
+    host share its namespace, address and shaped link, and talk to each other over its loopback;
+    they listen on distinct ports (a fresh namespace has every port free)."""
+    placement: dict[str, Any] = {
+        "hosts": [cluster.host_address(w // per_host) for w in range(n)],
+        "wrap_argv": lambda rank, argv: cluster.exec_argv(rank // per_host, argv)}
+    if per_host > 1:
+        placement["base_port"] = EMULATED_BASE_PORT
+    return placement
+
+
+#: The first port of the workers of an emulated host with several workers (nothing else listens
+#: in its namespace).
+EMULATED_BASE_PORT = 23450
 
 
 def _save_log(opts: SweepOptions, name: str, text: str, seconds: float) -> None:
@@ -359,6 +376,9 @@ def run_sweep(opts: SweepOptions) -> list[dict]:
                 progress.done += sum(per_n(r) for _, r in runs)
                 continue
         for n, ratios in runs:
+            # The links are the hosts': with several workers per host, comm/comp, the time scale
+            # and the bounds are those of the hosts' links.
+            hosts = n // opts.workers_per_host
             gbytes_known = (described or {}).get("gradient_bytes") or (single or (0, 0))[1]
             have = available_memory_bytes()
             fitting = [s for s in opts.systems
@@ -381,7 +401,7 @@ def run_sweep(opts: SweepOptions) -> list[dict]:
             if emulated:
                 assert described is not None
                 scale = opts.time_scale or emulated_time_scale(
-                    described["gradient_bytes"], n, described["accelerator_s"],
+                    described["gradient_bytes"], hosts, described["accelerator_s"],
                     opts.link_budget_bps)
                 emulation = {"compute": "emulated", "accelerator_tflops": opts.accelerator_tflops,
                              "time_scale": scale, "spec_path": described["spec_path"]}
@@ -402,7 +422,7 @@ def run_sweep(opts: SweepOptions) -> list[dict]:
             if opts.loopback:
                 plan: list[tuple[Optional[float], Optional[float]]] = [(None, None)]
             else:
-                bws = choose_bandwidths(gbytes, n, compute_s, ratios)
+                bws = choose_bandwidths(gbytes, hosts, compute_s, ratios)
                 plan = list(zip(ratios, bws))
             for ratio, bw in plan:
                 ideal = _ideal(step_profile, n, bw, opts, compute_s)
@@ -419,7 +439,7 @@ def run_sweep(opts: SweepOptions) -> list[dict]:
                 st["compute_contended_s"] = contended
                 # The same bound with the compute time of N workers sharing this machine.
                 st["lower_bound_contended_s"] = (None if contended is None else
-                                                 lower_bound_s(contended, gbytes, n, bw))
+                                                 lower_bound_s(contended, gbytes, hosts, bw))
                 st["compute_single"] = single_info
                 st["compute_contended"] = contended_info
                 # What a later run needs to model this one (bench.predict --measured).
@@ -452,7 +472,7 @@ def _plan_setting(model: str, n: int, ratio: Optional[float], bw: Optional[float
                   ideal: Optional[Mapping[str, Any]]) -> dict[str, Any]:
     """--plan: what one setting would run and about how long it would take (see the PLAN_
     constants), without running it."""
-    lb = lower_bound_s(compute_s, gbytes, n, bw)
+    lb = lower_bound_s(compute_s, gbytes, n // opts.workers_per_host, bw)
     ib = (ideal or {}).get("step_s") or lb
     startup = PLAN_STARTUP_CPU_S * max(n, os.cpu_count() or 1) / (os.cpu_count() or 1)
     steps = opts.warmup + opts.steps + 1
@@ -511,7 +531,7 @@ def _ideal(profile: Optional[Any], n: int, bw: Optional[float], opts: SweepOptio
     from prophet_tf.bench.netem import TBF_FRAME_EFFICIENCY
     efficiency = TBF_FRAME_EFFICIENCY
     try:
-        b = ideal_bound(profile, n, bw, efficiency, compression)
+        b = ideal_bound(profile, n, bw, efficiency, compression, opts.workers_per_host)
     except Exception as e:  # noqa: BLE001 - the bound is reported missing, the run goes on
         sys.stderr.write(f"  (no ideal bound: {type(e).__name__}: {e})\n")
         return None
@@ -648,10 +668,11 @@ def _run_setting(model: str, n: int, cfg: Any, batch: int, ratio: Optional[float
                  compressed: Optional[Mapping[str, Mapping[str, Any]]] = None) -> dict:
     step_s: dict[str, Optional[float]] = {}
     extra: dict[str, dict[str, Any]] = {}
-    where = f"{model}, N={n}, " + (f"comm/comp {ratio:g} at {format_bandwidth(bw)}" if bw
+    per_host = opts.workers_per_host
+    where = f"{model}, N={n}" + (f" ({n // per_host} hosts x {per_host})" if per_host > 1 else "") + ", " + (f"comm/comp {ratio:g} at {format_bandwidth(bw)}" if bw
                                    else "loopback (unshaped)")
     def bounds_text(gradient_bytes: Optional[float], ideal: Optional[Mapping[str, Any]]) -> str:
-        lb = (lower_bound_s(compute_s, gradient_bytes or 0, n, bw)
+        lb = (lower_bound_s(compute_s, gradient_bytes or 0, n // opts.workers_per_host, bw)
               if gradient_bytes or not bw else None)
         return (f"bound {lb * 1e3:.0f} ms" if lb else "bound n/a") + (
             f", ideal {ideal['step_s'] * 1e3:.0f} ms" if ideal else "")
@@ -660,7 +681,7 @@ def _run_setting(model: str, n: int, cfg: Any, batch: int, ratio: Optional[float
     # Worst case of the slowest system, plus start-up; generous.
     expected = compute_s * (1 + (ratio or 0)) * (opts.warmup + opts.steps + 1)
     timeout = min(opts.launch_timeout, max(300.0, 120.0 + 4.0 * expected))
-    with _make_cluster(n, bw, opts.loopback, opts.netns_prefix) as cluster:
+    with _make_cluster(n // per_host, bw, opts.loopback, opts.netns_prefix) as cluster:
         for spec in systems:
             system = spec.name
             progress.start(f"{where}: {system}")
@@ -731,7 +752,7 @@ def _run_setting(model: str, n: int, cfg: Any, batch: int, ratio: Optional[float
                             f"{noise_text(facts)}")
     return make_setting(model, n, bw, compute_s, gbytes, batch, step_s, ratio=ratio, extra=extra,
                         compute=opts.compute, ideal_bound_s=(ideal or {}).get("step_s"),
-                        ideal=ideal, compressed=compressed)
+                        ideal=ideal, compressed=compressed, workers_per_host=opts.workers_per_host)
 
 
 def _draw_one_step(pattern: str, n: int, step: int, title: str) -> Optional[str]:
