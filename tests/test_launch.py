@@ -305,6 +305,13 @@ ATTEMPTS = textwrap.dedent("""\
     rank, world = cfg["task"]["index"], len(cfg["cluster"]["worker"])
     out, plan = sys.argv[1], json.loads(sys.argv[2])
     attempt = len([f for f in os.listdir(out) if f.startswith(f"start.{rank}.")])
+    action = plan.get(str(attempt), {}).get(str(rank), "ok")
+    def preempted(*_):
+        print(f"prophet_tf: preempted: rank {rank}, 1 worker(s) asked to stop; stopped at epoch 1 "
+              f"step 3; checkpoint: {out}/backup", file=sys.stderr, flush=True)
+        os._exit(75)
+    if action == "wait":  # before the start record: a test signals once every worker started
+        signal.signal(signal.SIGTERM, preempted)
     record = {"workers": cfg["cluster"]["worker"], "token": os.environ["PROPHET_JOB_TOKEN"],
               "seed": os.environ.get("PROPHET_JOB_SEED"), "pid": os.getpid()}
     with open(os.path.join(out, f"tmp.{rank}"), "w") as f:
@@ -314,11 +321,6 @@ ATTEMPTS = textwrap.dedent("""\
     while not all(os.path.exists(os.path.join(out, f"start.{r}.{attempt}")) for r in range(world)):
         assert time.monotonic() < deadline, "the other workers of this attempt never started"
         time.sleep(0.01)
-    def preempted(*_):
-        print(f"prophet_tf: preempted: rank {rank}, 1 worker(s) asked to stop; stopped at epoch 1 "
-              f"step 3; checkpoint: {out}/backup", file=sys.stderr, flush=True)
-        os._exit(75)
-    action = plan.get(str(attempt), {}).get(str(rank), "ok")
     if action == "preempt":
         print(f"prophet_tf: rank {rank} received SIGTERM: every worker stops after the next "
               "training step of model.fit and writes a checkpoint (grace period 30 s)",
@@ -334,7 +336,6 @@ ATTEMPTS = textwrap.dedent("""\
         print(f"something different went wrong in attempt {attempt}", file=sys.stderr)
         sys.exit(3)
     elif action == "wait":
-        signal.signal(signal.SIGTERM, preempted)
         time.sleep(60)
     elif action != "ok":
         time.sleep(60)  # the others stop this one
