@@ -139,4 +139,14 @@ bool Collective::Admit(int peer, const FrameMeta& meta) {
 
 void Collective::Complete(const Status& status) { req_.done(status, nullptr); }
 
+PayloadSink Collective::ResultSink(char* out, const FrameMeta& meta) {
+  if (!codec().compresses()) return PayloadSink::Into(out, id());
+  const int scale_exp = meta.scale_exp;
+  return PayloadSink::Stream(
+      [this, out, scale_exp](uint64_t at, const char* data, uint64_t len) {
+        codec().Decode(data, len, scale_exp, out + codec().TensorBytes(at));
+      },
+      id());
+}
+
 }  // namespace prophet

@@ -136,6 +136,9 @@ class Collective {
   }
   // How this operation's payloads travel (compressed or not; see codec.h).
   const PayloadCodec& codec() const { return codec_; }
+  // Where a RESULT's payload for `out` goes: straight into it, or, compressed, decoded piece by
+  // piece as it lands, while the codes are in cache.
+  PayloadSink ResultSink(char* out, const FrameMeta& meta);
   // "push_pull 'x' (round 3): rank 1 sends it compressed as fp16 but rank 0 as none; ...", or ""
   // when `meta` travels as this worker's frames do.
   std::string EncodingMismatch(int peer, const FrameMeta& meta) const;

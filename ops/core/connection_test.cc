@@ -18,12 +18,10 @@
 namespace prophet {
 namespace {
 
+using ::prophet::testing::Contains;
+
 // A read budget that never runs out: OnReadable reads until the socket is empty.
 constexpr uint64_t kUntilEmpty = ~uint64_t{0};
-
-bool Contains(const std::string& haystack, const std::string& needle) {
-  return haystack.find(needle) != std::string::npos;
-}
 
 void SetNonBlocking(int fd) { ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK); }
 

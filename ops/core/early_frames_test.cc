@@ -9,6 +9,8 @@
 namespace prophet {
 namespace {
 
+using ::prophet::testing::Contains;
+
 FrameMeta Meta(FrameType type, const std::string& name, uint64_t round, uint64_t bytes) {
   FrameMeta meta;
   meta.type = type;
@@ -25,8 +27,6 @@ EngineOptions Options(uint64_t partition_bytes, uint64_t max_early_bytes) {
   o.max_early_bytes = max_early_bytes;
   return o;
 }
-
-bool Contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
 TEST(FramesAreHeldByOperationInArrivalOrder) {
   EarlyFrames early(Options(1 << 20, 1 << 30));

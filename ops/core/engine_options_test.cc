@@ -9,9 +9,7 @@
 namespace prophet {
 namespace {
 
-bool Contains(const std::string& haystack, const std::string& needle) {
-  return haystack.find(needle) != std::string::npos;
-}
+using ::prophet::testing::Contains;
 
 TEST(ParsesEveryKeyAndKeepsDefaultsForTheRest) {
   EngineOptions o;

@@ -22,18 +22,10 @@
 namespace prophet {
 namespace {
 
+using ::prophet::testing::Contains;
+
 using Clock = std::chrono::steady_clock;
 constexpr uint64_t kMB = 1 << 20;
-
-bool Contains(const std::string& haystack, const std::string& needle) {
-  return haystack.find(needle) != std::string::npos;
-}
-
-void Fail(const std::string& what, int line) {
-  std::fprintf(stderr, "engine_test.cc:%d: %s\n", line, what.c_str());
-  ++::prophet::testing::Failures();
-}
-#define FAIL(what) Fail(what, __LINE__)
 
 using testing::SecondsSince;
 
@@ -63,7 +55,7 @@ struct Pending {
 // Waits at most `seconds` (never hangs): a missing callback fails the test.
 Status Await(Pending& p, int line, double seconds = 20.0) {
   if (p.future.wait_for(std::chrono::duration<double>(seconds)) != std::future_status::ready) {
-    Fail("no done callback within " + std::to_string(seconds) + " s", line);
+    ::prophet::testing::Fail(__FILE__, line, "no done callback within " + std::to_string(seconds) + " s");
     return Status(Code::kInternal, "test: no done callback");
   }
   return p.future.get();

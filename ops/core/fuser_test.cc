@@ -25,15 +25,7 @@
 namespace prophet {
 namespace {
 
-void Fail(const std::string& what, int line) {
-  std::fprintf(stderr, "fuser_test.cc:%d: %s\n", line, what.c_str());
-  ++::prophet::testing::Failures();
-}
-#define FAIL(what) Fail(what, __LINE__)
-
-bool Contains(const std::string& haystack, const std::string& needle) {
-  return haystack.find(needle) != std::string::npos;
-}
+using ::prophet::testing::Contains;
 
 std::vector<std::unique_ptr<Engine>> Cluster(int n, double timeout_s = 20.0) {
   std::vector<Status> status;

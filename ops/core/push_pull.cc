@@ -118,15 +118,7 @@ PayloadSink PushPull::OnFrame(int peer, const FrameMeta& meta) {
         WireBytes(p) != meta.payload_bytes || meta.encoding != codec().encoding() ||
         push_state_[p] != PushState::kSent)
       return PayloadSink::Discard();  // not what this worker pushed: drop the bytes
-    char* out = static_cast<char*>(req_.output) + meta.offset;
-    if (!codec().compresses()) return PayloadSink::Into(out, id());
-    // Decoded piece by piece as it lands, while the codes are in cache.
-    const int scale_exp = meta.scale_exp;
-    return PayloadSink::Stream(
-        [this, out, scale_exp](uint64_t at, const char* data, uint64_t len) {
-          codec().Decode(data, len, scale_exp, out + codec().TensorBytes(at));
-        },
-        id());
+    return ResultSink(static_cast<char*>(req_.output) + meta.offset, meta);
   }
   if (!Admit(peer, meta)) return PayloadSink::Discard();
   const uint32_t part = meta.partition;

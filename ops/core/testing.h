@@ -31,6 +31,16 @@ struct Registrar {
   }
 };
 
+// Shared by the tests' own checks: whether `text` contains `part` (error messages, JSON).
+inline bool Contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+// A failure whose message a test builds itself (what came, what was expected).
+inline void Fail(const char* file, int line, const std::string& what) {
+  std::fprintf(stderr, "%s:%d: %s\n", file, line, what.c_str());
+  ++Failures();
+}
+
 inline int RunAll() {
   int passed = 0, failed = 0;
   for (const TestCase& t : Registry()) {
@@ -50,6 +60,8 @@ inline int RunAll() {
 
 }  // namespace testing
 }  // namespace prophet
+
+#define FAIL(what) ::prophet::testing::Fail(__FILE__, __LINE__, (what))
 
 #define TEST(name)                                                              \
   static void name();                                                           \

@@ -27,11 +27,9 @@
 namespace prophet {
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using ::prophet::testing::Contains;
 
-bool Contains(const std::string& haystack, const std::string& needle) {
-  return haystack.find(needle) != std::string::npos;
-}
+using Clock = std::chrono::steady_clock;
 
 std::string Hex(const uint8_t* p, size_t n) {
   std::string out;

@@ -169,16 +169,9 @@ PayloadSink TwoLevelPushPull::OnFrame(int peer, const FrameMeta& meta) {
   if (meta.type == FrameType::kResult) {
     if (!ExpectedResult(peer, meta)) return PayloadSink::Discard();  // not what this worker waits for
     const uint32_t part = meta.partition;
-    if (!codec().compresses()) return PayloadSink::Into(Out(part), id());
-    // A leader keeps the payload as it came, to pass the same bytes on (OnWholeFrame).
-    if (p_[part].role == Role::kLeader) return PayloadSink::Buffer();
-    char* out = Out(part);
-    const int scale_exp = meta.scale_exp;
-    return PayloadSink::Stream(
-        [this, out, scale_exp](uint64_t at, const char* data, uint64_t len) {
-          codec().Decode(data, len, scale_exp, out + codec().TensorBytes(at));
-        },
-        id());
+    // Compressed, a leader keeps the payload as it came, to pass the same bytes on (OnWholeFrame).
+    if (codec().compresses() && p_[part].role == Role::kLeader) return PayloadSink::Buffer();
+    return ResultSink(Out(part), meta);
   }
   if (!Admit(peer, meta)) return PayloadSink::Discard();
   const uint32_t part = meta.partition;

@@ -28,15 +28,7 @@
 namespace prophet {
 namespace {
 
-void Fail(const std::string& what, int line) {
-  std::fprintf(stderr, "two_level_test.cc:%d: %s\n", line, what.c_str());
-  ++::prophet::testing::Failures();
-}
-#define FAIL(what) Fail(what, __LINE__)
-
-bool Contains(const std::string& haystack, const std::string& needle) {
-  return haystack.find(needle) != std::string::npos;
-}
+using ::prophet::testing::Contains;
 
 constexpr uint64_t kPartitionBytes = 256 << 10;
 
@@ -87,7 +79,7 @@ std::future<Status> Submit(Engine& engine, const std::string& name, DataType dty
 
 Status Await(std::future<Status>& f, int line, double seconds = 30.0) {
   if (f.wait_for(std::chrono::duration<double>(seconds)) != std::future_status::ready) {
-    Fail("no done callback within " + std::to_string(seconds) + " s", line);
+    ::prophet::testing::Fail(__FILE__, line, "no done callback within " + std::to_string(seconds) + " s");
     return Status(Code::kInternal, "test: no callback");
   }
   return f.get();

@@ -11,9 +11,7 @@
 namespace prophet {
 namespace {
 
-bool Contains(const std::string& haystack, const std::string& needle) {
-  return haystack.find(needle) != std::string::npos;
-}
+using ::prophet::testing::Contains;
 
 FrameMeta SampleMeta() {
   FrameMeta m;
