@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -25,12 +26,10 @@ CONTROL = 1 << 40
 TRACKS = ("step", "forward", "backward", "ready", "op", "apply")
 
 
-def synthetic_trace(steps: int = 5, measured: bool = True, priorities: bool = True) -> list[dict]:
-    """A one-worker trace as the runtime writes it (microseconds): every step begins at
-    100 ms x step, two layers of 10 and 20 ms forward, then the backward pass: dense_1's gradient
-    at +5 ms, dense's at +30 ms (it ends there), the metrics' at +1 ms; the step returns 2 ms
-    after the backward pass; updates take 0.5 ms."""
-    tid = {track: i for i, track in enumerate(TRACKS, start=1)}
+def trace_writer(tracks: tuple[str, ...]) -> tuple[list[dict], dict[str, int], Callable[..., None]]:
+    """A worker's trace events with one thread per track, the track ids, and a function adding a
+    span (times in ms) to a track."""
+    tid = {track: i for i, track in enumerate(tracks, start=1)}
     events: list[dict] = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": t,
                            "args": {"name": track}} for track, t in tid.items()]
 
@@ -38,6 +37,15 @@ def synthetic_trace(steps: int = 5, measured: bool = True, priorities: bool = Tr
         events.append({"name": name, "ph": "X", "ts": ts_ms * 1e3, "dur": dur_ms * 1e3, "pid": 0,
                        "tid": tid[track], **({"args": args} if args else {})})
 
+    return events, tid, span
+
+
+def synthetic_trace(steps: int = 5, measured: bool = True, priorities: bool = True) -> list[dict]:
+    """A one-worker trace as the runtime writes it (microseconds): every step begins at
+    100 ms x step, two layers of 10 and 20 ms forward, then the backward pass: dense_1's gradient
+    at +5 ms, dense's at +30 ms (it ends there), the metrics' at +1 ms; the step returns 2 ms
+    after the backward pass; updates take 0.5 ms."""
+    events, tid, span = trace_writer(TRACKS)
     sizes = {"grad/dense/kernel": (4096, 2), "grad/dense_1/kernel": (8192, 1),
              "metrics/step/float32/sum/2": (8, CONTROL)}
     offsets = {"grad/dense_1/kernel": 5.0, "grad/dense/kernel": 30.0, "metrics/step/float32/sum/2": 1.0}
@@ -82,6 +90,51 @@ def test_profile_from_a_trace_with_forward_spans():
     assert by_name["metrics/step/float32/sum/2"].layer is None
     assert by_name["metrics/step/float32/sum/2"].apply_s == 0.0
     assert profile.gradient_bytes == 4096 + 8192
+
+
+def late_gradient_trace(steps: int = 5) -> list[dict]:
+    """A one-worker trace (microseconds) like BERT's: steps begin every 100 ms and their spans end
+    at +62 ms, but the first layer's gradient is handed over at +101 ms, after the next step has
+    begun; that step's first layer waits at its gate (+0.5 to +4 ms) for the update (+101.5 to
+    +103.5 ms). Layers: dense 10 ms and dense_1 20 ms forward from +4 ms; backward from +34 ms,
+    dense_1's gradient at +39 ms; a control collective during the forward pass at +6 ms."""
+    events, tid, span = trace_writer(TRACKS + ("gate",))
+
+    def handed_over(name: str, ts_ms: float, step: int, size: int, priority: int) -> None:
+        events.append({"name": name, "ph": "i", "s": "t", "ts": ts_ms * 1e3, "pid": 0,
+                       "tid": tid["ready"]})
+        span("op", name, ts_ms, 0.01, round=step, bytes=size, priority=priority, ok=True)
+
+    for step in range(steps):
+        begin = 100.0 * step
+        span("step", f"step {step}", begin, 62.0)
+        if step:
+            span("gate", "dense", begin + 0.5, 3.5)
+        span("forward", "dense", begin + 4.0, 10.0)
+        span("forward", "dense_1", begin + 14.0, 20.0)
+        span("backward", "dense_1", begin + 34.0, 5.0)
+        span("backward", "dense", begin + 39.0, 21.0)
+        handed_over("metrics/loss/float32/sum/2", begin + 6.0, step, 8, CONTROL)
+        handed_over("grad/dense_1/kernel", begin + 39.0, step, 8192, 1)
+        span("apply", "grad/dense_1/kernel", begin + 39.01, 0.5)
+        handed_over("grad/dense/kernel", begin + 101.0, step, 4096, 2)
+        span("apply", "grad/dense/kernel", begin + 101.5, 2.0)
+    return events
+
+
+def test_gradient_handed_over_after_the_step_returns_keeps_its_ready_time():
+    # BERT-base's word embedding: its gradient used to take the previous step's ready time
+    # (before the backward pass, clamped to its start), so no all-reduce of its 94 MB was exposed.
+    profile = profile_from_trace(late_gradient_trace(), source="late")
+    by_name = {t.name: t for t in profile.tensors}
+    assert by_name["grad/dense/kernel"].ready_s == pytest.approx(0.067)
+    assert by_name["grad/dense_1/kernel"].ready_s == pytest.approx(0.005)
+    assert by_name["metrics/loss/float32/sum/2"].ready_s == 0.0  # during the forward pass
+    assert profile.backward_s == pytest.approx(0.067)
+    # The launch excludes the gate's wait for the previous step's update (the simulator makes it).
+    assert profile.launch_s == pytest.approx(0.0005)
+    assert profile.tail_s == 0.0
+    assert profile.gap_s == pytest.approx(0.038)
 
 
 def test_profile_estimates_forward_times_without_forward_spans():

@@ -262,6 +262,17 @@ def _parse_emulation(names: Sequence[str], source: str) -> dict[str, float]:
     return record
 
 
+def _covered(intervals: Sequence[tuple[float, float]], lo: float, hi: float) -> float:
+    """How much of [lo, hi] the union of ``intervals`` covers."""
+    covered, reach = 0.0, lo
+    for start, end in sorted(intervals):
+        start, end = max(start, reach), min(end, hi)
+        if end > start:
+            covered += end - start
+            reach = end
+    return covered
+
+
 def _median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 
@@ -333,27 +344,53 @@ def profile_from_trace(events: Sequence[dict], *, worker: Optional[int] = None,
     emulation = _parse_emulation([str(e.get("name")) for e in tracks.get(EMULATION_TRACK, [])
                                   if e.get("ph") in ("i", "I")], source)
 
+    gates = [(s, e) for s, e, _, _ in spans("gate")]
+
+    def is_gradient(name: str) -> bool:
+        if name in op_priority:
+            return op_priority[name] < control_priority()
+        return name.startswith(_GRADIENT_PREFIX)
+
+    def forward_spans(j: int) -> list[tuple[float, float, str, dict]]:
+        return [s for s in forwards if steps[j][0] <= s[0] <= steps[j][1]]
+
     per_step: list[dict[str, Any]] = []
     for i in range(skip_steps, len(steps) - 1):
         begin, end = steps[i][0], steps[i][1]
         next_begin = steps[i + 1][0]
+        fwd = forward_spans(i) if measured else []
+        if measured and not fwd:
+            continue
+        # The step's gradients: from its backward pass's start to the next step's. The last
+        # gradient can be handed over after the train function has returned (BERT's word
+        # embedding, ResNet50's first convolution: in many steps a few ms after the return),
+        # i.e. inside the next step's span; taking the step's span as the window gives such a
+        # gradient the previous step's ready time (before the backward pass: clamped to its
+        # start, no exposed all-reduce at all). Control collectives (the loss tracker's) are
+        # handed over during the forward pass: the step's span.
+        grad_lo, grad_hi = begin, end
+        if measured:
+            following = forward_spans(i + 1)
+            grad_lo = fwd[-1][1]
+            grad_hi = following[-1][1] if following else steps[i + 1][1]
         ready: dict[str, float] = {}
         for ts, name in readies:
-            if begin <= ts <= end and name not in ready:
+            lo, hi = (grad_lo, grad_hi) if is_gradient(name) else (begin, end)
+            if lo <= ts <= hi and name not in ready:
                 ready[name] = ts
         if not ready:
             continue
         step: dict[str, Any] = {"begin": begin, "end": end, "next": next_begin, "ready": ready}
         if measured:
-            fwd = [s for s in forwards if begin <= s[0] <= end]
             bwd = [s for s in backwards if begin <= s[0] <= end]
-            if not fwd:
-                continue
             step["forward"] = {name: e - s for s, e, name, _ in fwd}
             step["order"] = [name for _, _, name, _ in fwd]
             step["backward"] = {name: e - s for s, e, name, _ in bwd}
             step["backward_start"] = fwd[-1][1]
-            step["launch"] = fwd[0][0] - begin
+            # Launch: the step's begin to its first forward span, less the time the first layer
+            # waited at its gate for the previous step's updates (the simulator makes that wait
+            # itself: counting it in the launch too would hide as much of the all-reduce).
+            step["launch"] = fwd[0][0] - begin - _covered(gates, begin, fwd[0][0])
             step["backward_end"] = max([e for _, e, _, _ in bwd] + list(ready.values()))
         per_step.append(step)
     if not per_step:
