@@ -185,8 +185,10 @@ def one_tensor_profile() -> Profile:
                    tensors=[ProfiledTensor("grad/dense/kernel", 100_000, 1, 0.0, "dense")])
 
 
+# The kernel holds nothing; every tensor by its owners (the cases computed by hand are about that
+# path; small tensors by exchange have their own test).
 EXACT = PredictOptions(payload_efficiency=1.0, frame_overhead_bytes=0, socket_buffer_bytes=0,
-                       autotuned_socket_buffer_bytes=0)  # the kernel holds nothing
+                       autotuned_socket_buffer_bytes=0, small_allreduce=False)
 
 
 def test_predict_one_tensor_on_two_workers_exactly():
@@ -204,6 +206,32 @@ def test_predict_one_tensor_on_two_workers_exactly():
         predict(one_tensor_profile(), workers=2, bandwidth_bps=8e6, schedule="lifo")
     with pytest.raises(PredictError, match="link rate"):
         predict(one_tensor_profile(), workers=2, bandwidth_bps=0)
+
+
+def test_small_tensors_by_exchange_and_the_message_cost(tmp_path):
+    # By exchange (the engine's path for a small tensor) the two workers send each other their
+    # 100,000 bytes at once: 100 ms instead of a push and a sum. A message cost of 1 ms to send and
+    # 2 ms to receive adds 3 ms per frame on the way: one by exchange, two by owners.
+    exchange = dataclasses.replace(EXACT, small_allreduce=True)
+    control = Profile(layers=[ProfiledLayer("dense", 0.010)],  # only control collectives go by exchange
+                      tensors=[ProfiledTensor("metrics/loss", 100_000, CONTROL, 0.0)])
+    p = predict(control, workers=2, bandwidth_bps=8e6, schedule="priority_nocross",
+                options=exchange)
+    assert p.step_s == pytest.approx(0.110, abs=1e-6)
+    assert p.messages_per_step == pytest.approx(1)
+    costly = dict(message_send_s=1e-3, message_receive_s=2e-3)
+    assert predict(control, workers=2, bandwidth_bps=8e6, schedule="priority_nocross",
+                   options=dataclasses.replace(exchange, **costly)).step_s == pytest.approx(0.113, abs=1e-6)
+    assert predict(control, workers=2, bandwidth_bps=8e6, schedule="priority_nocross",
+                   options=dataclasses.replace(EXACT, **costly)).step_s == pytest.approx(0.216, abs=1e-6)
+    # 8 workers, a 64-byte metric: worker 0 sends log2(8) = 3 frames by exchange.
+    tiny = Profile(layers=[ProfiledLayer("dense", 0.010)],
+                   tensors=[ProfiledTensor("metrics/accuracy", 64, CONTROL, 0.0)])
+    assert predict(tiny, workers=8, bandwidth_bps=1e9, options=exchange).messages_per_step == 3
+    profile = tmp_path / "profile.json"
+    tiny.save(profile)
+    bad = run_cli(str(profile), "--message_cost", "1ms,2ms,3ms")
+    assert bad.returncode == 2 and "--message_cost" in bad.stderr
 
 
 def test_compressed_gradients_travel_in_half_the_bytes():
@@ -298,7 +326,8 @@ def test_synthetic_timeline_is_a_runtime_trace(tmp_path, fusion_bytes):
     pattern = str(tmp_path / "predicted.json")
     profile = profile_from_trace(synthetic_trace())
     predict(profile, workers=2, bandwidth_bps=1e9, schedule="prophet",
-            options=PredictOptions(steps=3, warmup_steps=2, fusion_bytes=fusion_bytes),
+            options=PredictOptions(steps=3, warmup_steps=2, fusion_bytes=fusion_bytes,
+                                   small_allreduce=False),  # pushes: the owner path's track
             timeline_path=pattern)
     traces = [timeline.load_trace(tmp_path / f"predicted.{rank}.json") for rank in (0, 1)]
     tracks = timeline.events_by_track(traces[0])

@@ -53,6 +53,13 @@ struct EngineOptions {
   // One host label per rank, ranks with equal labels sharing a host. Empty: the host part of each
   // address (workers whose addresses name the same host share it).
   std::vector<std::string> hosts;
+  // Small push_pulls by recursive doubling (small_allreduce.h): kSmallAllreduceAuto where it is
+  // predicted faster (SmallAllreduceApplies), the engine's path. Not a user setting (no key of
+  // ParseEngineOptions): kSmallAllreduceNever and kSmallAllreduceAlways (every uncompressed
+  // tensor below N x 64 KiB that one frame carries) only let the C++ benchmark measure both paths
+  // side by side in one build. Every worker of a job must agree.
+  enum SmallAllreduceMode { kSmallAllreduceNever, kSmallAllreduceAuto, kSmallAllreduceAlways };
+  SmallAllreduceMode small_allreduce = kSmallAllreduceAuto;
 };
 
 // Parses "key=value" lines (the C API's configuration string). Unknown keys are errors.

@@ -10,6 +10,7 @@
 #include "ops/core/link_model.h"
 #include "ops/core/partition.h"
 #include "ops/core/scheduler.h"
+#include "ops/core/small_allreduce.h"
 #include "ops/core/timeline.h"
 #include "ops/core/wire.h"
 
@@ -33,6 +34,8 @@ enum class EventKind : uint8_t {
   kSumDone,
   kApplyDone,
   kWakeup,
+  kSendFrame,     // the sender's I/O thread has spent message_send_ns on the frame (`tag`)
+  kFrameArrived,  // its last byte is at the receiver, whose I/O thread takes message_receive_ns
 };
 
 struct Event {
@@ -49,7 +52,8 @@ struct Event {
 };
 
 // kLocalPush / kLocalResult: the two-level path's frames between the workers of one host.
-enum class FrameKind : uint8_t { kPush, kResult, kRing, kLocalPush, kLocalResult };
+// kExchange: a stage of a small push_pull's exchange (`partition`: the stage).
+enum class FrameKind : uint8_t { kPush, kResult, kRing, kLocalPush, kLocalResult, kExchange };
 
 struct FrameInfo {
   FrameKind kind = FrameKind::kPush;
@@ -58,6 +62,8 @@ struct FrameInfo {
   int partition = 0;  // kRing: subdivision
   int round = 0;      // kRing only
   uint64_t bytes = 0;
+  int src = 0, dst = 0;  // kSendFrame: where it goes once its sender's thread has sent it
+  int64_t priority = 0;
 };
 
 uint64_t OpKey(int step, int tensor) {
@@ -79,6 +85,12 @@ struct Op {
   int64_t submit_ns = 0;
   int parts_left = 0;
   std::vector<PartState> parts;
+  // By exchange (small_allreduce.h): the worker's ExchangePlan step to run next, whether its
+  // frame is sent, and by step whether its partner's frame is here.
+  bool submitted = false;
+  size_t exchange_next = 0;
+  bool exchange_sent = false;
+  std::vector<bool> exchange_received;
 };
 
 // MultiWorkerMirroredStrategy's ring all-reduce of one step on one worker.
@@ -122,6 +134,9 @@ struct Worker {
   int applies_running = 0;
   int64_t wakeup_ns = -1;
   std::unique_ptr<Timeline> timeline;
+  int64_t io_free_ns = 0;    // its I/O thread is busy with frames until then (message costs)
+  uint64_t frames_sent = 0;  // every kind
+  std::vector<ExchangeStep> exchange_plan;  // ExchangePlan(w, N)
 };
 
 class Simulation {
@@ -206,6 +221,13 @@ class Simulation {
   void OpDone(int w, int step, int unit);          // every member of the unit is summed
   void TensorDone(int w, int step, int tensor);
   void Arrive(int dst, int src, uint64_t frame);
+  // Hands a frame to the link (after the sender's message cost, if any).
+  void QueueOnLink(uint64_t frame);
+  // The receiver's I/O thread takes the frame (after its message cost, if any).
+  void Received(int dst, int src, uint64_t frame);
+  // By exchange: runs worker w's plan as far as the frames here allow; the last step completes
+  // the op.
+  void ExchangeAdvance(int w, uint64_t key);
   // mwms.
   void RingStart(int w, int step, int which);
   void RingAdvance(int w, int step, int which);
@@ -247,6 +269,7 @@ class Simulation {
   std::vector<std::unordered_map<uint64_t, size_t>> unit_ready_;  // per worker, by OpKey(step, unit)
   std::vector<std::vector<Partition>> partitions_;  // per unit (two-level: owners are hosts)
   std::vector<std::vector<int>> leader_rank_;       // two-level: per unit and partition, the leader's rank on its host
+  std::vector<bool> exchanged_;                     // per unit: by exchange (SmallAllreduceApplies)
   std::vector<FrameInfo> frames_;
   std::vector<uint64_t> free_frames_;
   int controls_ = 0;
@@ -255,6 +278,7 @@ class Simulation {
   int64_t measure_begin_ns_ = -1, measure_end_ns_ = -1;
   int64_t busy_begin_ns_ = 0, busy_end_ns_ = 0;
   double wire_begin_ = 0, wire_end_ = 0;
+  uint64_t frames_begin_ = 0, frames_end_ = 0;
   std::vector<TensorTiming> timings_;
   std::vector<double> bandwidth_samples_;
   SendTask scratch_task_;              // PushTask's
@@ -302,11 +326,13 @@ void Simulation::StepBegin(int w, int step) {
     measure_begin_ns_ = now_ns_;
     busy_begin_ns_ = link_.egress_busy_ns(0, now_ns_);
     wire_begin_ = link_.sent_wire_bytes(0);
+    frames_begin_ = worker.frames_sent;
   }
   if (w == 0 && step == options_.warmup_steps + options_.steps) {
     measure_end_ns_ = now_ns_;
     busy_end_ns_ = link_.egress_busy_ns(0, now_ns_);
     wire_end_ = link_.sent_wire_bytes(0);
+    frames_end_ = worker.frames_sent;
   }
   Push(now_ns_ + profile_.launch_ns, EventKind::kForwardStart, w, step, 0);
 }
@@ -455,6 +481,11 @@ void Simulation::Submit(int w, int step, int tensor) {
   const uint64_t request = worker.next_request++;
   worker.op_of_request[request] = key;
   op.request = request;
+  op.submitted = true;
+  if (exchanged_[tensor]) {
+    ExchangeAdvance(w, key);
+    return;
+  }
   const std::vector<Partition>& parts = partitions_[tensor];
   if (two_level()) {
     // Every partition goes to its leader on this host first; leaders push later (HostSumDone).
@@ -552,13 +583,39 @@ void Simulation::SendFrame(int src, int dst, int64_t priority, const FrameInfo& 
     id = frames_.size();
     frames_.push_back(info);
   }
+  FrameInfo& f = frames_[id];
+  f.src = src;
+  f.dst = dst;
+  f.priority = priority;
+  ++workers_[src].frames_sent;
+  if (network_.message_send_ns <= 0) {
+    QueueOnLink(id);
+    return;
+  }
+  Worker& sender = workers_[src];
+  sender.io_free_ns = std::max(sender.io_free_ns, now_ns_) + network_.message_send_ns;
+  Push(sender.io_free_ns, EventKind::kSendFrame, src, 0, 0, id);
+}
+
+void Simulation::QueueOnLink(uint64_t id) {
+  const FrameInfo& info = frames_[id];
   LinkFrame frame;
-  frame.src = src;
-  frame.dst = dst;
+  frame.src = info.src;
+  frame.dst = info.dst;
   frame.payload_bytes = info.bytes;
-  frame.priority = priority;
+  frame.priority = info.priority;
   frame.tag = id;
   link_.Queue(now_ns_, frame);
+}
+
+void Simulation::Received(int dst, int src, uint64_t frame) {
+  if (network_.message_receive_ns <= 0) {
+    Arrive(dst, src, frame);
+    return;
+  }
+  Worker& receiver = workers_[dst];
+  receiver.io_free_ns = std::max(receiver.io_free_ns, now_ns_) + network_.message_receive_ns;
+  Push(receiver.io_free_ns, EventKind::kArrive, dst, 0, src, frame);
 }
 
 void Simulation::MaybeSum(int owner, uint64_t key, int partition) {
@@ -669,6 +726,15 @@ void Simulation::Arrive(int dst, int src, uint64_t frame) {
     return;
   }
   const uint64_t key = OpKey(info.step, info.tensor);
+  if (info.kind == FrameKind::kExchange) {
+    Op& op = OpAt(dst, key);
+    const std::vector<ExchangeStep>& plan = workers_[dst].exchange_plan;
+    if (op.exchange_received.empty()) op.exchange_received.assign(plan.size(), false);
+    for (size_t i = 0; i < plan.size(); ++i)
+      if (plan[i].stage == info.partition && plan[i].receive_from == src) op.exchange_received[i] = true;
+    ExchangeAdvance(dst, key);
+    return;
+  }
   if (info.kind == FrameKind::kPush || info.kind == FrameKind::kLocalPush) {
     ++OpAt(dst, key).parts[info.partition].contributions;
     MaybeSum(dst, key, info.partition);
@@ -699,6 +765,30 @@ void Simulation::Arrive(int dst, int src, uint64_t frame) {
     PartitionDone(dst, key);
   }
   Pump(dst);
+}
+
+void Simulation::ExchangeAdvance(int w, uint64_t key) {
+  Op& op = OpAt(w, key);
+  if (!op.submitted) return;  // frames that came early wait for the submission
+  const std::vector<ExchangeStep>& plan = workers_[w].exchange_plan;
+  if (op.exchange_received.empty()) op.exchange_received.assign(plan.size(), false);
+  const int unit = KeyTensor(key);
+  for (; op.exchange_next < plan.size(); ++op.exchange_next, op.exchange_sent = false) {
+    const ExchangeStep& step = plan[op.exchange_next];
+    if (!op.exchange_sent && step.send_to >= 0) {
+      FrameInfo info;
+      info.kind = FrameKind::kExchange;
+      info.step = KeyStep(key);
+      info.tensor = unit;
+      info.partition = step.stage;
+      info.bytes = units_[unit].bytes;
+      SendFrame(w, step.send_to, units_[unit].priority, info);
+    }
+    op.exchange_sent = true;
+    if (step.receive_from >= 0 && !op.exchange_received[op.exchange_next]) return;
+  }
+  op.parts_left = 1;  // the whole tensor is summed
+  PartitionDone(w, key);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -816,6 +906,9 @@ void Simulation::PlanUnits() {
     unit.bytes = b.bytes;
     unit.priority = b.priority;
     for (const int m : b.members) unit_of_[m] = static_cast<int>(units_.size());
+    exchanged_.push_back(runtime_.small_allreduce && !mwms() && !two_level() && unit.priority >= kControlPriority &&
+                         SmallAllreduceApplies(unit.bytes, n_, runtime_.partition_bytes, unit.encoding,
+                                               SmallAllreduceMessageBytes(b.fused() ? bucket_bytes : 0, n_)));
     units_.push_back(unit);
     unit_members_.push_back(b.members);
     if (!two_level()) {
@@ -857,8 +950,10 @@ void Simulation::HandleLink(const LinkEvent& e) {
     return;
   }
   const int64_t extra = info.kind == FrameKind::kRing ? runtime_.ring_message_ns : 0;
-  // kArrive carries the sender in `index` and the frame id in `tag`.
-  Push(e.time_ns + network_.latency_ns + extra, EventKind::kArrive, e.frame.dst, 0, e.frame.src, e.frame.tag);
+  // kArrive (kFrameArrived) carries the sender in `index` and the frame id in `tag`.
+  Push(e.time_ns + network_.latency_ns + extra,
+       network_.message_receive_ns > 0 ? EventKind::kFrameArrived : EventKind::kArrive, e.frame.dst, 0, e.frame.src,
+       e.frame.tag);
 }
 
 void Simulation::Handle(const Event& e) {
@@ -876,6 +971,8 @@ void Simulation::Handle(const Event& e) {
       if (workers_[e.worker].wakeup_ns == e.time_ns) workers_[e.worker].wakeup_ns = -1;
       Pump(e.worker);
       break;
+    case EventKind::kSendFrame: QueueOnLink(e.tag); break;
+    case EventKind::kFrameArrived: Received(e.worker, e.index, e.tag); break;
   }
 }
 
@@ -899,6 +996,7 @@ Status Simulation::Run(StepPrediction* prediction) {
     if (!worker.policy) return Status(Code::kInvalidArgument, error);
     worker.steps.resize(total_steps());
     worker.updates_pending.assign(profile_.layers.size(), 0);
+    worker.exchange_plan = ExchangePlan(w, n_);
     if (!options_.timeline_path.empty() && w < options_.timeline_workers) {
       std::string path = options_.timeline_path;
       const size_t at = path.find("{rank}");
@@ -968,6 +1066,7 @@ Status Simulation::Run(StepPrediction* prediction) {
   const double steps = static_cast<double>(options_.steps);
   p.comm_s = static_cast<double>(busy_end_ns_ - busy_begin_ns_) / 1e9 / steps;
   p.wire_bytes_per_step = (wire_end_ - wire_begin_) / steps;
+  p.messages_per_step = static_cast<double>(frames_end_ - frames_begin_) / steps;
   const double mean_step = static_cast<double>(measure_end_ns_ - measure_begin_ns_) / 1e9 / steps;
   if (p.comm_s > 0) p.overlap = std::min(1.0, std::max(0.0, (p.single_step_s + p.comm_s - mean_step) / p.comm_s));
   p.gate_wait_s = static_cast<double>(first.gate_wait_ns) / 1e9 / steps;
