@@ -377,7 +377,9 @@ TEST(SmallPushPullsGiveTheSameBitsOnEveryWorker) {
 // the tensor, from the lost connection (well before the 20 s timeout).
 TEST(ADeadPeerMidExchangeIsNamedByEverySurvivor) {
   const int n = 4;
-  auto engines = StartCluster(ClusterOptions(n));
+  std::vector<EngineOptions> options = ClusterOptions(n);
+  for (EngineOptions& o : options) o.small_allreduce = EngineOptions::kSmallAllreduceAuto;
+  auto engines = StartCluster(options);
   for (auto& e : engines)
     if (!e) return;
   std::vector<float> in(n, 1.0f), out(n, 0.0f);

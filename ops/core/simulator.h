@@ -173,11 +173,10 @@ struct RuntimeModel {
   // Fusion (fusion.h): kFusionAuto sizes buckets with FusionBucketBytes for the workers and the
   // link rate; 0 sends every tensor on its own; otherwise the bucket size in bytes.
   int64_t fusion_bytes = 0;
-  // Small push_pulls by recursive doubling (small_allreduce.h), as the engine sends them: the
-  // tensors (fusion buckets) SmallAllreduceApplies to. false predicts the path before issue 19
-  // (every tensor by owners), for comparisons and the golden predictions; the engine has no such
-  // switch.
-  bool small_allreduce = true;
+  // Small control collectives by recursive doubling (small_allreduce.h), as the engine's
+  // kSmallAllreduceAuto sends them. Off by default, as in the engine (EngineOptions::small_allreduce
+  // says why); on predicts the engine with it on.
+  bool small_allreduce = false;
 };
 
 struct SimulationOptions {

@@ -509,6 +509,7 @@ TEST(SmallTensorByExchangeAndThePerMessageCost) {
   RuntimeModel exchange;
   exchange.schedule = "priority";
   exchange.cross_barrier = false;
+  exchange.small_allreduce = true;
   RuntimeModel owners = exchange;
   owners.small_allreduce = false;
   NetworkModel network = SlowNetwork(2);
@@ -542,6 +543,7 @@ TEST(ExchangeSendsLog2NMessagesPerWorker) {
     RuntimeModel exchange;
     exchange.schedule = "priority";
     exchange.cross_barrier = false;  // every frame of a step inside it
+    exchange.small_allreduce = true;
     RuntimeModel owners = exchange;
     owners.small_allreduce = false;
     int sends = 0;

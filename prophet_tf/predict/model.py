@@ -151,9 +151,9 @@ class PredictOptions:
         sending and receiving (``NetworkModel::message_send_ns`` in ops/core/simulator.h); 0
         (the default): free. The value measured on the project's test machine is in that
         comment (``bazel run -c opt //ops/core:message_cost_bench``).
-      small_allreduce: small push_pulls by recursive doubling, as the engine sends them
-        (ops/core/small_allreduce.h; the default). False predicts the path before issue 19
-        (every tensor by its owners), for comparisons only: the engine has no such switch.
+      small_allreduce: small control collectives by recursive doubling
+        (ops/core/small_allreduce.h), as the engine would send them with it on; off by default,
+        as in the engine (``EngineOptions::small_allreduce`` says why).
     """
 
     latency_s: float = 0.0
@@ -185,7 +185,7 @@ class PredictOptions:
     fusion_bytes: int = -1
     message_send_s: float = 0.0
     message_receive_s: float = 0.0
-    small_allreduce: bool = True
+    small_allreduce: bool = False
 
 
 @dataclasses.dataclass
