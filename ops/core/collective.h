@@ -63,7 +63,8 @@ class CollectiveHost {
   // A released push left this worker (its last byte is in the kernel) or never will (the operation
   // ended): returns its credit (SchedulerPolicy::OnPushLeft).
   virtual void PushLeft(const SendTask& task) = 0;
-  // A pushed partition's result came back (feeds bandwidth and timeline).
+  // A pushed partition's result came back, or an exchange stage's partner answered (feeds
+  // bandwidth and timeline).
   virtual void PushCompleted(const TransferDone& done) = 0;
   // Memory for encoded payloads (compressed frames), recycled warm; give it back when sent.
   virtual ByteBuffer TakeBuffer(size_t bytes) = 0;

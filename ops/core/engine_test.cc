@@ -16,6 +16,7 @@
 
 #include "ops/core/engine_testing.h"
 #include "ops/core/partition.h"
+#include "ops/core/small_allreduce.h"
 #include "ops/core/socket_testing.h"
 #include "ops/core/testing.h"
 
@@ -400,6 +401,40 @@ TEST(ADeadPeerMidExchangeIsNamedByEverySurvivor) {
     EXPECT_TRUE(Contains(s.message(), "'flags/finite'") && Contains(s.message(), "rank 3"));
   }
   EXPECT_TRUE(SecondsSince(killed) < 10.0);
+}
+
+// With every tensor of a job exchanged, a worker still measures its link: each stage whose
+// partner answered after this worker sent is a transfer for the bandwidth monitor (as a push and
+// its sum are). Rank 0 owns the tensor on the owner path (no push of its own there either), so
+// without that it would never get a sample (schedule="auto" never decided). Rank 1 submits a
+// little later, so each stage of rank 0 lasts at least that long; rounds go on until the first
+// sample (bounded: the estimate must come).
+TEST(ExchangedControlCollectivesMeasureTheLink) {
+  std::vector<EngineOptions> options = ClusterOptions(2);
+  for (EngineOptions& o : options) o.small_allreduce = EngineOptions::kSmallAllreduceAuto;
+  auto engines = StartCluster(options);
+  if (!engines[0] || !engines[1]) return;
+  std::string name;
+  for (int i = 0; name.empty(); ++i) {
+    const std::string candidate = "metrics/m" + std::to_string(i);
+    if (MakePartitions(candidate, 4, 4, 2, EngineOptions().partition_bytes)[0].owner == 0) name = candidate;
+  }
+  OpRequest probe;
+  probe.bytes = 4;
+  probe.priority = kControlPriority;
+  EXPECT_TRUE(ExchangesThis(probe, 2, options[0]));
+  const float one = 1.0f;
+  float out0 = 0, out1 = 0;
+  int rounds = 0;
+  for (; rounds < 400 && Contains(engines[0]->SchedulerStateJson(), "\"bandwidth_samples\": 0,"); ++rounds) {
+    auto a = PushPull(engines[0].get(), name, DataType::kFloat32, {1}, &one, &out0, 4, false, kControlPriority);
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    auto b = PushPull(engines[1].get(), name, DataType::kFloat32, {1}, &one, &out1, 4, false, kControlPriority);
+    EXPECT_TRUE(AWAIT(*a).ok() && AWAIT(*b).ok());
+    EXPECT_TRUE(out0 == 2.0f && out1 == 2.0f);
+  }
+  std::printf("rank 0's first bandwidth sample after %d exchanges\n", rounds);
+  EXPECT_TRUE(!Contains(engines[0]->SchedulerStateJson(), "\"bandwidth_samples\": 0,"));
 }
 
 TEST(OpWithoutPeerSubmissionTimesOut) {

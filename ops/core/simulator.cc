@@ -86,11 +86,13 @@ struct Op {
   int parts_left = 0;
   std::vector<PartState> parts;
   // By exchange (small_allreduce.h): the worker's ExchangePlan step to run next, whether its
-  // frame is sent, and by step whether its partner's frame is here.
+  // frame is sent, when this worker last sent, and by step when its partner's frame arrived
+  // (-1: not yet).
   bool submitted = false;
   size_t exchange_next = 0;
   bool exchange_sent = false;
-  std::vector<bool> exchange_received;
+  int64_t exchange_sent_ns = -1;
+  std::vector<int64_t> exchange_arrived_ns;
 };
 
 // MultiWorkerMirroredStrategy's ring all-reduce of one step on one worker.
@@ -228,6 +230,9 @@ class Simulation {
   // By exchange: runs worker w's plan as far as the frames here allow; the last step completes
   // the op.
   void ExchangeAdvance(int w, uint64_t key);
+  // A push's sum, or an exchange stage's partner frame, came back: the policy's bandwidth
+  // monitor and the timeline hear of it, as in the engine (Engine::Impl::PushCompleted).
+  void TransferCompleted(int w, const TransferDone& done);
   // mwms.
   void RingStart(int w, int step, int which);
   void RingAdvance(int w, int step, int which);
@@ -729,9 +734,9 @@ void Simulation::Arrive(int dst, int src, uint64_t frame) {
   if (info.kind == FrameKind::kExchange) {
     Op& op = OpAt(dst, key);
     const std::vector<ExchangeStep>& plan = workers_[dst].exchange_plan;
-    if (op.exchange_received.empty()) op.exchange_received.assign(plan.size(), false);
+    if (op.exchange_arrived_ns.empty()) op.exchange_arrived_ns.assign(plan.size(), -1);
     for (size_t i = 0; i < plan.size(); ++i)
-      if (plan[i].stage == info.partition && plan[i].receive_from == src) op.exchange_received[i] = true;
+      if (plan[i].stage == info.partition && plan[i].receive_from == src) op.exchange_arrived_ns[i] = now_ns_;
     ExchangeAdvance(dst, key);
     return;
   }
@@ -745,18 +750,13 @@ void Simulation::Arrive(int dst, int src, uint64_t frame) {
     return;
   }
   // A result: this worker's push of the partition is done.
-  Worker& worker = workers_[dst];
   Op& op = OpAt(dst, key);
   TransferDone& done = scratch_done_;  // assigned in place, as PushTask's task
   done.task = PushTask(dst, src, info);
   done.sent_ns = op.parts[info.partition].push_sent_ns;
   done.done_ns = now_ns_;
-  worker.policy->OnTransferDone(done);
-  const std::vector<BandwidthSample> samples = worker.policy->bandwidth()->TakeSamples();
-  if (worker.timeline) {
-    worker.timeline->Complete("push", done.task.name, done.sent_ns, done.done_ns);
-    for (const BandwidthSample& b : samples) worker.timeline->Counter("bandwidth_MBps", b.ts_ns, b.estimate_Bps / 1e6);
-  }
+  done.exchange = false;
+  TransferCompleted(dst, done);
   if (two_level() && per_host() > 1) {
     // The host's leader is done once it has passed the sum to the host's other workers.
     op.parts[info.partition].results_unwritten = per_host() - 1;
@@ -767,11 +767,20 @@ void Simulation::Arrive(int dst, int src, uint64_t frame) {
   Pump(dst);
 }
 
+void Simulation::TransferCompleted(int w, const TransferDone& done) {
+  Worker& worker = workers_[w];
+  worker.policy->OnTransferDone(done);
+  const std::vector<BandwidthSample> samples = worker.policy->bandwidth()->TakeSamples();
+  if (!worker.timeline) return;
+  worker.timeline->Complete(done.exchange ? "exchange" : "push", done.task.name, done.sent_ns, done.done_ns);
+  for (const BandwidthSample& b : samples) worker.timeline->Counter("bandwidth_MBps", b.ts_ns, b.estimate_Bps / 1e6);
+}
+
 void Simulation::ExchangeAdvance(int w, uint64_t key) {
   Op& op = OpAt(w, key);
   if (!op.submitted) return;  // frames that came early wait for the submission
   const std::vector<ExchangeStep>& plan = workers_[w].exchange_plan;
-  if (op.exchange_received.empty()) op.exchange_received.assign(plan.size(), false);
+  if (op.exchange_arrived_ns.empty()) op.exchange_arrived_ns.assign(plan.size(), -1);
   const int unit = KeyTensor(key);
   for (; op.exchange_next < plan.size(); ++op.exchange_next, op.exchange_sent = false) {
     const ExchangeStep& step = plan[op.exchange_next];
@@ -783,9 +792,29 @@ void Simulation::ExchangeAdvance(int w, uint64_t key) {
       info.partition = step.stage;
       info.bytes = units_[unit].bytes;
       SendFrame(w, step.send_to, units_[unit].priority, info);
+      op.exchange_sent_ns = now_ns_;
     }
     op.exchange_sent = true;
-    if (step.receive_from >= 0 && !op.exchange_received[op.exchange_next]) return;
+    if (step.receive_from < 0) continue;
+    const int64_t arrived_ns = op.exchange_arrived_ns[op.exchange_next];
+    if (arrived_ns < 0) return;
+    if (op.exchange_sent_ns >= 0 && arrived_ns > op.exchange_sent_ns) {
+      // The engine's SmallAllreduce::MaybeReportTransfer: a round trip measures the link.
+      TransferDone& done = scratch_done_;
+      done.task = SendTask();
+      done.task.name = units_[unit].name;
+      done.task.round = static_cast<uint64_t>(KeyStep(key));
+      done.task.request_id = op.request;
+      done.task.partition = step.stage;
+      done.task.peer = step.receive_from;
+      done.task.priority = units_[unit].priority;
+      done.task.bytes = units_[unit].bytes;
+      done.task.ready_ns = op.submit_ns;
+      done.sent_ns = op.exchange_sent_ns;
+      done.done_ns = arrived_ns;
+      done.exchange = true;
+      TransferCompleted(w, done);
+    }
   }
   op.parts_left = 1;  // the whole tensor is summed
   PartitionDone(w, key);
@@ -898,6 +927,9 @@ void Simulation::PlanUnits() {
     inputs.push_back(in);
   }
   const uint64_t bucket_bytes = ResolveFusionBytes(runtime_.fusion_bytes, n_, network_.link_Bps);
+  EngineOptions exchange_options;  // what ExchangesThis reads
+  exchange_options.small_allreduce = runtime_.small_allreduce;
+  exchange_options.partition_bytes = runtime_.partition_bytes;
   unit_of_.assign(profile_.tensors.size(), -1);
   for (const FusionBucket& b : PlanFusion(inputs, n_, bucket_bytes)) {
     const ModelTensor& first = profile_.tensors[b.members.front()];
@@ -906,9 +938,13 @@ void Simulation::PlanUnits() {
     unit.bytes = b.bytes;
     unit.priority = b.priority;
     for (const int m : b.members) unit_of_[m] = static_cast<int>(units_.size());
-    exchanged_.push_back(runtime_.small_allreduce && !mwms() && !two_level() && unit.priority >= kControlPriority &&
-                         SmallAllreduceApplies(unit.bytes, n_, runtime_.partition_bytes, unit.encoding,
-                                               SmallAllreduceMessageBytes(b.fused() ? bucket_bytes : 0, n_)));
+    // As the engine's ExchangesThis chooses (before the two-level path, with the model every
+    // worker assumes: the choice, not the time it takes, which the network model gives).
+    OpRequest probe;
+    probe.bytes = unit.bytes;
+    probe.priority = unit.priority;
+    probe.compression = unit.encoding;
+    exchanged_.push_back(!mwms() && ExchangesThis(probe, n_, exchange_options));
     units_.push_back(unit);
     unit_members_.push_back(b.members);
     if (!two_level()) {
@@ -1067,6 +1103,7 @@ Status Simulation::Run(StepPrediction* prediction) {
   p.comm_s = static_cast<double>(busy_end_ns_ - busy_begin_ns_) / 1e9 / steps;
   p.wire_bytes_per_step = (wire_end_ - wire_begin_) / steps;
   p.messages_per_step = static_cast<double>(frames_end_ - frames_begin_) / steps;
+  p.exchanged_per_step = static_cast<double>(std::count(exchanged_.begin(), exchanged_.end(), true));
   const double mean_step = static_cast<double>(measure_end_ns_ - measure_begin_ns_) / 1e9 / steps;
   if (p.comm_s > 0) p.overlap = std::min(1.0, std::max(0.0, (p.single_step_s + p.comm_s - mean_step) / p.comm_s));
   p.gate_wait_s = static_cast<double>(first.gate_wait_ns) / 1e9 / steps;

@@ -173,10 +173,12 @@ struct RuntimeModel {
   // Fusion (fusion.h): kFusionAuto sizes buckets with FusionBucketBytes for the workers and the
   // link rate; 0 sends every tensor on its own; otherwise the bucket size in bytes.
   int64_t fusion_bytes = 0;
-  // Small control collectives by recursive doubling (small_allreduce.h), as the engine's
-  // kSmallAllreduceAuto sends them. Off by default, as in the engine (EngineOptions::small_allreduce
-  // says why); on predicts the engine with it on.
-  bool small_allreduce = false;
+  // Small push_pulls by recursive doubling (small_allreduce.h), as the engine's setting of the
+  // same name takes them (ExchangesThis): kSmallAllreduceAuto, the control collectives its rule
+  // picks; kSmallAllreduceNever (the default, as in the engine for now), the owner path for every
+  // tensor; kSmallAllreduceAlways, every tensor that fits (to
+  // predict the exchange where the rule would not take it).
+  EngineOptions::SmallAllreduceMode small_allreduce = EngineOptions::kSmallAllreduceNever;
 };
 
 struct SimulationOptions {
@@ -206,6 +208,7 @@ struct StepPrediction {
   double gate_wait_s = 0;            // worker 0's forward passes waiting for updates, per step
   double bandwidth_Bps = 0;          // worker 0's bandwidth estimate as a measured step begins (median)
   double messages_per_step = 0;      // frames worker 0 sent per measured step (every kind)
+  double exchanged_per_step = 0;     // collectives per step that go by exchange (small_allreduce.h)
   std::string policy;                // the policy's Describe() at the end (worker 0)
   std::vector<TensorTiming> tensor_times;  // in StepProfile::tensors order
 };

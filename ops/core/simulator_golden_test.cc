@@ -168,7 +168,7 @@ TEST(PredictionsAreUnchanged) {
         runtime.schedule = schedule;
         // The owner path for every tensor, as when the table was printed: small tensors go by
         // exchange since issue 19.2 (simulator_test checks that path); these pin the rest.
-        runtime.small_allreduce = false;
+        runtime.small_allreduce = EngineOptions::kSmallAllreduceNever;
         SimulationOptions options;
         options.warmup_steps = 4;
         options.steps = 7;

@@ -1,6 +1,5 @@
 #include "ops/core/small_allreduce.h"
 
-#include <algorithm>
 #include <cstring>
 
 #include "ops/core/fusion.h"
@@ -79,21 +78,14 @@ std::vector<ExchangeStep> ExchangePlan(int rank, int world_size) {
   return plan;
 }
 
-double SmallAllreduceMessageBytes(uint64_t fusion_bucket_bytes, int world_size) {
-  if (fusion_bucket_bytes > 0 && world_size > 0)
-    return static_cast<double>(fusion_bucket_bytes) / world_size / kFusionAmortisation;
-  return kFusionAssumedLink_Bps * static_cast<double>(kFusionMessageCostNs) * 1e-9;
+double ExchangeTimeNs(int world_size, uint64_t bytes, const ExchangeModel& model) {
+  const double wire_ns = static_cast<double>(bytes) / model.link_Bps * 1e9;
+  return ExchangeStages(world_size) * (model.message_ns + model.latency_ns + wire_ns);
 }
 
-double ExchangeCostBytes(int world_size, uint64_t bytes, double message_bytes) {
-  return ExchangeStages(world_size) * (2 * message_bytes + static_cast<double>(bytes));
-}
-
-double OwnerCostBytes(int world_size, uint64_t bytes, double message_bytes) {
-  const double n = world_size, b = static_cast<double>(bytes), c = message_bytes;
-  const double one_owner = 2 * (n - 1) * (c + b);
-  const double spread = 4 * (n - 1) * c + 2 * (n - 1) / n * b;
-  return std::min(one_owner, spread);
+double OwnerTimeNs(int world_size, uint64_t bytes, const ExchangeModel& model) {
+  const double n = world_size, wire_ns = static_cast<double>(bytes) / model.link_Bps * 1e9;
+  return 2 * model.latency_ns + n * model.message_ns + 2 * (n - 1) * wire_ns;
 }
 
 bool SmallAllreduceFits(uint64_t bytes, int world_size, uint64_t partition_bytes, Encoding compression) {
@@ -102,9 +94,9 @@ bool SmallAllreduceFits(uint64_t bytes, int world_size, uint64_t partition_bytes
 }
 
 bool SmallAllreduceApplies(uint64_t bytes, int world_size, uint64_t partition_bytes, Encoding compression,
-                           double message_bytes) {
+                           const ExchangeModel& model) {
   return SmallAllreduceFits(bytes, world_size, partition_bytes, compression) &&
-         ExchangeCostBytes(world_size, bytes, message_bytes) < OwnerCostBytes(world_size, bytes, message_bytes);
+         ExchangeTimeNs(world_size, bytes, model) < OwnerTimeNs(world_size, bytes, model);
 }
 
 bool ExchangesThis(const OpRequest& request, int world_size, const EngineOptions& options) {
@@ -117,8 +109,20 @@ bool ExchangesThis(const OpRequest& request, int world_size, const EngineOptions
   // Control collectives only: gradients stay under the scheduler (its order, credit, bandwidth
   // estimate and Prophet's profile come from their pushes); small ones are fused anyway.
   return request.priority >= kControlPriority &&
-         SmallAllreduceApplies(request.bytes, world_size, options.partition_bytes, request.compression,
-                               SmallAllreduceMessageBytes(request.fusion_bucket_bytes, world_size));
+         SmallAllreduceApplies(request.bytes, world_size, options.partition_bytes, request.compression);
+}
+
+bool ParseSmallAllreduce(const std::string& text, EngineOptions::SmallAllreduceMode* out) {
+  if (text == "never" || text == "0" || text == "false") {
+    *out = EngineOptions::kSmallAllreduceNever;
+  } else if (text == "auto" || text == "1" || text == "true") {
+    *out = EngineOptions::kSmallAllreduceAuto;
+  } else if (text == "always") {
+    *out = EngineOptions::kSmallAllreduceAlways;
+  } else {
+    return false;
+  }
+  return true;
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -175,6 +179,7 @@ void SmallAllreduce::OnWholeFrame(int peer, const FrameMeta& meta, ByteBuffer* d
   Held& h = held_[StepReceiving(peer, meta.partition)];
   h.data = std::move(*data);
   h.here = true;
+  h.arrived_ns = NowNs();
   Advance();
 }
 
@@ -183,6 +188,24 @@ void SmallAllreduce::Send(const ExchangeStep& step) {
   const char* out = static_cast<const char*>(req_.output);
   host()->Send(step.send_to, OwnedFrame(FrameType::kExchange, static_cast<uint32_t>(step.stage),
                                         std::string(out, req_.bytes)));
+  last_send_ns_ = NowNs();
+}
+
+void SmallAllreduce::MaybeReportTransfer(size_t step, int64_t arrived_ns) {
+  if (last_send_ns_ < 0 || arrived_ns <= last_send_ns_) return;  // it was here first: no round trip
+  TransferDone d;
+  d.task.name = req_.name;
+  d.task.round = round();
+  d.task.request_id = id();
+  d.task.partition = plan_[step].stage;
+  d.task.peer = plan_[step].receive_from;
+  d.task.priority = req_.priority;
+  d.task.bytes = req_.bytes;
+  d.task.ready_ns = submit_ns();
+  d.sent_ns = last_send_ns_;
+  d.done_ns = arrived_ns;
+  d.exchange = true;
+  host()->PushCompleted(d);
 }
 
 void SmallAllreduce::Average() {
@@ -201,6 +224,7 @@ void SmallAllreduce::Advance() {
     if (step.receive_from < 0) continue;
     Held& h = held_[next_];
     if (!h.here) return;  // its frame is still to come
+    MaybeReportTransfer(next_, h.arrived_ns);
     const char* theirs = h.data.data();
     if (step.receive_result) {
       std::memcpy(out, theirs, req_.bytes);

@@ -201,32 +201,56 @@ TEST(EveryFrameOfThePlanHasItsReceiverAndStagesAreLogarithmic) {
   }
 }
 
-TEST(SmallTensorsWhereTheExchangeIsPredictedFaster) {
+// The rule (ExchangeTimeNs against OwnerTimeNs) with the model every worker assumes: 20 us per
+// frame, 25 us of link latency, 10 Gbit/s.
+TEST(TheExchangeWhereItsPredictedLatencyIsBelowTheOwners) {
   const uint64_t partition = 4u << 20;
-  const double assumed = SmallAllreduceMessageBytes(0, 8);
-  EXPECT_NEAR(assumed, 25000.0, 1e-6);  // 10 Gbit/s x 20 us
-  EXPECT_NEAR(SmallAllreduceMessageBytes(64 * 22500 * 9, 64), 22500.0, 1e-6);  // a bucket's own R c
-  auto applies = [&](uint64_t bytes, int n) {
-    return SmallAllreduceApplies(bytes, n, partition, Encoding::kNone, assumed);
-  };
-  // N = 2: one message each way instead of a push and its sum, at every size below 128 KiB.
-  EXPECT_TRUE(applies(4, 2) && applies(100000, 2) && applies(2 * 65536 - 1, 2) && !applies(2 * 65536, 2));
-  EXPECT_TRUE(!SmallAllreduceApplies(8192, 2, 4096, Encoding::kNone, assumed));  // one frame carries it
-  // N = 3: 3 stages of 2 frames lose to the owner's 4 frames.
-  EXPECT_TRUE(!applies(4, 3) && !applies(30000, 3));
-  for (int n : {4, 5, 8, 16, 64, 256}) {
-    uint64_t largest = 0;
-    for (uint64_t b = 4; b < static_cast<uint64_t>(n) * 65536; b += 4)
-      if (applies(b, n)) largest = b;
-    std::printf("N=%d: by exchange up to %llu bytes\n", n, static_cast<unsigned long long>(largest));
-    EXPECT_TRUE(applies(4, n) && largest >= 40000);
-    EXPECT_TRUE(!applies(largest + 4, n));  // one range from the smallest tensor up
-    EXPECT_TRUE(!SmallAllreduceApplies(8, n, partition, Encoding::kFloat16, assumed));
-    EXPECT_TRUE(!applies(0, n));
-    // Latency-bound at 16 workers and more: less than half the owner path's predicted time.
-    if (n >= 16) EXPECT_TRUE(ExchangeCostBytes(n, 8, assumed) < OwnerCostBytes(n, 8, assumed) / 2);
+  const ExchangeModel assumed;
+  EXPECT_NEAR(assumed.message_ns, 20000.0, 1e-9);
+  EXPECT_NEAR(assumed.latency_ns, 25000.0, 1e-9);
+  // By hand, an 8-byte tensor (6.4 ns on the wire): N = 2, one hop against a push and its sum.
+  EXPECT_NEAR(ExchangeTimeNs(2, 8), 45000 + 6.4, 1e-6);
+  EXPECT_NEAR(OwnerTimeNs(2, 8), 90000 + 12.8, 1e-6);
+  // N = 8: 3 stages (135 us) against 2 hops and the owner's 8 frames (210 us).
+  EXPECT_NEAR(ExchangeTimeNs(8, 8), 3 * 45000 + 3 * 6.4, 1e-6);
+  EXPECT_NEAR(OwnerTimeNs(8, 8), 50000 + 160000 + 14 * 6.4, 1e-6);
+  auto applies = [&](uint64_t bytes, int n) { return SmallAllreduceApplies(bytes, n, partition, Encoding::kNone); };
+  // Small N: the exchange at 2 and 4 (fewer hops or as many), the owner at 3, 5 and 6 (the fold
+  // adds two hops that the few frames it saves the owner do not pay for).
+  EXPECT_TRUE(applies(8, 2) && applies(8, 4));
+  EXPECT_TRUE(!applies(8, 3) && !applies(8, 5) && !applies(8, 6));
+  // Large N: the exchange, at every N from 7 to 256, and by far from 25 on (latency-bound: less
+  // than half the owner's time).
+  for (int n = 7; n <= 256; ++n) {
+    EXPECT_TRUE(applies(8, n));
+    if (n >= 25) EXPECT_TRUE(ExchangeTimeNs(n, 8) < OwnerTimeNs(n, 8) / 2);
   }
-  EXPECT_TRUE(!applies(8, 1));
+  // Without the latency the exchange would win at 5 and 6 too: the latency is what the fold's
+  // extra hops cost. Larger tensors tilt it towards the exchange (fewer bytes through one link).
+  ExchangeModel no_latency;
+  no_latency.latency_ns = 0;
+  EXPECT_TRUE(SmallAllreduceApplies(8, 5, partition, Encoding::kNone, no_latency));
+  EXPECT_TRUE(SmallAllreduceApplies(8, 6, partition, Encoding::kNone, no_latency));
+  EXPECT_TRUE(!applies(2000, 6) && applies(4000, 6) && !applies(30000, 3) && applies(32000, 3));
+  // What fits: one frame, below N x 64 KiB, uncompressed, not empty.
+  EXPECT_TRUE(applies(2 * 65536 - 4, 2) && !applies(2 * 65536, 2));
+  EXPECT_TRUE(!SmallAllreduceApplies(8192, 2, 4096, Encoding::kNone));
+  EXPECT_TRUE(!SmallAllreduceApplies(8, 8, partition, Encoding::kFloat16));
+  EXPECT_TRUE(!applies(0, 8) && !applies(8, 1));
+  // The engine: control collectives only; kSmallAllreduceNever and kSmallAllreduceAlways.
+  OpRequest control;
+  control.bytes = 8;
+  control.priority = kControlPriority;
+  OpRequest gradient = control;
+  gradient.priority = 5;
+  EngineOptions options;
+  options.small_allreduce = EngineOptions::kSmallAllreduceAuto;
+  EXPECT_TRUE(ExchangesThis(control, 8, options) && !ExchangesThis(gradient, 8, options));
+  EXPECT_TRUE(!ExchangesThis(control, 3, options));
+  options.small_allreduce = EngineOptions::kSmallAllreduceAlways;
+  EXPECT_TRUE(ExchangesThis(control, 3, options) && ExchangesThis(gradient, 3, options));
+  options.small_allreduce = EngineOptions::kSmallAllreduceNever;
+  EXPECT_TRUE(!ExchangesThis(control, 8, options));
 }
 
 // N = 2..8: every worker ends with the same bits, whatever order frames arrive in (60 random

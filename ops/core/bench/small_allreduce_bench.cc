@@ -163,7 +163,10 @@ int Main(int argc, char** argv) {
       const int f0 = FramesPerOperation(n, false), f1 = FramesPerOperation(n, true);
       OpRequest probe;
       probe.bytes = static_cast<uint64_t>(std::max(4, bytes / 4 * 4));
-      const bool engine_exchanges = ExchangesThis(probe, n, EngineOptions());
+      probe.priority = kControlPriority;  // the engine exchanges control collectives only
+      EngineOptions rule;  // the engine's choice (its default)
+      rule.small_allreduce = EngineOptions::kSmallAllreduceAuto;
+      const bool engine_exchanges = ExchangesThis(probe, n, rule);
       std::printf("| %d | %d | %.1f | %.1f | %.2f | %s | %d, %d | %.1f, %.1f |\n", n, bytes, own * 1e6, exc * 1e6,
                   own / exc, engine_exchanges ? "exchange" : "owners", f0, f1, s[0].cpu_s / s[0].ops / f0 * 1e6,
                   s[1].cpu_s / s[1].ops / f1 * 1e6);
