@@ -174,11 +174,11 @@ struct RuntimeModel {
   // link rate; 0 sends every tensor on its own; otherwise the bucket size in bytes.
   int64_t fusion_bytes = 0;
   // Small push_pulls by recursive doubling (small_allreduce.h), as the engine's setting of the
-  // same name takes them (ExchangesThis): kSmallAllreduceAuto, the control collectives its rule
-  // picks; kSmallAllreduceNever (the default, as in the engine for now), the owner path for every
-  // tensor; kSmallAllreduceAlways, every tensor that fits (to
+  // same name takes them (ExchangesThis): kSmallAllreduceAuto, the engine's default, the control
+  // collectives its rule picks; kSmallAllreduceNever, the owner path for every tensor (for
+  // comparisons and the golden predictions); kSmallAllreduceAlways, every tensor that fits (to
   // predict the exchange where the rule would not take it).
-  EngineOptions::SmallAllreduceMode small_allreduce = EngineOptions::kSmallAllreduceNever;
+  EngineOptions::SmallAllreduceMode small_allreduce = EngineOptions::kSmallAllreduceAuto;
 };
 
 struct SimulationOptions {

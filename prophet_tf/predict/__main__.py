@@ -211,9 +211,10 @@ def _define_flags() -> None:
     flags.DEFINE_string("message_cost", "0", "CPU time of one frame on a worker's I/O thread: "
                         "SEND,RECEIVE or one value for both (e.g. 10us,15us); 0: free. See "
                         "PredictOptions.message_send_s for the value measured here.")
-    flags.DEFINE_bool("small_allreduce", False, "Small control collectives by recursive doubling "
-                      "(ops/core/small_allreduce.h; off in the engine for now, see "
-                      "EngineOptions::small_allreduce): predicts the engine with it on.")
+    flags.DEFINE_bool("small_allreduce", True, "Small control collectives by recursive doubling "
+                      "where the engine takes them (ops/core/small_allreduce.h), as it does; "
+                      "--nosmall_allreduce predicts the owner path for every tensor, for "
+                      "comparisons.")
     flags.DEFINE_integer("steps", defaults.steps, "Measured simulated steps (median).")
     flags.DEFINE_integer("warmup", defaults.warmup_steps, "Simulated steps before those.")
     flags.DEFINE_string("output", "predict.png", "PNG to draw (empty: none).")

@@ -152,8 +152,8 @@ class PredictOptions:
         (the default): free. The value measured on the project's test machine is in that
         comment (``bazel run -c opt //ops/core/bench:small_allreduce_bench``).
       small_allreduce: small control collectives by recursive doubling where the engine's rule
-        takes them (ops/core/small_allreduce.h), as the engine sends them with it on (True).
-        False (the default, as in the engine for now) predicts the owner path for every tensor, ``"always"`` the exchange for every
+        takes them (ops/core/small_allreduce.h), as the engine sends them (True, the default).
+        False predicts the owner path for every tensor, ``"always"`` the exchange for every
         tensor that fits (where the rule would not take it), both for comparisons.
     """
 
@@ -186,7 +186,7 @@ class PredictOptions:
     fusion_bytes: int = -1
     message_send_s: float = 0.0
     message_receive_s: float = 0.0
-    small_allreduce: Union[bool, str] = False
+    small_allreduce: Union[bool, str] = True
 
 
 @dataclasses.dataclass
