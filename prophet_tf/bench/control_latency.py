@@ -46,12 +46,14 @@ class ControlPoint:
 
 
 def control_only(profile):
-    """The profile's compute and control collectives, without its gradients (the Keras fit
-    step's three control collectives, ready at the end of the backward pass, if it has none)."""
+    """The profile's compute and control collectives, without its gradients, every control
+    collective ready at the end of the backward pass (so that no compute hides it; the Keras fit
+    step's three if the profile has none)."""
     from prophet_tf.predict import ProfiledTensor
     from prophet_tf.runtime import control_priority
     limit = control_priority()
-    control = [t for t in profile.tensors if t.priority >= limit]
+    control = [dataclasses.replace(t, ready_s=profile.backward_s) for t in profile.tensors
+               if t.priority >= limit]
     if not control:
         control = [ProfiledTensor(name, size, limit, profile.backward_s)
                    for name, size in KERAS_FIT_CONTROL]
@@ -96,7 +98,7 @@ def format_table(points: Sequence[ControlPoint]) -> str:
         faster = "exchange" if p.exchange_s < p.owners_s else "owners"
         agree = "" if p.engine == faster else " (predicted slower)"
         row = (f"| {p.workers} | {p.owners_s * 1e6:.1f} | {p.exchange_s * 1e6:.1f} | "
-               f"{p.owners_s / p.exchange_s:.2f} | {p.engine}{agree} |")
+               f"{p.owners_s / max(p.exchange_s, 1e-12):.2f} | {p.engine}{agree} |")
         if full:
             row += f" {p.full_owners_s * 1e3:.1f} | {p.full_engine_s * 1e3:.1f} |"
         lines.append(row)
