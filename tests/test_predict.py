@@ -185,8 +185,10 @@ def one_tensor_profile() -> Profile:
                    tensors=[ProfiledTensor("grad/dense/kernel", 100_000, 1, 0.0, "dense")])
 
 
+# The kernel holds nothing; every tensor by its owners (the cases computed by hand are about that
+# path; small tensors by exchange have their own test).
 EXACT = PredictOptions(payload_efficiency=1.0, frame_overhead_bytes=0, socket_buffer_bytes=0,
-                       autotuned_socket_buffer_bytes=0)  # the kernel holds nothing
+                       autotuned_socket_buffer_bytes=0, small_allreduce=False)
 
 
 def test_predict_one_tensor_on_two_workers_exactly():
@@ -204,6 +206,58 @@ def test_predict_one_tensor_on_two_workers_exactly():
         predict(one_tensor_profile(), workers=2, bandwidth_bps=8e6, schedule="lifo")
     with pytest.raises(PredictError, match="link rate"):
         predict(one_tensor_profile(), workers=2, bandwidth_bps=0)
+
+
+def test_small_tensors_by_exchange_and_the_message_cost(tmp_path):
+    # By exchange (the engine's path for a small tensor) the two workers send each other their
+    # 100,000 bytes at once: 100 ms instead of a push and a sum. A message cost of 1 ms to send and
+    # 2 ms to receive adds 3 ms per frame on the way: one by exchange, two by owners.
+    exchange = dataclasses.replace(EXACT, small_allreduce=True)
+    control = Profile(layers=[ProfiledLayer("dense", 0.010)],  # only control collectives go by exchange
+                      tensors=[ProfiledTensor("metrics/loss", 100_000, CONTROL, 0.0)])
+    p = predict(control, workers=2, bandwidth_bps=8e6, schedule="priority_nocross",
+                options=exchange)
+    assert p.step_s == pytest.approx(0.110, abs=1e-6)
+    assert p.messages_per_step == pytest.approx(1)
+    costly = dict(message_send_s=1e-3, message_receive_s=2e-3)
+    assert predict(control, workers=2, bandwidth_bps=8e6, schedule="priority_nocross",
+                   options=dataclasses.replace(exchange, **costly)).step_s == pytest.approx(0.113, abs=1e-6)
+    assert predict(control, workers=2, bandwidth_bps=8e6, schedule="priority_nocross",
+                   options=dataclasses.replace(EXACT, **costly)).step_s == pytest.approx(0.216, abs=1e-6)
+    # 8 workers, a 64-byte metric: worker 0 sends log2(8) = 3 frames by exchange.
+    tiny = Profile(layers=[ProfiledLayer("dense", 0.010)],
+                   tensors=[ProfiledTensor("metrics/accuracy", 64, CONTROL, 0.0)])
+    assert predict(tiny, workers=8, bandwidth_bps=1e9, options=exchange).messages_per_step == 3
+    profile = tmp_path / "profile.json"
+    tiny.save(profile)
+    bad = run_cli(str(profile), "--message_cost", "1ms,2ms,3ms")
+    assert bad.returncode == 2 and "--message_cost" in bad.stderr
+
+
+def test_control_collectives_owners_or_exchange_by_the_engines_rule():
+    # The engine's rule (ops/core/small_allreduce.h) keeps the owners at N = 3 (the fold's two
+    # extra hops) and takes the exchange at 2 and 64; with 5 + 5 us per frame and 25 us of
+    # latency the predictions of one control collective agree there: one hop against two at
+    # N = 2, 6 stages against an owner's 63 frames each way at 64. (Between 8 and 16 the
+    # predictor has the two paths within 5% of each other: docs/benchmarks.md.)
+    from prophet_tf.bench import control_latency
+    gradient = ProfiledTensor("grad/dense/kernel", 100_000, 1, 0.0, "dense")
+    keras = Profile(layers=[ProfiledLayer("dense", 0.010)], tensors=[gradient])
+    assert [t.bytes for t in control_latency.control_only(keras).tensors] == [8, 8, 16]
+    profile = dataclasses.replace(keras, tensors=[gradient,
+                                                  ProfiledTensor("metrics/loss", 8, CONTROL, 0.0)])
+    assert [t.name for t in control_latency.control_only(profile).tensors] == ["metrics/loss"]
+    options = PredictOptions(latency_s=25e-6, message_send_s=5e-6, message_receive_s=5e-6)
+    points = {p.workers: p for p in control_latency.control_points(profile, [2, 3, 64], 1e10,
+                                                                   options)}
+    print(control_latency.format_table(list(points.values())))
+    assert [points[n].engine for n in (2, 3, 64)] == ["exchange", "owners", "exchange"]
+    assert points[2].owners_s > 1.8 * points[2].exchange_s
+    assert points[3].owners_s <= points[3].exchange_s * 1.01
+    assert points[64].owners_s > 1.5 * points[64].exchange_s
+    with pytest.raises(PredictError, match="small_allreduce"):
+        predict(profile, workers=2, bandwidth_bps=1e9,
+                options=dataclasses.replace(options, small_allreduce="sometimes"))
 
 
 def test_compressed_gradients_travel_in_half_the_bytes():
@@ -298,7 +352,8 @@ def test_synthetic_timeline_is_a_runtime_trace(tmp_path, fusion_bytes):
     pattern = str(tmp_path / "predicted.json")
     profile = profile_from_trace(synthetic_trace())
     predict(profile, workers=2, bandwidth_bps=1e9, schedule="prophet",
-            options=PredictOptions(steps=3, warmup_steps=2, fusion_bytes=fusion_bytes),
+            options=PredictOptions(steps=3, warmup_steps=2, fusion_bytes=fusion_bytes,
+                                   small_allreduce=False),  # pushes: the owner path's track
             timeline_path=pattern)
     traces = [timeline.load_trace(tmp_path / f"predicted.{rank}.json") for rank in (0, 1)]
     tracks = timeline.events_by_track(traces[0])

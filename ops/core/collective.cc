@@ -3,6 +3,7 @@
 #include "ops/core/allgather.h"
 #include "ops/core/broadcast.h"
 #include "ops/core/push_pull.h"
+#include "ops/core/small_allreduce.h"
 #include "ops/core/two_level.h"
 
 namespace prophet {
@@ -10,7 +11,8 @@ namespace prophet {
 const char* CollectiveOfFrame(FrameType type) {
   switch (type) {
     case FrameType::kPush:
-    case FrameType::kResult: return OpKindName(OpKind::kPushPull);
+    case FrameType::kResult:
+    case FrameType::kExchange: return OpKindName(OpKind::kPushPull);
     case FrameType::kBroadcast: return OpKindName(OpKind::kBroadcast);
     case FrameType::kGather: return OpKindName(OpKind::kAllgather);
     case FrameType::kError:
@@ -40,6 +42,11 @@ std::string OperationKey(const std::string& name, uint64_t round) { return name 
 std::unique_ptr<Collective> Collective::Make(CollectiveHost* host, uint64_t id, OpRequest request, uint64_t round) {
   switch (request.kind) {
     case OpKind::kPushPull:
+      // A small control collective by recursive doubling, before the two-level path: log2(N)
+      // hops instead of that path's four (ExchangesThis; every worker decides alike from the
+      // same inputs).
+      if (ExchangesThis(request, host->world_size(), host->options()))
+        return std::unique_ptr<Collective>(new SmallAllreduce(host, id, std::move(request), round));
       if (const HostLayout* hosts = host->two_level_hosts())
         return std::unique_ptr<Collective>(new TwoLevelPushPull(host, id, std::move(request), round, *hosts));
       return std::unique_ptr<Collective>(new PushPull(host, id, std::move(request), round));
@@ -68,7 +75,17 @@ void Collective::EventDone() {
   if (--pending_ == 0) host_->Finish(this, Status::OK());
 }
 
-OutFrame Collective::Frame(FrameType type, uint32_t part, const Payload& payload, std::function<void()> on_sent) const {
+void Collective::AnnounceReady() {
+  TensorReady ready;
+  ready.name = &req_.name;
+  ready.round = round_;
+  ready.priority = req_.priority;
+  ready.bytes = req_.bytes;
+  ready.ready_ns = submit_ns_;
+  host_->Announce(ready);
+}
+
+FrameMeta Collective::FrameMetaOf(FrameType type, uint32_t part, const Payload& payload) const {
   FrameMeta meta;
   meta.type = type;
   meta.dtype = req_.dtype;
@@ -81,6 +98,16 @@ OutFrame Collective::Frame(FrameType type, uint32_t part, const Payload& payload
   meta.payload_bytes = payload.bytes;
   meta.encoding = payload.encoding;
   meta.scale_exp = payload.scale_exp;
+  return meta;
+}
+
+OutFrame Collective::OwnedFrame(FrameType type, uint32_t part, std::string payload) const {
+  const FrameMeta meta = FrameMetaOf(type, part, Payload{nullptr, payload.size()});
+  return MakeOwnedFrame(meta, std::move(payload), req_.priority);
+}
+
+OutFrame Collective::Frame(FrameType type, uint32_t part, const Payload& payload, std::function<void()> on_sent) const {
+  const FrameMeta meta = FrameMetaOf(type, part, payload);
   std::function<void()> when_alive;
   if (on_sent) {
     CollectiveHost* host = host_;
@@ -97,6 +124,13 @@ std::string HowItTravels(Encoding encoding) {
   return encoding == Encoding::kNone ? "uncompressed" : std::string("compressed to ") + EncodingName(encoding);
 }
 }  // namespace
+
+std::string Collective::ShapeMismatch(int peer, const FrameMeta& meta) const {
+  if (meta.dtype == req_.dtype && meta.shape == req_.shape) return "";
+  return Describe() + ": rank " + std::to_string(rank()) + " has shape " + ShapeString(req_.shape) + " " +
+         DataTypeName(req_.dtype) + " but rank " + std::to_string(peer) + " has shape " + ShapeString(meta.shape) +
+         " " + DataTypeName(meta.dtype) + "; every worker must pass the same shape and dtype for the same name";
+}
 
 std::string Collective::EncodingMismatch(int peer, const FrameMeta& meta) const {
   if (meta.encoding == codec_.encoding()) return "";
@@ -124,6 +158,17 @@ Status ErrorFrameStatus(const FrameMeta& meta, std::string message) {
 
 bool Collective::Admit(int peer, const FrameMeta& meta) {
   if (meta.type != frame_type()) {
+    // The same collective by another path (a push_pull by exchange here, by owners there): the
+    // workers' tensors or compression differ, which is what the message should say.
+    if (CollectiveOfFrame(meta.type) == std::string(OpKindName(req_.kind)) && meta.type != FrameType::kResult) {
+      std::string why = ShapeMismatch(peer, meta);
+      if (why.empty()) why = EncodingMismatch(peer, meta);
+      if (why.empty())
+        why = Describe() + ": rank " + std::to_string(peer) + " sends it by another path than rank " +
+              std::to_string(rank()) + " (a different prophet_tf or partition_bytes?)";
+      host_->FailEverywhere(this, why);
+      return false;
+    }
     // A RESULT answers a PUSH of a push_pull that no longer exists here: drop the bytes.
     if (meta.type != FrameType::kResult)
       host_->FailEverywhere(this, "'" + req_.name + "' (round " + std::to_string(round_) + ") is a " +

@@ -1,4 +1,4 @@
-// One submitted operation on this worker (push_pull, broadcast or allgather), between the
+// One submitted operation on this worker (push_pull by owners or by exchange, broadcast or allgather), between the
 // engine that routes frames to it by `name#round` and the connections that carry its frames.
 //
 // A collective decides how its tensor is cut and who owns what, what it sends, where the payload
@@ -63,7 +63,8 @@ class CollectiveHost {
   // A released push left this worker (its last byte is in the kernel) or never will (the operation
   // ended): returns its credit (SchedulerPolicy::OnPushLeft).
   virtual void PushLeft(const SendTask& task) = 0;
-  // A pushed partition's result came back (feeds bandwidth and timeline).
+  // A pushed partition's result came back, or an exchange stage's partner answered (feeds
+  // bandwidth and timeline).
   virtual void PushCompleted(const TransferDone& done) = 0;
   // Memory for encoded payloads (compressed frames), recycled warm; give it back when sent.
   virtual ByteBuffer TakeBuffer(size_t bytes) = 0;
@@ -126,10 +127,16 @@ class Collective {
   void set_pending(int events) { pending_ = events; }
   // One event happened; the last one finishes the operation (and frees `this`).
   void EventDone();
+  // Tells the scheduler this worker's tensor is ready (its bytes, priority, submission time):
+  // the profile (timeline, schedule="auto"'s prediction) describes tensors.
+  void AnnounceReady();
 
   // The one place where an operation's frames are made: `type` for partition `part` (its
   // offset), with `payload`. `on_sent` runs only while the operation is alive.
   OutFrame Frame(FrameType type, uint32_t part, const Payload& payload, std::function<void()> on_sent = nullptr) const;
+  // A frame that carries its own copy of `payload`: it leaves even after the operation ended
+  // (the engine drops only frames whose payload points into an operation's tensors).
+  OutFrame OwnedFrame(FrameType type, uint32_t part, std::string payload) const;
   // The same with the partition's own bytes at `data` (uncompressed).
   OutFrame Frame(FrameType type, uint32_t part, const char* data, std::function<void()> on_sent = nullptr) const {
     return Frame(type, part, Payload{data, parts_[part].bytes}, std::move(on_sent));
@@ -142,6 +149,9 @@ class Collective {
   // "push_pull 'x' (round 3): rank 1 sends it compressed as fp16 but rank 0 as none; ...", or ""
   // when `meta` travels as this worker's frames do.
   std::string EncodingMismatch(int peer, const FrameMeta& meta) const;
+  // "push_pull 'x' (round 3): rank 0 has shape [4] float32 but rank 1 has shape [5] float32; ...",
+  // or "" when `meta` has this request's shape and dtype.
+  std::string ShapeMismatch(int peer, const FrameMeta& meta) const;
   // The type of the frames peers send this collective's data in (kPush, kBroadcast, kGather).
   virtual FrameType frame_type() const = 0;
   // Why a frame of frame_type() from `peer` does not fit this request, or "" when it does.
@@ -154,6 +164,7 @@ class Collective {
   OpRequest req_;
 
  private:
+  FrameMeta FrameMetaOf(FrameType type, uint32_t part, const Payload& payload) const;
   CollectiveHost* const host_;
   const uint64_t id_;
   const uint64_t round_;

@@ -706,7 +706,7 @@ void Engine::Impl::PushCompleted(const TransferDone& d) {
   policy->OnTransferDone(d);
   const std::vector<BandwidthSample> samples = policy->bandwidth()->TakeSamples();
   if (!timeline.enabled()) return;
-  timeline.Complete("push", d.task.name, d.sent_ns, d.done_ns);
+  timeline.Complete(d.exchange ? "exchange" : "push", d.task.name, d.sent_ns, d.done_ns);
   for (const BandwidthSample& b : samples) timeline.Counter("bandwidth_MBps", b.ts_ns, b.estimate_Bps / 1e6);
 }
 

@@ -53,6 +53,13 @@ struct EngineOptions {
   // One host label per rank, ranks with equal labels sharing a host. Empty: the host part of each
   // address (workers whose addresses name the same host share it).
   std::vector<std::string> hosts;
+  // Small control collectives by recursive doubling (small_allreduce.h): kSmallAllreduceAuto, the
+  // default, where it is predicted faster (ExchangesThis). Not a user setting (no key of
+  // ParseEngineOptions): kSmallAllreduceNever (the owner path for every tensor) and
+  // kSmallAllreduceAlways (every uncompressed tensor below N x 64 KiB that one frame carries) let
+  // the C++ tests and benchmark run both paths side by side. Every worker of a job must agree.
+  enum SmallAllreduceMode { kSmallAllreduceNever, kSmallAllreduceAuto, kSmallAllreduceAlways };
+  SmallAllreduceMode small_allreduce = kSmallAllreduceAuto;
 };
 
 // Parses "key=value" lines (the C API's configuration string). Unknown keys are errors.

@@ -16,6 +16,7 @@
 
 #include "ops/core/engine_testing.h"
 #include "ops/core/partition.h"
+#include "ops/core/small_allreduce.h"
 #include "ops/core/socket_testing.h"
 #include "ops/core/testing.h"
 
@@ -344,6 +345,96 @@ TEST(DeadPeerFailsPendingOpsWithUnavailable) {
   auto p_after = PushPull(engines[0].get(), "after", DataType::kFloat32, {1}, &z, &oz, 4);
   const Status s = AWAIT(*p_after, 10.0);
   EXPECT_TRUE(s.code() == Code::kUnavailable && Contains(s.message(), "rank 1"));
+}
+
+// Small tensors go by exchange (small_allreduce.h): the same bits on every worker, for terms
+// whose float32 sum depends on the order of the additions, at powers of two and not.
+TEST(SmallPushPullsGiveTheSameBitsOnEveryWorker) {
+  static const float kTerms[] = {1e8f, 1.0f, -1e8f, 3.0f, 0.1f};
+  for (int n : {3, 5, 8}) {
+    std::vector<EngineOptions> options = ClusterOptions(n);
+    for (EngineOptions& o : options) o.small_allreduce = EngineOptions::kSmallAllreduceAlways;  // N = 3 too
+    auto engines = StartCluster(options);
+    bool all = true;
+    for (auto& e : engines) all = all && e != nullptr;
+    if (!all) return;
+    for (int round = 0; round < 2; ++round) {
+      std::vector<std::vector<float>> in(n, std::vector<float>(61)), out(n, std::vector<float>(61, -1.0f));
+      std::vector<std::unique_ptr<Pending>> pending;
+      for (int r = 0; r < n; ++r) {
+        for (size_t i = 0; i < in[r].size(); ++i) in[r][i] = kTerms[(i * 3 + static_cast<size_t>(r) * 2) % 5];
+        pending.push_back(PushPull(engines[r].get(), "metrics/loss", DataType::kFloat32, {61}, in[r].data(),
+                                   out[r].data(), 4 * 61, false, kControlPriority));
+      }
+      for (int r = 0; r < n; ++r) {
+        EXPECT_TRUE(AWAIT(*pending[r]).ok());
+        EXPECT_TRUE(std::memcmp(out[r].data(), out[0].data(), 4 * 61) == 0);
+      }
+    }
+  }
+}
+
+// A worker killed while the others are inside the exchange: every survivor fails naming it and
+// the tensor, from the lost connection (well before the 20 s timeout).
+TEST(ADeadPeerMidExchangeIsNamedByEverySurvivor) {
+  const int n = 4;
+  std::vector<EngineOptions> options = ClusterOptions(n);
+  for (EngineOptions& o : options) o.small_allreduce = EngineOptions::kSmallAllreduceAuto;
+  auto engines = StartCluster(options);
+  for (auto& e : engines)
+    if (!e) return;
+  std::vector<float> in(n, 1.0f), out(n, 0.0f);
+  std::vector<std::unique_ptr<Pending>> pending;
+  for (int r = 0; r < n - 1; ++r)  // rank 3 never takes part
+    pending.push_back(
+        PushPull(engines[r].get(), "flags/finite", DataType::kFloat32, {1}, &in[r], &out[r], 4, false, kControlPriority));
+  // Ranks 0 and 1 exchanged stage 0 (rank 0 heard from rank 1) and now wait for ranks 2 and 3.
+  for (int i = 0; i < 2000 && Contains(engines[0]->StatsJson(), "\"bytes_received\": 0,"); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_TRUE(!Contains(engines[0]->StatsJson(), "\"bytes_received\": 0,"));
+  const auto killed = Clock::now();
+  engines[3]->StopWithoutNotice();
+  for (auto& p : pending) {
+    const Status s = AWAIT(*p, 10.0);
+    std::printf("survivor: %s\n", s.message().c_str());
+    EXPECT_TRUE(s.code() == Code::kUnavailable);
+    EXPECT_TRUE(Contains(s.message(), "'flags/finite'") && Contains(s.message(), "rank 3"));
+  }
+  EXPECT_TRUE(SecondsSince(killed) < 10.0);
+}
+
+// With every tensor of a job exchanged, a worker still measures its link: each stage whose
+// partner answered after this worker sent is a transfer for the bandwidth monitor (as a push and
+// its sum are). Rank 0 owns the tensor on the owner path (no push of its own there either), so
+// without that it would never get a sample (schedule="auto" never decided). Rank 1 submits a
+// little later, so each stage of rank 0 lasts at least that long; rounds go on until the first
+// sample (bounded: the estimate must come).
+TEST(ExchangedControlCollectivesMeasureTheLink) {
+  std::vector<EngineOptions> options = ClusterOptions(2);
+  for (EngineOptions& o : options) o.small_allreduce = EngineOptions::kSmallAllreduceAuto;
+  auto engines = StartCluster(options);
+  if (!engines[0] || !engines[1]) return;
+  std::string name;
+  for (int i = 0; name.empty(); ++i) {
+    const std::string candidate = "metrics/m" + std::to_string(i);
+    if (MakePartitions(candidate, 4, 4, 2, EngineOptions().partition_bytes)[0].owner == 0) name = candidate;
+  }
+  OpRequest probe;
+  probe.bytes = 4;
+  probe.priority = kControlPriority;
+  EXPECT_TRUE(ExchangesThis(probe, 2, options[0]));
+  const float one = 1.0f;
+  float out0 = 0, out1 = 0;
+  int rounds = 0;
+  for (; rounds < 400 && Contains(engines[0]->SchedulerStateJson(), "\"bandwidth_samples\": 0,"); ++rounds) {
+    auto a = PushPull(engines[0].get(), name, DataType::kFloat32, {1}, &one, &out0, 4, false, kControlPriority);
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    auto b = PushPull(engines[1].get(), name, DataType::kFloat32, {1}, &one, &out1, 4, false, kControlPriority);
+    EXPECT_TRUE(AWAIT(*a).ok() && AWAIT(*b).ok());
+    EXPECT_TRUE(out0 == 2.0f && out1 == 2.0f);
+  }
+  std::printf("rank 0's first bandwidth sample after %d exchanges\n", rounds);
+  EXPECT_TRUE(!Contains(engines[0]->SchedulerStateJson(), "\"bandwidth_samples\": 0,"));
 }
 
 TEST(OpWithoutPeerSubmissionTimesOut) {

@@ -33,15 +33,8 @@ void PushPull::Start() {
   encoded_.clear();
   encoded_.resize(np);
 
-  TensorReady ready;
-  ready.name = &r.name;
-  ready.round = round();
-  ready.priority = r.priority;
-  // The tensor's bytes (the profile describes tensors: the timeline, schedule="auto"'s
-  // prediction); what travels is counted from the tasks below.
-  ready.bytes = r.bytes;
-  ready.ready_ns = submit_ns();
-  host()->Announce(ready);
+  // The tensor's bytes (the profile describes tensors); what travels is counted from the tasks.
+  AnnounceReady();
   for (uint32_t p = 0; p < np; ++p) {
     if (parts()[p].owner == rank()) {
       // In place (input forwarded to output): the local values are already there.
@@ -94,11 +87,8 @@ void PushPull::SendScheduled(const SendTask& task) {
 
 std::string PushPull::Mismatch(int peer, const FrameMeta& meta) const {
   const OpRequest& r = req_;
-  if (meta.dtype != r.dtype || meta.shape != r.shape)
-    return "push_pull '" + r.name + "' (round " + std::to_string(round()) + "): rank " + std::to_string(rank()) +
-           " has shape " + ShapeString(r.shape) + " " + DataTypeName(r.dtype) + " but rank " + std::to_string(peer) +
-           " has shape " + ShapeString(meta.shape) + " " + DataTypeName(meta.dtype) +
-           "; every worker must pass the same shape and dtype for the same name";
+  const std::string shape = ShapeMismatch(peer, meta);
+  if (!shape.empty()) return shape;
   const std::string encoding = EncodingMismatch(peer, meta);
   if (!encoding.empty()) return encoding;
   if (meta.partition >= parts().size() || parts()[meta.partition].owner != rank() ||

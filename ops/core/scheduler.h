@@ -49,11 +49,13 @@ struct TensorReady {
   int64_t ready_ns = 0;
 };
 
-// A PUSH whose RESULT came back.
+// A PUSH whose RESULT came back, or a stage of a small push_pull's exchange whose partner's
+// frame came after this worker's (small_allreduce.h): both measure the link alike.
 struct TransferDone {
   SendTask task;
   int64_t sent_ns = 0;      // released to the connection
   int64_t done_ns = 0;      // last byte of the reply received
+  bool exchange = false;    // an exchange stage (the timeline names it so)
 };
 
 // A stretch of time a policy spent in one phase (a Prophet block, the credit phase), or a moment

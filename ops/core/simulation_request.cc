@@ -6,6 +6,8 @@
 #include <map>
 #include <sstream>
 
+#include "ops/core/small_allreduce.h"
+
 namespace prophet {
 
 namespace {
@@ -95,6 +97,8 @@ std::map<std::string, std::function<bool(const std::string&)>> OptionSetters(Sim
       {"socket_unsent_bytes", u64(&r->network.socket_unsent_bytes)},
       {"sender_queue_s", real(&r->network.sender_queue_s)},
       {"sum_Bps", real(&r->network.sum_Bps)},
+      {"message_send_ns", i64(&r->network.message_send_ns)},
+      {"message_receive_ns", i64(&r->network.message_receive_ns)},
       {"schedule", text(&r->runtime.schedule)},
       {"cross_barrier", boolean(&r->runtime.cross_barrier)},
       {"hierarchical", [r](const std::string& v) { return ParseHierarchy(v, &r->runtime.hierarchical); }},
@@ -106,6 +110,7 @@ std::map<std::string, std::function<bool(const std::string&)>> OptionSetters(Sim
       {"ring_max_subdivs", integer(&r->runtime.ring_max_subdivs)},
       {"ring_message_ns", i64(&r->runtime.ring_message_ns)},
       {"fusion_bytes", i64(&r->runtime.fusion_bytes)},
+      {"small_allreduce", [r](const std::string& v) { return ParseSmallAllreduce(v, &r->runtime.small_allreduce); }},
       {"warmup_steps", integer(&r->options.warmup_steps)},
       {"steps", integer(&r->options.steps)},
       {"timeline_path", text(&r->options.timeline_path)},
@@ -184,7 +189,8 @@ std::string PredictionJson(const StepPrediction& p) {
       {"single_step_s", p.single_step_s}, {"compute_s", p.compute_s},
       {"comm_s", p.comm_s},               {"wire_bytes_per_step", p.wire_bytes_per_step},
       {"overlap", p.overlap},             {"gate_wait_s", p.gate_wait_s},
-      {"bandwidth_Bps", p.bandwidth_Bps}};
+      {"bandwidth_Bps", p.bandwidth_Bps}, {"messages_per_step", p.messages_per_step},
+      {"exchanged_per_step", p.exchanged_per_step}};
   for (const auto& entry : numbers) {
     out += ", \"";
     out += entry.first;

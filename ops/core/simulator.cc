@@ -10,6 +10,7 @@
 #include "ops/core/link_model.h"
 #include "ops/core/partition.h"
 #include "ops/core/scheduler.h"
+#include "ops/core/small_allreduce.h"
 #include "ops/core/timeline.h"
 #include "ops/core/wire.h"
 
@@ -33,6 +34,8 @@ enum class EventKind : uint8_t {
   kSumDone,
   kApplyDone,
   kWakeup,
+  kSendFrame,     // the sender's I/O thread has spent message_send_ns on the frame (`tag`)
+  kFrameArrived,  // its last byte is at the receiver, whose I/O thread takes message_receive_ns
 };
 
 struct Event {
@@ -49,7 +52,8 @@ struct Event {
 };
 
 // kLocalPush / kLocalResult: the two-level path's frames between the workers of one host.
-enum class FrameKind : uint8_t { kPush, kResult, kRing, kLocalPush, kLocalResult };
+// kExchange: a stage of a small push_pull's exchange (`partition`: the stage).
+enum class FrameKind : uint8_t { kPush, kResult, kRing, kLocalPush, kLocalResult, kExchange };
 
 struct FrameInfo {
   FrameKind kind = FrameKind::kPush;
@@ -58,6 +62,8 @@ struct FrameInfo {
   int partition = 0;  // kRing: subdivision
   int round = 0;      // kRing only
   uint64_t bytes = 0;
+  int src = 0, dst = 0;  // kSendFrame: where it goes once its sender's thread has sent it
+  int64_t priority = 0;
 };
 
 uint64_t OpKey(int step, int tensor) {
@@ -79,6 +85,14 @@ struct Op {
   int64_t submit_ns = 0;
   int parts_left = 0;
   std::vector<PartState> parts;
+  // By exchange (small_allreduce.h): the worker's ExchangePlan step to run next, whether its
+  // frame is sent, when this worker last sent, and by step when its partner's frame arrived
+  // (-1: not yet).
+  bool submitted = false;
+  size_t exchange_next = 0;
+  bool exchange_sent = false;
+  int64_t exchange_sent_ns = -1;
+  std::vector<int64_t> exchange_arrived_ns;
 };
 
 // MultiWorkerMirroredStrategy's ring all-reduce of one step on one worker.
@@ -122,6 +136,9 @@ struct Worker {
   int applies_running = 0;
   int64_t wakeup_ns = -1;
   std::unique_ptr<Timeline> timeline;
+  int64_t io_free_ns = 0;    // its I/O thread is busy with frames until then (message costs)
+  uint64_t frames_sent = 0;  // every kind
+  std::vector<ExchangeStep> exchange_plan;  // ExchangePlan(w, N)
 };
 
 class Simulation {
@@ -206,6 +223,16 @@ class Simulation {
   void OpDone(int w, int step, int unit);          // every member of the unit is summed
   void TensorDone(int w, int step, int tensor);
   void Arrive(int dst, int src, uint64_t frame);
+  // Hands a frame to the link (after the sender's message cost, if any).
+  void QueueOnLink(uint64_t frame);
+  // The receiver's I/O thread takes the frame (after its message cost, if any).
+  void Received(int dst, int src, uint64_t frame);
+  // By exchange: runs worker w's plan as far as the frames here allow; the last step completes
+  // the op.
+  void ExchangeAdvance(int w, uint64_t key);
+  // A push's sum, or an exchange stage's partner frame, came back: the policy's bandwidth
+  // monitor and the timeline hear of it, as in the engine (Engine::Impl::PushCompleted).
+  void TransferCompleted(int w, const TransferDone& done);
   // mwms.
   void RingStart(int w, int step, int which);
   void RingAdvance(int w, int step, int which);
@@ -247,6 +274,7 @@ class Simulation {
   std::vector<std::unordered_map<uint64_t, size_t>> unit_ready_;  // per worker, by OpKey(step, unit)
   std::vector<std::vector<Partition>> partitions_;  // per unit (two-level: owners are hosts)
   std::vector<std::vector<int>> leader_rank_;       // two-level: per unit and partition, the leader's rank on its host
+  std::vector<bool> exchanged_;                     // per unit: by exchange (SmallAllreduceApplies)
   std::vector<FrameInfo> frames_;
   std::vector<uint64_t> free_frames_;
   int controls_ = 0;
@@ -255,6 +283,7 @@ class Simulation {
   int64_t measure_begin_ns_ = -1, measure_end_ns_ = -1;
   int64_t busy_begin_ns_ = 0, busy_end_ns_ = 0;
   double wire_begin_ = 0, wire_end_ = 0;
+  uint64_t frames_begin_ = 0, frames_end_ = 0;
   std::vector<TensorTiming> timings_;
   std::vector<double> bandwidth_samples_;
   SendTask scratch_task_;              // PushTask's
@@ -302,11 +331,13 @@ void Simulation::StepBegin(int w, int step) {
     measure_begin_ns_ = now_ns_;
     busy_begin_ns_ = link_.egress_busy_ns(0, now_ns_);
     wire_begin_ = link_.sent_wire_bytes(0);
+    frames_begin_ = worker.frames_sent;
   }
   if (w == 0 && step == options_.warmup_steps + options_.steps) {
     measure_end_ns_ = now_ns_;
     busy_end_ns_ = link_.egress_busy_ns(0, now_ns_);
     wire_end_ = link_.sent_wire_bytes(0);
+    frames_end_ = worker.frames_sent;
   }
   Push(now_ns_ + profile_.launch_ns, EventKind::kForwardStart, w, step, 0);
 }
@@ -455,6 +486,11 @@ void Simulation::Submit(int w, int step, int tensor) {
   const uint64_t request = worker.next_request++;
   worker.op_of_request[request] = key;
   op.request = request;
+  op.submitted = true;
+  if (exchanged_[tensor]) {
+    ExchangeAdvance(w, key);
+    return;
+  }
   const std::vector<Partition>& parts = partitions_[tensor];
   if (two_level()) {
     // Every partition goes to its leader on this host first; leaders push later (HostSumDone).
@@ -552,13 +588,39 @@ void Simulation::SendFrame(int src, int dst, int64_t priority, const FrameInfo& 
     id = frames_.size();
     frames_.push_back(info);
   }
+  FrameInfo& f = frames_[id];
+  f.src = src;
+  f.dst = dst;
+  f.priority = priority;
+  ++workers_[src].frames_sent;
+  if (network_.message_send_ns <= 0) {
+    QueueOnLink(id);
+    return;
+  }
+  Worker& sender = workers_[src];
+  sender.io_free_ns = std::max(sender.io_free_ns, now_ns_) + network_.message_send_ns;
+  Push(sender.io_free_ns, EventKind::kSendFrame, src, 0, 0, id);
+}
+
+void Simulation::QueueOnLink(uint64_t id) {
+  const FrameInfo& info = frames_[id];
   LinkFrame frame;
-  frame.src = src;
-  frame.dst = dst;
+  frame.src = info.src;
+  frame.dst = info.dst;
   frame.payload_bytes = info.bytes;
-  frame.priority = priority;
+  frame.priority = info.priority;
   frame.tag = id;
   link_.Queue(now_ns_, frame);
+}
+
+void Simulation::Received(int dst, int src, uint64_t frame) {
+  if (network_.message_receive_ns <= 0) {
+    Arrive(dst, src, frame);
+    return;
+  }
+  Worker& receiver = workers_[dst];
+  receiver.io_free_ns = std::max(receiver.io_free_ns, now_ns_) + network_.message_receive_ns;
+  Push(receiver.io_free_ns, EventKind::kArrive, dst, 0, src, frame);
 }
 
 void Simulation::MaybeSum(int owner, uint64_t key, int partition) {
@@ -669,6 +731,15 @@ void Simulation::Arrive(int dst, int src, uint64_t frame) {
     return;
   }
   const uint64_t key = OpKey(info.step, info.tensor);
+  if (info.kind == FrameKind::kExchange) {
+    Op& op = OpAt(dst, key);
+    const std::vector<ExchangeStep>& plan = workers_[dst].exchange_plan;
+    if (op.exchange_arrived_ns.empty()) op.exchange_arrived_ns.assign(plan.size(), -1);
+    for (size_t i = 0; i < plan.size(); ++i)
+      if (plan[i].stage == info.partition && plan[i].receive_from == src) op.exchange_arrived_ns[i] = now_ns_;
+    ExchangeAdvance(dst, key);
+    return;
+  }
   if (info.kind == FrameKind::kPush || info.kind == FrameKind::kLocalPush) {
     ++OpAt(dst, key).parts[info.partition].contributions;
     MaybeSum(dst, key, info.partition);
@@ -679,18 +750,13 @@ void Simulation::Arrive(int dst, int src, uint64_t frame) {
     return;
   }
   // A result: this worker's push of the partition is done.
-  Worker& worker = workers_[dst];
   Op& op = OpAt(dst, key);
   TransferDone& done = scratch_done_;  // assigned in place, as PushTask's task
   done.task = PushTask(dst, src, info);
   done.sent_ns = op.parts[info.partition].push_sent_ns;
   done.done_ns = now_ns_;
-  worker.policy->OnTransferDone(done);
-  const std::vector<BandwidthSample> samples = worker.policy->bandwidth()->TakeSamples();
-  if (worker.timeline) {
-    worker.timeline->Complete("push", done.task.name, done.sent_ns, done.done_ns);
-    for (const BandwidthSample& b : samples) worker.timeline->Counter("bandwidth_MBps", b.ts_ns, b.estimate_Bps / 1e6);
-  }
+  done.exchange = false;
+  TransferCompleted(dst, done);
   if (two_level() && per_host() > 1) {
     // The host's leader is done once it has passed the sum to the host's other workers.
     op.parts[info.partition].results_unwritten = per_host() - 1;
@@ -699,6 +765,59 @@ void Simulation::Arrive(int dst, int src, uint64_t frame) {
     PartitionDone(dst, key);
   }
   Pump(dst);
+}
+
+void Simulation::TransferCompleted(int w, const TransferDone& done) {
+  Worker& worker = workers_[w];
+  worker.policy->OnTransferDone(done);
+  const std::vector<BandwidthSample> samples = worker.policy->bandwidth()->TakeSamples();
+  if (!worker.timeline) return;
+  worker.timeline->Complete(done.exchange ? "exchange" : "push", done.task.name, done.sent_ns, done.done_ns);
+  for (const BandwidthSample& b : samples) worker.timeline->Counter("bandwidth_MBps", b.ts_ns, b.estimate_Bps / 1e6);
+}
+
+void Simulation::ExchangeAdvance(int w, uint64_t key) {
+  Op& op = OpAt(w, key);
+  if (!op.submitted) return;  // frames that came early wait for the submission
+  const std::vector<ExchangeStep>& plan = workers_[w].exchange_plan;
+  if (op.exchange_arrived_ns.empty()) op.exchange_arrived_ns.assign(plan.size(), -1);
+  const int unit = KeyTensor(key);
+  for (; op.exchange_next < plan.size(); ++op.exchange_next, op.exchange_sent = false) {
+    const ExchangeStep& step = plan[op.exchange_next];
+    if (!op.exchange_sent && step.send_to >= 0) {
+      FrameInfo info;
+      info.kind = FrameKind::kExchange;
+      info.step = KeyStep(key);
+      info.tensor = unit;
+      info.partition = step.stage;
+      info.bytes = units_[unit].bytes;
+      SendFrame(w, step.send_to, units_[unit].priority, info);
+      op.exchange_sent_ns = now_ns_;
+    }
+    op.exchange_sent = true;
+    if (step.receive_from < 0) continue;
+    const int64_t arrived_ns = op.exchange_arrived_ns[op.exchange_next];
+    if (arrived_ns < 0) return;
+    if (op.exchange_sent_ns >= 0 && arrived_ns > op.exchange_sent_ns) {
+      // The engine's SmallAllreduce::MaybeReportTransfer: a round trip measures the link.
+      TransferDone& done = scratch_done_;
+      done.task = SendTask();
+      done.task.name = units_[unit].name;
+      done.task.round = static_cast<uint64_t>(KeyStep(key));
+      done.task.request_id = op.request;
+      done.task.partition = step.stage;
+      done.task.peer = step.receive_from;
+      done.task.priority = units_[unit].priority;
+      done.task.bytes = units_[unit].bytes;
+      done.task.ready_ns = op.submit_ns;
+      done.sent_ns = op.exchange_sent_ns;
+      done.done_ns = arrived_ns;
+      done.exchange = true;
+      TransferCompleted(w, done);
+    }
+  }
+  op.parts_left = 1;  // the whole tensor is summed
+  PartitionDone(w, key);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -808,6 +927,9 @@ void Simulation::PlanUnits() {
     inputs.push_back(in);
   }
   const uint64_t bucket_bytes = ResolveFusionBytes(runtime_.fusion_bytes, n_, network_.link_Bps);
+  EngineOptions exchange_options;  // what ExchangesThis reads
+  exchange_options.small_allreduce = runtime_.small_allreduce;
+  exchange_options.partition_bytes = runtime_.partition_bytes;
   unit_of_.assign(profile_.tensors.size(), -1);
   for (const FusionBucket& b : PlanFusion(inputs, n_, bucket_bytes)) {
     const ModelTensor& first = profile_.tensors[b.members.front()];
@@ -816,6 +938,13 @@ void Simulation::PlanUnits() {
     unit.bytes = b.bytes;
     unit.priority = b.priority;
     for (const int m : b.members) unit_of_[m] = static_cast<int>(units_.size());
+    // As the engine's ExchangesThis chooses (before the two-level path, with the model every
+    // worker assumes: the choice, not the time it takes, which the network model gives).
+    OpRequest probe;
+    probe.bytes = unit.bytes;
+    probe.priority = unit.priority;
+    probe.compression = unit.encoding;
+    exchanged_.push_back(!mwms() && ExchangesThis(probe, n_, exchange_options));
     units_.push_back(unit);
     unit_members_.push_back(b.members);
     if (!two_level()) {
@@ -857,8 +986,10 @@ void Simulation::HandleLink(const LinkEvent& e) {
     return;
   }
   const int64_t extra = info.kind == FrameKind::kRing ? runtime_.ring_message_ns : 0;
-  // kArrive carries the sender in `index` and the frame id in `tag`.
-  Push(e.time_ns + network_.latency_ns + extra, EventKind::kArrive, e.frame.dst, 0, e.frame.src, e.frame.tag);
+  // kArrive (kFrameArrived) carries the sender in `index` and the frame id in `tag`.
+  Push(e.time_ns + network_.latency_ns + extra,
+       network_.message_receive_ns > 0 ? EventKind::kFrameArrived : EventKind::kArrive, e.frame.dst, 0, e.frame.src,
+       e.frame.tag);
 }
 
 void Simulation::Handle(const Event& e) {
@@ -876,6 +1007,8 @@ void Simulation::Handle(const Event& e) {
       if (workers_[e.worker].wakeup_ns == e.time_ns) workers_[e.worker].wakeup_ns = -1;
       Pump(e.worker);
       break;
+    case EventKind::kSendFrame: QueueOnLink(e.tag); break;
+    case EventKind::kFrameArrived: Received(e.worker, e.index, e.tag); break;
   }
 }
 
@@ -899,6 +1032,7 @@ Status Simulation::Run(StepPrediction* prediction) {
     if (!worker.policy) return Status(Code::kInvalidArgument, error);
     worker.steps.resize(total_steps());
     worker.updates_pending.assign(profile_.layers.size(), 0);
+    worker.exchange_plan = ExchangePlan(w, n_);
     if (!options_.timeline_path.empty() && w < options_.timeline_workers) {
       std::string path = options_.timeline_path;
       const size_t at = path.find("{rank}");
@@ -968,6 +1102,8 @@ Status Simulation::Run(StepPrediction* prediction) {
   const double steps = static_cast<double>(options_.steps);
   p.comm_s = static_cast<double>(busy_end_ns_ - busy_begin_ns_) / 1e9 / steps;
   p.wire_bytes_per_step = (wire_end_ - wire_begin_) / steps;
+  p.messages_per_step = static_cast<double>(frames_end_ - frames_begin_) / steps;
+  p.exchanged_per_step = static_cast<double>(std::count(exchanged_.begin(), exchanged_.end(), true));
   const double mean_step = static_cast<double>(measure_end_ns_ - measure_begin_ns_) / 1e9 / steps;
   if (p.comm_s > 0) p.overlap = std::min(1.0, std::max(0.0, (p.single_step_s + p.comm_s - mean_step) / p.comm_s));
   p.gate_wait_s = static_cast<double>(first.gate_wait_ns) / 1e9 / steps;

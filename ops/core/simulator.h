@@ -26,12 +26,18 @@
 //    when the updates of layer k's tensors are done; the train function returns after the
 //    backward pass and the control collectives. Without crossing it also waits for every
 //    push_pull and update of the step;
+//  - small push_pulls (RuntimeModel::small_allreduce): the engine's exchange by recursive
+//    doubling (ExchangePlan, SmallAllreduceApplies), stage by stage; its frames bypass the policy
+//    and the credit, as in the engine;
+//  - per-message CPU cost (NetworkModel::message_send_ns / message_receive_ns) on each worker's
+//    one I/O thread;
 //  - MultiWorkerMirroredStrategy (schedule "mwms"): TensorFlow's CollectiveAllReduce in graph
 //    mode packs every gradient into one all-reduce that starts after the backward pass: a ring
 //    reduce-scatter + all-gather, 2(N-1) rounds over N x subdivisions chunks, then every update,
 //    then the control collectives (the loss) as ring all-reduces.
 // Not modelled: CPU contention between compute, the runtime and the kernel's network stack, the
-// engine thread's own CPU time apart from summation, TCP dynamics other than fair sharing.
+// engine thread's own CPU time apart from summation and the per-message cost, TCP dynamics other
+// than fair sharing.
 #ifndef PROPHET_OPS_CORE_SIMULATOR_H_
 #define PROPHET_OPS_CORE_SIMULATOR_H_
 
@@ -116,6 +122,18 @@ struct NetworkModel {
   // rate while TCP probes for bandwidth.
   double sender_queue_s = 1e-3;
   double sum_Bps = 0;               // an owner's summation rate (0: instant)
+  // CPU time of one frame on the engine's I/O thread, which handles a worker's frames one at a
+  // time: sending (the frame's header, the system call, the queue) and receiving (the wake-up,
+  // header parsing, routing to its operation). A frame enters its connection once its sender's
+  // thread has spent message_send_ns on it, and reaches its operation once the receiver's thread
+  // has spent message_receive_ns. 0 (the default; the golden predictions are without it): free.
+  // Measured on this project's 2-core test machine (N engines in one process on loopback, small
+  // push_pulls, process CPU per frame, both ends together: `bazel run -c opt
+  // //ops/core/bench:small_allreduce_bench`): 10-14 us at N = 3-8, 14-24 us at N = 2 (under
+  // load), so about 6 us each end (`--message_cost 6us,6us`); the split between the ends is an
+  // assumption.
+  int64_t message_send_ns = 0;
+  int64_t message_receive_ns = 0;
 };
 
 // Bytes a connection commits ahead of the NIC, which frames queued later cannot overtake: what
@@ -155,6 +173,12 @@ struct RuntimeModel {
   // Fusion (fusion.h): kFusionAuto sizes buckets with FusionBucketBytes for the workers and the
   // link rate; 0 sends every tensor on its own; otherwise the bucket size in bytes.
   int64_t fusion_bytes = 0;
+  // Small push_pulls by recursive doubling (small_allreduce.h), as the engine's setting of the
+  // same name takes them (ExchangesThis): kSmallAllreduceAuto, the engine's default, the control
+  // collectives its rule picks; kSmallAllreduceNever, the owner path for every tensor (for
+  // comparisons and the golden predictions); kSmallAllreduceAlways, every tensor that fits (to
+  // predict the exchange where the rule would not take it).
+  EngineOptions::SmallAllreduceMode small_allreduce = EngineOptions::kSmallAllreduceAuto;
 };
 
 struct SimulationOptions {
@@ -183,6 +207,8 @@ struct StepPrediction {
   double overlap = 0;                // share of comm_s that did not lengthen the step, [0, 1]
   double gate_wait_s = 0;            // worker 0's forward passes waiting for updates, per step
   double bandwidth_Bps = 0;          // worker 0's bandwidth estimate as a measured step begins (median)
+  double messages_per_step = 0;      // frames worker 0 sent per measured step (every kind)
+  double exchanged_per_step = 0;     // collectives per step that go by exchange (small_allreduce.h)
   std::string policy;                // the policy's Describe() at the end (worker 0)
   std::vector<TensorTiming> tensor_times;  // in StepProfile::tensors order
 };

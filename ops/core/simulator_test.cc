@@ -14,6 +14,7 @@
 #include "ops/core/ideal_bound.h"
 #include "ops/core/partition.h"
 #include "ops/core/scheduler.h"
+#include "ops/core/small_allreduce.h"
 #include "ops/core/testing.h"
 
 namespace prophet {
@@ -62,6 +63,14 @@ StepPrediction Run(const StepProfile& profile, const NetworkModel& network, cons
   return prediction;
 }
 
+// The owner path for every tensor (RuntimeModel::small_allreduce off): the hand-computed cases
+// below are about it; small tensors by exchange have tests of their own.
+RuntimeModel OwnerPath() {
+  RuntimeModel runtime;
+  runtime.small_allreduce = EngineOptions::kSmallAllreduceNever;
+  return runtime;
+}
+
 // One layer (10 ms forward), one 100,000-byte tensor ready when the backward pass starts (which
 // ends at once). The non-owner pushes it (100 ms), the owner sums and sends it back (100 ms):
 // every step takes 10 + 100 + 100 ms.
@@ -74,7 +83,7 @@ StepProfile OneTensor() {
 
 TEST(OneTensorTwoWorkersExactStepTime) {
   for (const bool cross : {false, true}) {
-    RuntimeModel runtime;
+    RuntimeModel runtime = OwnerPath();
     runtime.schedule = "priority";
     runtime.cross_barrier = cross;
     const StepPrediction p = Run(OneTensor(), SlowNetwork(2), runtime);
@@ -100,7 +109,7 @@ TEST(LinkEfficiencyOverheadAndLatencyAddUp) {
   network.payload_efficiency = 0.5;     // 2 ms per 1,000 bytes
   network.frame_overhead_bytes = 1000;  // +2 ms per frame
   network.latency_ns = 3 * kMs;         // +3 ms per frame
-  RuntimeModel runtime;
+  RuntimeModel runtime = OwnerPath();
   runtime.schedule = "fifo";
   runtime.cross_barrier = false;
   const StepPrediction p = Run(OneTensor(), network, runtime);
@@ -134,7 +143,7 @@ TEST(PriorityOrderBeatsFifoForTheFirstLayer) {
   profile.backward_ns = 2 * kMs;
   profile.tensors = {Tensor(last, 10'000, 0, 0, 0), Tensor(mid, 10'000, 1, 0, 1 * kMs),
                      Tensor(first, 10'000, 2, 0, 2 * kMs)};
-  RuntimeModel runtime;
+  RuntimeModel runtime = OwnerPath();
   runtime.cross_barrier = false;
   runtime.credit_bytes = 1;
   runtime.schedule = "fifo";
@@ -170,7 +179,7 @@ TEST(UrgentPushesWaitBehindWhatTheKernelHolds) {
   profile.backward_ns = 1 * kMs;
   for (int i = 0; i < 4; ++i) profile.tensors.push_back(Tensor(NameOwnedBy("bulk" + std::to_string(i), 0, 2), 10'000, 0, 0, 0));
   profile.tensors.push_back(Tensor(NameOwnedBy("urgent", 0, 2), 1'000, 1, 0, 1 * kMs));
-  RuntimeModel runtime;
+  RuntimeModel runtime = OwnerPath();
   runtime.schedule = "priority";
   runtime.cross_barrier = false;
   struct Case {
@@ -204,7 +213,7 @@ TEST(CreditReturnsWhenAPushLeavesNotWhenItsSumIsBack) {
   StepProfile profile;
   profile.layers = {{"only", 10 * kMs, 0}};
   profile.tensors = {Tensor(NameOwnedBy("A", 1, 2), 10'000, 2, 0, 0), Tensor(NameOwnedBy("B", 1, 2), 10'000, 1, 0, 0)};
-  RuntimeModel runtime;
+  RuntimeModel runtime = OwnerPath();
   runtime.schedule = "priority";
   runtime.cross_barrier = false;
   runtime.credit_bytes = 10'000;
@@ -229,7 +238,7 @@ TEST(CrossingTheBarrierWaitsOnlyForEachLayersUpdate) {
   profile.backward_ns = 1 * kMs;
   profile.tensors = {Tensor(NameOwnedBy("g_last", 0, 2), 100'000, 1, 1, 0),
                      Tensor(NameOwnedBy("g_first", 1, 2), 1'000, 2, 0, 1 * kMs)};
-  RuntimeModel runtime;
+  RuntimeModel runtime = OwnerPath();
   runtime.schedule = "priority";
   runtime.cross_barrier = true;
   const StepPrediction cross = Run(profile, SlowNetwork(2), runtime);
@@ -248,7 +257,7 @@ TEST(IngressLimitSlowsAnIncast) {
   StepProfile profile;
   profile.layers = {{"only", 10 * kMs, 0}};
   profile.tensors = {Tensor("grad/incast", 100'000, 1, 0, 0)};
-  RuntimeModel runtime;
+  RuntimeModel runtime = OwnerPath();
   runtime.schedule = "fifo";
   runtime.cross_barrier = false;
   NetworkModel network = SlowNetwork(3);
@@ -313,7 +322,7 @@ TEST(CompressedGradientsTravelInHalfTheBytes) {
   EXPECT_TRUE(profile.tensors[1].encoding == Encoding::kNone);  // control: exact
   EXPECT_TRUE(profile.tensors[2].encoding == Encoding::kNone);
   profile.tensors.resize(1);
-  RuntimeModel runtime;
+  RuntimeModel runtime = OwnerPath();
   runtime.schedule = "priority";
   runtime.cross_barrier = false;
   const StepPrediction p = Run(profile, SlowNetwork(2), runtime);
@@ -419,7 +428,7 @@ TEST(WorkersOfOneHostTalkOverLoopback) {
   NetworkModel network = SlowNetwork(2);
   network.workers_per_host = 2;
   network.loopback_Bps = 1e9;
-  const StepPrediction p = Run(OneTensor(), network, RuntimeModel());
+  const StepPrediction p = Run(OneTensor(), network, OwnerPath());
   EXPECT_NEAR(p.step_s, 10.2 * kMsS, 1e-9);
   EXPECT_NEAR(p.wire_bytes_per_step, 0, 1e-9);
 }
@@ -433,7 +442,7 @@ TEST(TwoLevelPathCrossesTheNetworkOncePerHost) {
   NetworkModel network = SlowNetwork(4);
   network.workers_per_host = 2;
   network.loopback_Bps = 1e12;
-  RuntimeModel runtime;
+  RuntimeModel runtime = OwnerPath();
   runtime.schedule = "priority";
   const StepPrediction flat = Run(OneTensor(), network, runtime);
   runtime.hierarchical = Hierarchy::kOn;
@@ -485,6 +494,92 @@ TEST(TwoHundredFiftySixWorkersFinishAboveTheIdealBound) {
         EXPECT_TRUE(p.step_s >= bound.step_s * (1 - 1e-9));
         EXPECT_TRUE(p.step_s < 100 * bound.step_s);  // sane: not stuck behind a lost event
       }
+    }
+  }
+}
+
+// By exchange (small_allreduce.h) two workers send their 100,000 bytes to each other at once:
+// 100 ms instead of a push and a sum (200 ms). With a per-message cost (1 ms to send, 2 ms to
+// receive a frame on the worker's I/O thread) each frame on the way costs 3 ms more: the exchange
+// has one frame on its way, the owner path two.
+TEST(SmallTensorByExchangeAndThePerMessageCost) {
+  StepProfile control = OneTensor();  // a control collective (only those go by exchange)
+  control.tensors[0].priority = kControlPriority;
+  control.tensors[0].layer = -1;
+  RuntimeModel exchange;
+  exchange.schedule = "priority";
+  exchange.cross_barrier = false;
+  exchange.small_allreduce = EngineOptions::kSmallAllreduceAuto;
+  RuntimeModel owners = exchange;
+  owners.small_allreduce = EngineOptions::kSmallAllreduceNever;
+  NetworkModel network = SlowNetwork(2);
+  EXPECT_NEAR(Run(control, network, exchange).step_s, 110 * kMsS, 1e-6);
+  EXPECT_NEAR(Run(control, network, exchange).wire_bytes_per_step, 100'000, 1e-6);
+  // Worker 0 owns no push here: the exchange's stages are what measure its link, as in the engine.
+  EXPECT_TRUE(Run(control, network, exchange).bandwidth_Bps > 0);
+  EXPECT_NEAR(Run(control, network, owners).step_s, 210 * kMsS, 1e-6);
+  EXPECT_NEAR(Run(OneTensor(), network, exchange).step_s, 210 * kMsS, 1e-6);  // a gradient: by owners
+  network.message_send_ns = 1 * kMs;
+  network.message_receive_ns = 2 * kMs;
+  EXPECT_NEAR(Run(control, network, exchange).step_s, 113 * kMsS, 1e-6);
+  EXPECT_NEAR(Run(control, network, owners).step_s, 216 * kMsS, 1e-6);
+}
+
+// Worker 0's frames per step: log2(N) per small tensor by exchange where the engine's rule takes
+// it (a folded rank of a non-power-of-two N sends 1; at N = 6 the rule keeps the owners), against N-1 sums for the tensors it owns and one push for the
+// others by owners. The step with a per-message cost: the exchange's log2(N) stages beat the
+// owner's 2(N-1) frames at N = 16 for one control collective. (Several small tensors at once,
+// owned by different workers, spread the owners' frames; fusion packs those.)
+TEST(ExchangeSendsLog2NMessagesPerWorker) {
+  StepProfile profile;
+  profile.layers = {{"only", 1 * kMs, 0}};
+  profile.backward_ns = 1 * kMs;
+  const int kTensors = 6;
+  for (int i = 0; i < kTensors; ++i)
+    profile.tensors.push_back(Tensor("small/" + std::to_string(i), 64, kControlPriority + i, -1, 0));
+  profile.tensors.push_back(Tensor("metrics/loss", 8, kControlPriority, -1, 0));
+  for (int n : {2, 6, 8, 16}) {
+    NetworkModel network;
+    network.workers = n;
+    network.link_Bps = 1.25e9;
+    RuntimeModel exchange;
+    exchange.schedule = "priority";
+    exchange.cross_barrier = false;  // every frame of a step inside it
+    exchange.small_allreduce = EngineOptions::kSmallAllreduceAuto;
+    RuntimeModel owners = exchange;
+    owners.small_allreduce = EngineOptions::kSmallAllreduceNever;
+    int sends = 0;
+    for (const ExchangeStep& step : ExchangePlan(0, n)) sends += step.send_to >= 0;
+    double owned_frames = 0, chosen_frames = 0;
+    for (const ModelTensor& t : profile.tensors) {
+      const uint64_t partition_bytes = EngineOptions().partition_bytes;
+      const int by_owner = MakePartitions(t.name, t.bytes, 4, n, partition_bytes)[0].owner == 0 ? n - 1 : 1;
+      owned_frames += by_owner;
+      // The engine's rule: by exchange at 2, 8 and 16 workers, by owners at 6.
+      const bool exchanged = SmallAllreduceApplies(t.bytes, n, partition_bytes, Encoding::kNone);
+      EXPECT_TRUE(exchanged == (n != 6));
+      chosen_frames += exchanged ? sends : by_owner;
+    }
+    const StepPrediction by_exchange = Run(profile, network, exchange);
+    const StepPrediction by_owners = Run(profile, network, owners);
+    std::printf("N=%d: worker 0 sends %.0f frames per step by the engine's choice, %.0f by owners\n", n,
+                by_exchange.messages_per_step, by_owners.messages_per_step);
+    EXPECT_NEAR(by_exchange.messages_per_step, chosen_frames, 1e-9);
+    if (n != 6) EXPECT_NEAR(by_exchange.messages_per_step, (kTensors + 1) * sends, 1e-9);
+    EXPECT_NEAR(by_owners.messages_per_step, owned_frames, 1e-9);
+    if (n == 16) {
+      // One control collective right after the forward pass (nothing to hide it behind).
+      StepProfile loss;
+      loss.layers = {{"only", 1 * kMs, 0}};
+      loss.tensors = {Tensor("metrics/loss", 8, kControlPriority, -1, 0)};
+      const double plain_s = Run(loss, network, owners).step_s;
+      network.message_send_ns = 10'000;
+      network.message_receive_ns = 10'000;
+      const double exchange_s = Run(loss, network, exchange).step_s, owners_s = Run(loss, network, owners).step_s;
+      std::printf("N=16 with 10+10 us per frame: %.3f ms by exchange, %.3f ms by owners\n", exchange_s * 1e3,
+                  owners_s * 1e3);
+      EXPECT_TRUE(exchange_s < owners_s);
+      EXPECT_TRUE(owners_s > plain_s);
     }
   }
 }

@@ -171,8 +171,8 @@ void ExpectConnectedPairwise(std::vector<Worker>& workers) {
 }
 
 TEST(HandshakeMacIsHmacSha256OverTheTranscript) {
-  // Expected values computed independently with Python's hmac module (5 = kProtocolVersion):
-  //   hmac.new(b"job-token", label + b"\0" + struct.pack("<4I", 5, 3, 2, 0) + nonce_c + nonce_a, "sha256")
+  // Expected values computed independently with Python's hmac module (6 = kProtocolVersion):
+  //   hmac.new(b"job-token", label + b"\0" + struct.pack("<4I", 6, 3, 2, 0) + nonce_c + nonce_a, "sha256")
   uint8_t nonce_c[kNonceBytes], nonce_a[kNonceBytes];
   for (size_t i = 0; i < kNonceBytes; ++i) {
     nonce_c[i] = static_cast<uint8_t>(1 + i);
@@ -182,8 +182,8 @@ TEST(HandshakeMacIsHmacSha256OverTheTranscript) {
   uint8_t mac_a[kMacBytes], mac_c[kMacBytes], other[kMacBytes];
   HandshakeMac("job-token", HandshakeRole::kAcceptor, params, nonce_c, nonce_a, mac_a);
   HandshakeMac("job-token", HandshakeRole::kConnector, params, nonce_c, nonce_a, mac_c);
-  EXPECT_EQ(Hex(mac_a, kMacBytes), std::string("e72377dc42b13b6f75f6234d2a913a8a2e90814b1e2545c98f5d9da2efb01f3d"));
-  EXPECT_EQ(Hex(mac_c, kMacBytes), std::string("e7f5f849c943b123780632db5bece721316a73f7f38e2557ae16ff50e6f06ee2"));
+  EXPECT_EQ(Hex(mac_a, kMacBytes), std::string("95bdd3dbe86c128cc1069fc601fa1e6842f9f8799a3e2aa6c23f7241433ea158"));
+  EXPECT_EQ(Hex(mac_c, kMacBytes), std::string("437f2746e4afe0517e5ce5614ea51e571bf7d41fb8363bb87c98e0fde0642b07"));
   EXPECT_TRUE(MacEqual(mac_a, mac_a));
   EXPECT_TRUE(!MacEqual(mac_a, mac_c));
   // Every input changes the MAC.

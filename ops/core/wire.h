@@ -21,7 +21,8 @@ constexpr uint32_t kFrameMagic = 0x31465450;  // "PTF1" little-endian
 // 2: authenticated handshake (handshake.h). Version 1 sent a hash of the job token.
 // 4: payload encodings (compressed gradients): `encoding` and `scale_exp` in the header.
 // 5: kFusionCheck (fused declarations that differ across workers).
-constexpr uint16_t kProtocolVersion = 5;
+// 6: kExchange frames (small push_pulls by recursive doubling).
+constexpr uint16_t kProtocolVersion = 6;
 constexpr uint32_t kMaxNameBytes = 4096;
 constexpr uint32_t kMaxDims = 32;
 constexpr uint64_t kMaxPayloadBytes = uint64_t{1} << 38;  // 256 GiB: any tensor a host can hold
@@ -49,9 +50,12 @@ enum class FrameType : uint8_t {
   // (FusionCheckKind); offset: a digest; payload: text (a bucket's members and a declaration, or
   // the message of a disagreement).
   kFusionCheck = 11,
+  // A data frame again: a small push_pull's values at one stage of its exchange (small_allreduce.h):
+  // `partition` is the stage, `num_partitions` the stages, the payload the whole tensor.
+  kExchange = 12,
 };
-constexpr uint8_t kLastFrameType = static_cast<uint8_t>(FrameType::kFusionCheck);
-inline bool IsControlFrame(FrameType type) { return type >= FrameType::kError; }
+constexpr uint8_t kLastFrameType = static_cast<uint8_t>(FrameType::kExchange);
+inline bool IsControlFrame(FrameType type) { return type >= FrameType::kError && type != FrameType::kExchange; }
 // Frames about a worker, not an operation: they carry no name.
 inline bool IsNamelessFrame(FrameType type) {
   return type == FrameType::kHeartbeat || type == FrameType::kPeerLost || type == FrameType::kLeaving;

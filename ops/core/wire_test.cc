@@ -301,6 +301,26 @@ TEST(ErrorFramesRoundTrip) {
   EXPECT_REJECTED(bad, "magic");
 }
 
+// A small push_pull's exchange frame (small_allreduce.h) is a data frame: its payload is checked
+// against its shape like a PUSH, and it never travels encoded.
+TEST(ExchangeFramesAreCheckedAsDataFrames) {
+  FrameMeta m = SampleMeta();
+  m.type = FrameType::kExchange;
+  m.offset = 0;
+  m.payload_bytes = 37632;  // the whole tensor
+  EXPECT_TRUE(!IsControlFrame(m.type) && !IsNamelessFrame(m.type));
+  FrameMeta got;
+  const char* payload = nullptr;
+  const std::string f = Frame(m);
+  EXPECT_TRUE(DecodeFrame(f.data(), f.size(), &got, &payload).ok());
+  EXPECT_TRUE(got.type == FrameType::kExchange && got.payload_bytes == 37632);
+  m.payload_bytes = 37632 + 4;  // beyond the tensor
+  EXPECT_REJECTED(Frame(m), "outside a tensor");
+  m.payload_bytes = 37632;
+  EXPECT_REJECTED(WithHeaderEdit(Frame(m), [](FrameHeader& h) { h.encoding = 1; h.payload_bytes /= 2; }),
+                  "frame of type 12");
+}
+
 TEST(BadHeaderFieldsAreNamed) {
   const std::string good = Frame(SampleMeta());
   auto with = [&](auto edit) { return WithHeaderEdit(good, edit); };

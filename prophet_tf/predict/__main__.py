@@ -208,6 +208,13 @@ def _define_flags() -> None:
     flags.DEFINE_string("fusion", "auto", "Fusion of small gradients into buckets: auto (the "
                         "runtime's default: bucket size from the workers and the link rate), off "
                         "or a bucket size in bytes.")
+    flags.DEFINE_string("message_cost", "0", "CPU time of one frame on a worker's I/O thread: "
+                        "SEND,RECEIVE or one value for both (e.g. 10us,15us); 0: free. See "
+                        "PredictOptions.message_send_s for the value measured here.")
+    flags.DEFINE_bool("small_allreduce", True, "Small control collectives by recursive doubling "
+                      "where the engine takes them (ops/core/small_allreduce.h), as it does; "
+                      "--nosmall_allreduce predicts the owner path for every tensor, for "
+                      "comparisons.")
     flags.DEFINE_integer("steps", defaults.steps, "Measured simulated steps (median).")
     flags.DEFINE_integer("warmup", defaults.warmup_steps, "Simulated steps before those.")
     flags.DEFINE_string("output", "predict.png", "PNG to draw (empty: none).")
@@ -254,7 +261,14 @@ def main(argv: Sequence[str]) -> int:
                              f"({FLAGS.workers_per_host}), got {FLAGS.workers}")
         time_scale = (None if FLAGS.time_scale == "profile"
                       else parse_time_scale(FLAGS.time_scale))
+        message_cost = [parse_duration(v) for v in FLAGS.message_cost.split(",")]
+        if len(message_cost) not in (1, 2) or any(c < 0 for c in message_cost):
+            raise ValueError(f"--message_cost: expected SEND,RECEIVE or one duration, got "
+                             f"{FLAGS.message_cost!r}")
         options = PredictOptions(latency_s=parse_duration(FLAGS.latency),
+                                 message_send_s=message_cost[0],
+                                 message_receive_s=message_cost[-1],
+                                 small_allreduce=FLAGS.small_allreduce,
                                  workers_per_host=FLAGS.workers_per_host,
                                  loopback_bytes_per_s=parse_rate(FLAGS.loopback) / 8.0,
                                  hierarchical=FLAGS.hierarchical,

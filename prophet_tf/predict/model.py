@@ -147,6 +147,14 @@ class PredictOptions:
         buckets from the workers and the link rate (``FusionBucketBytes``), 0 sends every tensor
         on its own, otherwise the bucket size in bytes. Control collectives and ``mwms`` never
         fuse.
+      message_send_s, message_receive_s: CPU time of one frame on a worker's one I/O thread,
+        sending and receiving (``NetworkModel::message_send_ns`` in ops/core/simulator.h); 0
+        (the default): free. The value measured on the project's test machine is in that
+        comment (``bazel run -c opt //ops/core/bench:small_allreduce_bench``).
+      small_allreduce: small control collectives by recursive doubling where the engine's rule
+        takes them (ops/core/small_allreduce.h), as the engine sends them (True, the default).
+        False predicts the owner path for every tensor, ``"always"`` the exchange for every
+        tensor that fits (where the rule would not take it), both for comparisons.
     """
 
     latency_s: float = 0.0
@@ -176,6 +184,9 @@ class PredictOptions:
     steps: int = 20
     compression: Optional[str] = None
     fusion_bytes: int = -1
+    message_send_s: float = 0.0
+    message_receive_s: float = 0.0
+    small_allreduce: Union[bool, str] = True
 
 
 @dataclasses.dataclass
@@ -194,6 +205,8 @@ class Prediction:
     bandwidth_Bps: float          # the simulated runtime's bandwidth estimate (worker 0, median
                                   # over the measured steps' beginnings)
     policy: str                   # the policy's state at the end (worker 0)
+    messages_per_step: float      # frames worker 0 sent per step
+    exchanged_per_step: float     # collectives per step by exchange (ops/core/small_allreduce.h)
     periods_s: list[float]
     tensor_times: list[dict[str, Any]]
 
@@ -249,6 +262,16 @@ def _ns(seconds: float) -> int:
     return int(round(seconds * 1e9))
 
 
+def _small_allreduce_mode(setting: Union[bool, str]) -> str:
+    """PredictOptions.small_allreduce as the simulator's setting (RuntimeModel::small_allreduce)."""
+    if setting is True or setting is False:
+        return "auto" if setting else "never"
+    if setting in ("never", "auto", "always"):
+        return str(setting)
+    raise PredictError("small_allreduce must be True, False, 'never', 'auto' or 'always', got "
+                       f"{setting!r}")
+
+
 def _request(profile: Profile, workers: int, bandwidth_bps: float, schedule: str,
              options: PredictOptions, timeline_path: Optional[str], timeline_workers: int) -> str:
     base, cross = parse_schedule(schedule)
@@ -280,6 +303,9 @@ def _request(profile: Profile, workers: int, bandwidth_bps: float, schedule: str
         f"option steps={int(options.steps)}",
         f"option compression={options.compression or 'none'}",
         f"option fusion_bytes={int(options.fusion_bytes)}",
+        f"option message_send_ns={_ns(options.message_send_s)}",
+        f"option message_receive_ns={_ns(options.message_receive_s)}",
+        f"option small_allreduce={_small_allreduce_mode(options.small_allreduce)}",
         f"option launch_ns={_ns(profile.launch_s)}",
         f"option backward_ns={_ns(profile.backward_s)}",
         f"option tail_ns={_ns(profile.tail_s)}",
@@ -331,7 +357,8 @@ def predict(profile: Profile, *, workers: int, bandwidth_bps: float, schedule: s
                       overlap=data["overlap"], comm_s=data["comm_s"],
                       wire_bytes_per_step=data["wire_bytes_per_step"],
                       gate_wait_s=data["gate_wait_s"], bandwidth_Bps=data["bandwidth_Bps"],
-                      policy=data["policy"],
+                      policy=data["policy"], messages_per_step=data["messages_per_step"],
+                      exchanged_per_step=data["exchanged_per_step"],
                       periods_s=list(data["periods_s"]), tensor_times=times)
 
 

@@ -33,6 +33,7 @@
 #include "ops/core/fuzz/frames.h"
 #include "ops/core/fuzz/memory_cap.h"
 #include "ops/core/partition.h"
+#include "ops/core/small_allreduce.h"
 #include "ops/core/socket_testing.h"
 
 namespace prophet {
@@ -51,6 +52,7 @@ struct Plan {
   std::vector<int64_t> peer_shape;  // the fake peer's (allgather: the first dimension may differ)
   int root = 0;
   Encoding compression = Encoding::kNone;  // float32 push_pull and allgather only
+  int64_t priority = 0;  // kControlPriority: a small push_pull goes by exchange
   bool late = false;  // submitted only after its frames arrived
   std::vector<char> input, output, peer_data;
   std::atomic<int> done_calls{0};
@@ -270,6 +272,7 @@ class Session {
       p->input = Values(p->dtype, Elements(p->shape));
       p->output.assign(p->input.size(), 0x5a);
       p->peer_data = Values(p->dtype, Elements(p->peer_shape));
+      p->priority = mut_.Chance(0.3) ? kControlPriority : static_cast<int64_t>(mut_.Uniform(5));
       if (p->dtype == DataType::kFloat32 && p->kind != OpKind::kBroadcast && mut_.Chance(0.5))
         p->compression = mut_.Chance(0.5) ? Encoding::kFloat16 : Encoding::kBFloat16;
       by_key_[p->name + "#" + std::to_string(p->round)] = p.get();
@@ -288,7 +291,7 @@ class Session {
     r.bytes = p.bytes();
     r.root_rank = p.root;
     r.compression = p.compression;
-    r.priority = static_cast<int64_t>(mut_.Uniform(5));
+    r.priority = p.priority;
     Plan* plan = &p;
     r.done = [plan](const Status& s, const GatherResult* g) {
       plan->status = s;
@@ -337,6 +340,16 @@ class Session {
       const size_t elem = DataTypeSize(p.dtype);
       switch (p.kind) {
         case OpKind::kPushPull: {
+          OpRequest probe;
+          probe.bytes = p.bytes();
+          probe.compression = p.compression;
+          probe.priority = p.priority;
+          if (ExchangesThis(probe, 2, options_)) {
+            // By exchange: rank 0's values, the one stage of two workers (small_allreduce.h).
+            const std::vector<Partition> stage = {Partition{0, p.bytes(), kEngineRank}};
+            out.push_back(EncodeFrame(Meta(p, FrameType::kExchange, stage, 0), std::string(p.peer_data.data(), p.bytes())));
+            break;
+          }
           const auto parts = MakePartitions(p.name, p.bytes(), elem, 2, options_.partition_bytes);
           for (uint32_t i = 0; i < parts.size(); ++i)
             if (parts[i].owner == kEngineRank)
@@ -414,8 +427,15 @@ class Session {
     }
   }
 
-  // Rank 0's side of push_pull: the engine pushed a partition rank 0 owns; send back the sum.
+  // Rank 0's side of push_pull: the engine pushed a partition rank 0 owns; send back the sum. (An
+  // exchange's frame needs no answer: rank 0 sent its values already.)
   void OnEngineFrame(const FrameMeta& meta, const char* payload) {
+    if (meta.type == FrameType::kExchange) {
+      auto it = by_key_.find(meta.name + "#" + std::to_string(meta.round));
+      if (it != by_key_.end() && (meta.payload_bytes != it->second->bytes() || meta.partition != 0))
+        Violation("the engine sent an exchange frame that does not fit: " + meta.name);
+      return;
+    }
     if (meta.type != FrameType::kPush) return;
     auto it = by_key_.find(meta.name + "#" + std::to_string(meta.round));
     if (it == by_key_.end()) return;

@@ -81,7 +81,8 @@ uint64_t FrameMutator::InterestingValue(int bytes) {
 
 std::string FrameMutator::RandomValidFrame() {
   FrameMeta m;
-  m.type = static_cast<FrameType>(1 + Uniform(5));
+  // The data frames and error notices (kExchange is a data frame numbered after the control ones).
+  m.type = Chance(0.1) ? FrameType::kExchange : static_cast<FrameType>(1 + Uniform(5));
   m.dtype = kDtypes[Uniform(8)];
   const size_t name_len = Chance(0.05) ? kMaxNameBytes : 1 + Uniform(24);
   m.name.resize(name_len);
@@ -104,8 +105,10 @@ std::string FrameMutator::RandomValidFrame() {
   m.partition = static_cast<uint32_t>(Uniform(m.num_partitions));
   const uint64_t first = Uniform(elements + 1);
   const uint64_t count = Uniform(elements - first + 1);
-  // Compressed gradients: float32 PUSH, RESULT and GATHER payloads in 2-byte codes.
-  if (m.dtype == DataType::kFloat32 && m.type != FrameType::kBroadcast && Chance(0.5)) {
+  // Compressed gradients: float32 PUSH, RESULT and GATHER payloads in 2-byte codes (an exchange's
+  // values travel exactly).
+  if (m.dtype == DataType::kFloat32 && m.type != FrameType::kBroadcast && m.type != FrameType::kExchange &&
+      Chance(0.5)) {
     m.encoding = Chance(0.5) ? Encoding::kFloat16 : Encoding::kBFloat16;
     m.scale_exp = static_cast<int>(Uniform(2 * kMaxScaleExponent + 1)) - kMaxScaleExponent;
   }
