@@ -6,7 +6,8 @@ can catch one type. Messages name the problem and, where there is one, the fix.
 
 from __future__ import annotations
 
-__all__ = ["ProphetError", "ClusterConfigError", "SaveError", "GradientReductionError", "ResumeError"]
+__all__ = ["ProphetError", "ClusterConfigError", "SaveError", "GradientReductionError", "ResumeError",
+           "VariableMismatchError"]
 
 
 class ProphetError(RuntimeError):
@@ -41,3 +42,16 @@ class ResumeError(ProphetError):
     """A ``fit`` resumed from a mid-epoch checkpoint cannot continue where the interrupted run
     stopped: its input would not give the batches that run had not applied yet (the message names
     the cause in the input pipeline and the fix)."""
+
+
+class VariableMismatchError(ProphetError, ValueError):
+    """The workers created different variables under the strategy's scope (a model or optimizer
+    built differently on some worker: a layer frozen, added or shaped differently there), so
+    their initial values cannot be broadcast variable for variable. Raised on every worker at
+    once; the message names the first variable that differs, what each rank created there, and
+    the fix. Also a ``ValueError``: the program is at fault, not the runtime."""
+
+    # Raised while a tf.function is traced (a step's first collective closes variable creation):
+    # autograph re-raises it as its own type only with Exception.__init__ (see
+    # GradientReductionError).
+    __init__ = Exception.__init__

@@ -15,7 +15,9 @@ cross-worker communication:
 * ``strategy.reduce`` / ``extended.reduce_to`` / ``batch_reduce_to`` -> ``push_pull`` (SUM is a real
   sum, MEAN divides by the number of workers);
 * ``strategy.gather`` / ``ReplicaContext.all_gather`` -> ``allgather``;
-* variable creation under the scope -> ``broadcast`` of the initial value from rank 0;
+* variable creation under the scope -> ``broadcast`` of the initial value from rank 0, after the
+  workers agreed that they create the same variable (else every worker raises
+  ``VariableMismatchError`` naming it, see ``prophet_tf/_variable_agreement.py``);
 * Keras metrics, loss scaling and saving -> see ``prophet_tf/_keras_patches.py`` and
   ``prophet_tf/_keras_saving.py`` (installed when a multi-worker strategy is created).
 
@@ -62,7 +64,7 @@ from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.framework import tensor_util
 from tensorflow.python.util import nest
 
-from prophet_tf import _gradients, _sparse
+from prophet_tf import _gradients, _sparse, _variable_agreement
 from prophet_tf._library import runtime_constants
 from prophet_tf.cluster import JOB_SEED_ENV, resolve_cluster
 
@@ -205,6 +207,9 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
         self._namer = _Namer()
         self._var_counter = 0
         self._var_lock = threading.Lock()
+        # Variables were created since this worker last agreed with the others that it creates no
+        # further one (see _close_variable_creation).
+        self._creation_open = False
         self._local = threading.local()
         self._cluster_resolver = None
         # Preemption (prophet_tf/_fit_session.py): where the strategy's own checkpoint of a fit
@@ -255,6 +260,7 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
 
     # ---- replicas -----------------------------------------------------------------------
     def _call_for_each_replica(self, fn, args, kwargs):
+        self._close_variable_creation()
         strategy = self._container_strategy()
         with tf_ops.device(self._device), _ProphetReplicaContext(strategy, self._rank):
             outputs = fn(*args, **kwargs)
@@ -285,9 +291,9 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
             with self._var_lock:
                 index = self._var_counter
                 self._var_counter += 1
-            name = f"init/{index}/{kwargs.get('name') or 'Variable'}"
             kwargs["initial_value"] = self._broadcast_initial_value(
-                kwargs["initial_value"], kwargs.get("dtype"), name)
+                kwargs["initial_value"], kwargs.get("dtype"), index,
+                kwargs.get("name") or "Variable", tf_ops.get_name_scope())
         if self._cross_barrier:
             return self._create_gated_variable(**kwargs)
         return super()._create_variable(next_creator, **kwargs)
@@ -303,14 +309,46 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
         with tf.device(self._device):
             return _crossing.GatedVariable(**args)
 
-    def _broadcast_initial_value(self, initial_value, dtype, name):
+    def _broadcast_initial_value(self, initial_value, dtype, index: int, name: str, scope: str):
         def value():
             v = initial_value() if callable(initial_value) else initial_value
             if hasattr(v, "wrapped_value"):  # CheckpointInitialValue
                 v = v.wrapped_value
             v = tf.convert_to_tensor(v, dtype=dtype)
-            return self._broadcast(v, name, root_rank=0)
+            self._agree_on_variable(index, _variable_agreement.variable_record(
+                name, scope, v.shape, v.dtype))
+            return self._broadcast_unchecked(v, f"init/{index}/{name}", root_rank=0)
         return value
+
+    def _agree_on_variable(self, index: int, record) -> None:
+        """Every worker's record of its ``index``-th variable (or of its end of creation) is
+        gathered, eagerly, before anything else is sent for it; VariableMismatchError on every
+        worker where they differ (see prophet_tf/_variable_agreement.py). After that error the
+        workers still agree on the next index, so the runtime stays usable."""
+        with tf.init_scope():
+            if not tf.executing_eagerly():
+                return  # a graph built outside any eager context: nothing runs before it does
+            gathered = _ops().allgather(tf.constant(record), name=f"init/{index}",
+                                        priority=CONTROL_PRIORITY).numpy()
+        try:
+            _variable_agreement.check(index, gathered, self._world_size)
+        except _variable_agreement.VariableMismatchError:
+            with self._var_lock:
+                self._var_counter = index + 1
+            self._creation_open = False
+            raise
+        self._creation_open = index < self._var_counter
+
+    def _close_variable_creation(self) -> None:
+        """Before this worker's first step or collective after it created variables: it agrees
+        with the others that it creates no further one, so that a worker that goes on creating
+        variables hears of it instead of waiting for its broadcasts until the timeout (this
+        also runs while a step is traced)."""
+        if not (self._multi and self._creation_open):
+            return
+        with self._var_lock:
+            index = self._var_counter
+        self._agree_on_variable(index, _variable_agreement.end_record(index))
 
     # ---- the single place where variables are updated --------------------------------------
     def _update(self, var, fn, args, kwargs, group):
@@ -682,6 +720,7 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
 
     # ---- op wrappers (dtype handling) -------------------------------------------------------
     def _push_pull(self, t, name, priority, mean, compression=None):
+        self._close_variable_creation()
         wire = _wire_dtype(t.dtype)
         x = t if wire == t.dtype else tf.cast(t, wire)
         if mean and not (wire.is_floating):
@@ -693,12 +732,17 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
         return y if wire == t.dtype else tf.cast(y, t.dtype)
 
     def _broadcast(self, t, name, root_rank=0):
+        self._close_variable_creation()
+        return self._broadcast_unchecked(t, name, root_rank)
+
+    def _broadcast_unchecked(self, t, name, root_rank=0):
         wire = _wire_dtype(t.dtype)
         x = t if wire == t.dtype else tf.cast(t, wire)
         y = _ops().broadcast(x, name=name, root_rank=int(root_rank))
         return y if wire == t.dtype else tf.cast(y, t.dtype)
 
     def _allgather(self, t, name, priority=CONTROL_PRIORITY, compression=None):
+        self._close_variable_creation()
         wire = _wire_dtype(t.dtype)
         x = t if wire == t.dtype else tf.cast(t, wire)
         y = _ops().allgather(x, name=name, priority=int(priority), compression=compression)

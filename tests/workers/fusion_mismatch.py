@@ -20,8 +20,9 @@ from prophet_tf.strategy import ProphetStrategy
 
 
 def main() -> None:
-    # fusion="auto", the default. Plain SGD: no slot variables, whose initial-value broadcasts
-    # would differ first (rank 1 has fewer trainable variables).
+    # fusion="auto", the default. Plain SGD: no slot variables, which would differ first (rank 1
+    # has fewer trainable variables) and fail the optimizer's build with VariableMismatchError
+    # (tests/test_variable_agreement.py).
     strategy = ProphetStrategy(timeout_s=float(sys.argv[1]))
     rng = np.random.RandomState(0)
     x = rng.randn(256, 8).astype("float32")
