@@ -4,6 +4,7 @@ predictions on a small model, the table, the summary and the chart (no TensorFlo
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -63,3 +64,35 @@ def test_tables_summary_and_chart(tmp_path):
     pytest.importorskip("matplotlib")
     schedule_map.plot(points, str(tmp_path / "map.png"))
     assert (tmp_path / "map.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_points_are_logged_as_predicted_and_a_rerun_predicts_only_the_rest(tmp_path):
+    options = PredictOptions(steps=3, warmup_steps=2)
+    path = str(tmp_path / "points.jsonl")
+    header = {"options": dataclasses.asdict(options), "library": "abc", "shape": (1, 2)}
+    log = schedule_map.PointLog(path, header)
+    first = schedule_map.map_points({"small": small_model()}, [2], [1e9], [100e-6, 5e-3], options,
+                                    threads=1, on_point=log.add)
+    log.close()
+    with open(path, "a") as f:
+        f.write('{"model": "small", "workers"')  # a line cut short when the run was stopped
+
+    log = schedule_map.PointLog(path, header)
+    assert sorted(p.setting for p in log.kept) == sorted(p.setting for p in first)
+    predicted = []
+    points = schedule_map.map_points({"small": small_model()}, [2, 4], [1e9], [100e-6, 5e-3],
+                                     options, threads=1, known=log.kept, on_point=predicted.append)
+    log.close()
+    assert sorted(p.setting for p in predicted) == [("small", 4, 1e9, 100e-6), ("small", 4, 1e9, 5e-3)]
+    assert [p.setting for p in points] == [("small", n, 1e9, r) for n in (2, 4) for r in (100e-6, 5e-3)]
+    assert points[:2] == first  # kept as they were, floats and all
+
+    changed = dict(header, library="def")
+    log = schedule_map.PointLog(path, changed)
+    assert log.kept == [] and "library" in log.why_not_kept
+    log.close()
+    log = schedule_map.PointLog(path, changed, resume=False)
+    assert log.kept == [] and log.why_not_kept == "--noresume"
+    log.close()
+    with open(path) as f:
+        assert [json.loads(line) for line in f] == [{"header": json.loads(json.dumps(changed))}]

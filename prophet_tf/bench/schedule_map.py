@@ -24,20 +24,28 @@ The layer specs are built once per model from the real Keras model (one TensorFl
 kept in ``OUT/specs/`` (shared with ``python -m prophet_tf.bench.train --out OUT``). Outputs in
 ``OUT/schedule_map/``: ``map.md`` (a table per model: rows N x link rate, columns RTT), ``map.json``
 (every prediction) and ``map.png`` (a heat map of priority / prophet per model and N).
+
+Every setting is also appended to ``OUT/schedule_map/points.jsonl`` as soon as it is predicted. A
+map that was stopped keeps what it had, and running the same command again predicts only the
+settings that are missing. The file's first line records what the points depend on: the options,
+the accelerator, each model's emulated step and the predictor library's hash. A re-run that
+differs in any of them starts the file over (``--noresume`` always does).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import hashlib
 import json
 import math
 import os
 import sys
+import threading
 import time
 from typing import Any, Optional, Sequence
 
-__all__ = ["MapPoint", "map_points", "format_tables", "summary_lines", "plot", "main"]
+__all__ = ["MapPoint", "PointLog", "map_points", "format_tables", "summary_lines", "plot", "main"]
 
 DEFAULT_MODELS = ("resnet50", "vgg16", "bert_base")
 DEFAULT_WORKERS = ("2", "4", "8", "16")
@@ -71,22 +79,89 @@ class MapPoint:
         s = self.step_s.get(schedule)
         return s / self.ideal_s if s and self.ideal_s > 0 else None
 
+    @property
+    def setting(self) -> tuple[str, int, float, float]:
+        """(model, N, link rate, RTT): what the map predicts this point for."""
+        return self.model, self.workers, self.bandwidth_bps, self.rtt_s
+
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["speedup_prophet_over_priority"] = self.speedup
         data["over_ideal"] = {s: self.over_ideal(s) for s in self.step_s}
         return data
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "MapPoint":
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+
+
+class PointLog:
+    """``points.jsonl``: a header line, then one predicted :class:`MapPoint` per line, appended
+    (and flushed) as each is predicted. Opening it keeps the points of an earlier run when its
+    header equals ``header`` and ``resume`` is set; otherwise the file starts over."""
+
+    def __init__(self, path: str, header: dict[str, Any], resume: bool = True) -> None:
+        self.path = path
+        header = json.loads(json.dumps(header))  # as it reads back (tuples become lists)
+        self.kept: list[MapPoint] = []
+        self.why_not_kept = ""
+        if resume and os.path.exists(path):
+            self.kept, self.why_not_kept = self._read(path, header)
+        elif os.path.exists(path):
+            self.why_not_kept = "--noresume"
+        self._lock = threading.Lock()
+        self._file = open(path, "w")
+        self._write({"header": header})
+        for p in self.kept:
+            self._write(p.to_json())
+
+    @staticmethod
+    def _read(path: str, header: dict[str, Any]) -> tuple[list[MapPoint], str]:
+        with open(path) as f:
+            lines = f.read().splitlines()
+        try:
+            first = json.loads(lines[0])["header"] if lines else None
+        except (ValueError, KeyError, TypeError):
+            first = None
+        if first != header:
+            changed = sorted(k for k in set(header) | set(first or {})
+                             if (first or {}).get(k) != header.get(k))
+            return [], f"it was predicted with another {', '.join(changed) or 'header'}"
+        points = {}
+        for line in lines[1:]:
+            try:
+                p = MapPoint.from_json(json.loads(line))
+            except (ValueError, KeyError, TypeError):
+                continue  # the line being written when the run was stopped
+            points[p.setting] = p
+        return list(points.values()), ""
+
+    def _write(self, data: dict[str, Any]) -> None:
+        self._file.write(json.dumps(data) + "\n")
+        self._file.flush()
+
+    def add(self, point: MapPoint) -> None:
+        """Appends ``point``; safe from several threads."""
+        with self._lock:
+            self._write(point.to_json())
+
+    def close(self) -> None:
+        self._file.close()
+
 
 def map_points(profiles: dict[str, Any], workers: Sequence[int], bandwidths: Sequence[float],
                rtts: Sequence[float], options: Any, threads: int = 0,
-               progress: Any = None) -> list[MapPoint]:
+               progress: Any = None, known: Sequence[MapPoint] = (),
+               on_point: Any = None) -> list[MapPoint]:
     """Predicts every (model, N, link rate, RTT) of the map; ``profiles``: model -> Profile,
     ``options``: the :class:`prophet_tf.predict.PredictOptions` apart from the latency. The
-    simulations run on ``threads`` threads (0: one per core; ctypes releases the GIL)."""
+    simulations run on ``threads`` threads (0: one per core; ctypes releases the GIL). Settings
+    of ``known`` are taken from there, not predicted again; ``on_point`` is called with each
+    point as soon as it is predicted (from the simulation threads)."""
     from prophet_tf.predict import SimulatedDeadlock, ideal_bound, predict
     cells = [(m, n, bw, rtt) for m in profiles for n in workers for bw in bandwidths
              for rtt in rtts]
+    known_points = {p.setting: p for p in known}
 
     def one(cell: tuple[str, int, float, float]) -> MapPoint:
         model, n, bw, rtt = cell
@@ -99,12 +174,17 @@ def map_points(profiles: dict[str, Any], workers: Sequence[int], bandwidths: Seq
             except SimulatedDeadlock:
                 steps[schedule] = None
         b = ideal_bound(profiles[model], workers=n, bandwidth_bps=bw, options=opts)
+        point = MapPoint(model, n, bw, rtt, b.compute_s, b.step_s, steps)
+        if on_point is not None:
+            on_point(point)
         if progress is not None:
             progress(cell)
-        return MapPoint(model, n, bw, rtt, b.compute_s, b.step_s, steps)
+        return point
 
+    todo = [c for c in cells if c not in known_points]
     with concurrent.futures.ThreadPoolExecutor(max_workers=threads or os.cpu_count() or 1) as pool:
-        return list(pool.map(one, cells))
+        predicted = {p.setting: p for p in pool.map(one, todo)}
+    return [known_points.get(c) or predicted[c] for c in cells]
 
 
 def _rate(bps: float) -> str:
@@ -253,6 +333,18 @@ def _profiles(models: Sequence[str], out: str, tflops: float, batch: Optional[in
     return profiles
 
 
+def _header(options: Any, profiles: dict[str, Any], flags_: Any) -> dict[str, Any]:
+    """What a map's points depend on apart from their setting (PointLog's header)."""
+    from prophet_tf._library import library_path
+    with open(library_path("_prophet_predict.so"), "rb") as f:
+        library = hashlib.sha256(f.read()).hexdigest()
+    return {"options": dataclasses.asdict(options),
+            "accelerator_tflops": flags_.accelerator_tflops, "batch": flags_.batch,
+            "profiles": {m: [p.source, p.step_s, p.gradient_bytes, len(p.tensors)]
+                         for m, p in profiles.items()},
+            "predictor_library_sha256": library}
+
+
 def _define_flags() -> None:
     from absl import flags
     flags.DEFINE_list("models", list(DEFAULT_MODELS), "Models (prophet_tf/bench/models.py).")
@@ -268,6 +360,8 @@ def _define_flags() -> None:
     flags.DEFINE_integer("warmup", 5, "Simulated steps before those.")
     flags.DEFINE_integer("threads", 0, "Simulations at once (0: one per core).")
     flags.DEFINE_string("out", "bench_out", "Output directory (the map goes to OUT/schedule_map).")
+    flags.DEFINE_bool("resume", True, "Keep the settings OUT/schedule_map/points.jsonl already "
+                      "has when it was made with the same options, profiles and predictor.")
 
 
 def check_models(models: Sequence[str]) -> None:
@@ -311,8 +405,15 @@ def main(argv: Sequence[str]) -> int:
     os.makedirs(out, exist_ok=True)
     t0 = time.monotonic()
     profiles = _profiles(FLAGS.models, FLAGS.out, FLAGS.accelerator_tflops, FLAGS.batch)
+    log = PointLog(os.path.join(out, "points.jsonl"), _header(options, profiles, FLAGS),
+                   FLAGS.resume)
+    if log.kept:
+        print(f"resuming: {len(log.kept)} settings already predicted in {log.path}", flush=True)
+    elif log.why_not_kept:
+        print(f"starting {log.path} over: {log.why_not_kept}", flush=True)
     total = len(profiles) * len(workers) * len(bandwidths) * len(rtts)
-    done = [0]
+    wanted = {(m, n, bw, r) for m in profiles for n in workers for bw in bandwidths for r in rtts}
+    done = [sum(p.setting in wanted for p in log.kept)]
 
     def progress(cell: tuple) -> None:
         done[0] += 1
@@ -322,7 +423,11 @@ def main(argv: Sequence[str]) -> int:
 
     print(f"predicting {total} settings x {len(SCHEDULES)} schedules (+ the ideal bound) ...",
           flush=True)
-    points = map_points(profiles, workers, bandwidths, rtts, options, FLAGS.threads, progress)
+    try:
+        points = map_points(profiles, workers, bandwidths, rtts, options, FLAGS.threads, progress,
+                            known=log.kept, on_point=log.add)
+    finally:
+        log.close()
     tables = format_tables(points)
     summary = summary_lines(points)
     command = " ".join(["python -m prophet_tf.bench.schedule_map", *sys.argv[1:]])
