@@ -87,6 +87,7 @@ void Connection::Queue(OutFrame frame) {
 }
 
 void Connection::Flush() {
+  uint64_t written_now = 0;
   while (open_ && !out_.empty()) {
     iovec iov[64];
     int n_iov = 0;
@@ -113,6 +114,7 @@ void Connection::Flush() {
       return;
     }
     bytes_sent_.fetch_add(static_cast<uint64_t>(n), std::memory_order_relaxed);
+    written_now += static_cast<uint64_t>(n);
     // Account every byte before running callbacks: a callback may fail an operation, and that
     // edits the queue (Abandon drops frames that have not started).
     uint64_t left = static_cast<uint64_t>(n);
@@ -131,7 +133,24 @@ void Connection::Flush() {
     // again now would only return EAGAIN. EPOLLOUT says when it has room.
     if (static_cast<uint64_t>(n) < offered) break;
   }
+  NoteFill(written_now);
   UpdateWriteInterest();
+}
+
+void Connection::NoteFill(uint64_t written_now) {
+  if (!open_) return;
+  const bool full = !out_.empty();  // the loop above stops with frames left only at a full socket
+  if (full_since_ns_ < 0 && !full) return;  // the common case: no clock reading
+  const int64_t now = NowNs();
+  if (full_since_ns_ >= 0 && written_now > 0) {
+    handler_->OnDrained(*this, written_now, full_since_ns_, now);
+    full_since_ns_ = now;
+  }
+  if (!full) {
+    full_since_ns_ = -1;
+  } else if (full_since_ns_ < 0) {
+    full_since_ns_ = now;  // what it took now entered a socket with room: not a drain
+  }
 }
 
 void Connection::UpdateWriteInterest() {

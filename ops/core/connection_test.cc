@@ -89,8 +89,16 @@ class RecordingHandler : public Connection::Handler {
     done.push_back({meta.name, kind, tag, received_[meta.name]});
   }
   void OnClosed(Connection& /*c*/, const std::string& why) override { closed.push_back(why); }
+  struct Drain {
+    uint64_t bytes;
+    int64_t from_ns, to_ns;
+  };
+  void OnDrained(Connection& /*c*/, uint64_t bytes, int64_t from_ns, int64_t to_ns) override {
+    drains.push_back({bytes, from_ns, to_ns});
+  }
 
   std::vector<Done> done;
+  std::vector<Drain> drains;
   std::vector<std::string> closed;
   bool out_of_order_ = false;
 
@@ -292,6 +300,41 @@ TEST(SendsInPriorityOrderAndNeverPreemptsAStartedFrame) {
     EXPECT_TRUE(payloads[0] == big);
     EXPECT_EQ(std::string(payloads[1].begin(), payloads[1].end()), std::string("boom!"));
   }
+}
+
+TEST(ReportsWhatAFullSocketTookAsDrains) {
+  // The bandwidth monitor's link rate (bandwidth.h): only bytes the kernel took while the socket
+  // was full count, from the short write on, in reports that follow each other in time.
+  Pair pair;
+  RecordingHandler handler;
+  Connection c(1, pair.ours, -1, &handler);
+  int small = 16 * 1024;
+  ::setsockopt(pair.ours, SOL_SOCKET, SO_SNDBUF, &small, sizeof(small));
+  const std::vector<char> big = Pattern(1 << 20, 3), tiny = Pattern(16, 4);
+  c.Queue(MakeFrame(Meta("big", 0, big.size() / 4), big.data(), 1, 0, nullptr));
+  c.Flush();
+  const uint64_t at_once = c.bytes_sent();
+  EXPECT_TRUE(!c.idle() && at_once > 0);
+  EXPECT_EQ(handler.drains.size(), 0u);  // what entered a socket with room is no drain
+  c.Flush();  // the socket is still full: nothing taken, nothing reported
+  EXPECT_EQ(handler.drains.size(), 0u);
+  const std::string all = FlushAndCollect(c, pair.theirs);
+  EXPECT_TRUE(c.idle());
+  EXPECT_TRUE(!handler.drains.empty());
+  uint64_t drained = 0;
+  int64_t previous_to = 0;
+  for (const RecordingHandler::Drain& d : handler.drains) {
+    drained += d.bytes;
+    EXPECT_TRUE(d.bytes > 0 && d.from_ns <= d.to_ns && d.from_ns >= previous_to);
+    previous_to = d.to_ns;
+  }
+  EXPECT_EQ(drained, c.bytes_sent() - at_once);
+  // An idle socket takes a small frame at once: no drain.
+  const size_t reports = handler.drains.size();
+  c.Queue(MakeFrame(Meta("tiny", 0, 4), tiny.data(), 1, 0, nullptr));
+  c.Flush();
+  EXPECT_TRUE(c.idle());
+  EXPECT_EQ(handler.drains.size(), reports);
 }
 
 TEST(AbandonDropsAReceiveAndDetachesQueuedFrames) {

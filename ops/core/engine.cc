@@ -179,6 +179,9 @@ struct Engine::Impl : public Connection::Handler,
     early.Received(c.peer());
     failures.OnClosed(c, why);
   }
+  void OnDrained(Connection& /*c*/, uint64_t bytes, int64_t from_ns, int64_t to_ns) override {
+    policy->bandwidth()->OnDrained(bytes, from_ns, to_ns);
+  }
 
   // --- CollectiveHost, FailuresHost, TimeoutsHost ------------------------------------------------
   int rank() const override { return options_.rank; }

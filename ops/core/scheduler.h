@@ -157,8 +157,9 @@ class SchedulerPolicy {
   virtual void OnPushLeft(const SendTask& /*task*/) {}
   // Feedback: a push's sum came back. A policy that overrides this calls it.
   virtual void OnTransferDone(const TransferDone& d) { bandwidth_.OnTransfer(d.task.bytes, d.sent_ns, d.done_ns); }
-  // This worker's link goodput, measured from the completed transfers: the one estimate that both
-  // the planner and the timeline's bandwidth counter read.
+  // This worker's link rate (bandwidth.h: what its full sockets took, or before any filled, the
+  // completed transfers' goodput): the one estimate that the planner, the timeline's bandwidth
+  // counter and schedule="auto" read.
   BandwidthMonitor* bandwidth() { return &bandwidth_; }
   const BandwidthMonitor* bandwidth() const { return &bandwidth_; }
   virtual size_t queued() const = 0;
