@@ -68,6 +68,19 @@ void BandwidthMonitor::OnDrained(uint64_t bytes, int64_t from_ns, int64_t to_ns)
   pending_.clear();
 }
 
+void BandwidthMonitor::OnSocketWrite(uint64_t bytes, bool was_full, bool full, int64_t now_ns) {
+  const bool saturated_before = full_sockets_ > 0;
+  full_sockets_ = std::max(0, full_sockets_ + (full ? 1 : 0) - (was_full ? 1 : 0));
+  if (saturated_before) {
+    if (bytes > 0) {
+      OnDrained(bytes, saturated_mark_ns_, now_ns);
+      saturated_mark_ns_ = std::max(saturated_mark_ns_, now_ns);
+    }
+  } else if (full_sockets_ > 0) {
+    saturated_mark_ns_ = now_ns;  // what this write took entered a socket with room: not a drain
+  }
+}
+
 void BandwidthMonitor::OnTransfer(uint64_t bytes, int64_t start_ns, int64_t end_ns) {
   if (drain_samples_ > 0) return;  // the link's own rate is known
   if (end_ns < start_ns) std::swap(start_ns, end_ns);  // a clock glitch must not poison the estimate

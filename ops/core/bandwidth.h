@@ -3,18 +3,21 @@
 //
 // Two measurements, the first preferred:
 //
-// 1. Drains (OnDrained): bytes the kernel took from a connection while that connection's send
-//    buffer was full (Connection::Flush: the previous write was short, the engine still had bytes
-//    for the socket). A full buffer takes bytes exactly as fast as the link delivers them, so
-//    bytes taken / time full is the link's payload rate, whatever the latency, the peers' waits or
-//    the size of each frame. Idle time, compute and a peer that is late are never in it: the
-//    buffer is not full then. The connections' full intervals are merged (a link shared by several
-//    full connections is busy once, and their bytes add up), and time is measured in windows that
-//    close once they hold min_drain_busy_ns of full time; each window's rate moves the estimate
-//    by a weight that grows with the window's time (drain_time_constant_ns), so a short window
-//    moves it little. This measures the link only when the engine offers it more than the kernel
-//    holds (a saturated link: when scheduling matters); a link that never fills keeps the last
-//    drained rate, or has none (then 2. speaks).
+// 1. Drains (OnSocketWrite, OnDrained): while at least one of this worker's sockets is full (a
+//    write was short and frames stay queued, Connection::Flush), the link is saturated: it sends
+//    as fast as it can, and a full socket takes bytes exactly as fast as the link delivers them.
+//    So the bytes the sockets take while saturated (every socket's: one with room takes bytes at
+//    once, which then leave at the link's pace beside the full ones), over the time saturated, is
+//    the link's payload rate, whatever the latency, the peers' waits or the size of each frame.
+//    Idle time, compute and a late peer are never in it: no socket is full then. The simulator
+//    reports what its NIC sent while saturated (LinkModel, LinkEvent::kDrained), the same rate.
+//    Reports are merged into busy intervals, and time is measured in windows that close once they
+//    hold min_drain_busy_ns of saturated time; each window's rate moves the estimate by a weight
+//    that grows with the window's time (drain_time_constant_ns), so a short window moves it little.
+//    This measures the link only when the engine offers it more than the sockets hold (a
+//    saturated link: when scheduling matters); a link that never fills (kernel buffers bigger than
+//    what a step sends to each peer: N = 8 at 10 Gbit/s in the simulator) keeps the last drained
+//    rate, or has none (then 2. speaks).
 //
 // 2. Round trips (OnTransfer), until the first drain: a push from its release to its sum's arrival
 //    (or an exchange stage, small_allreduce.h). It is a goodput, not the link's rate: it also lasts
@@ -43,7 +46,7 @@
 // only the pushes' bytes while the link also carries this worker's sums (VGG16: 115-164 MB/s on
 // 234 MB/s, swinging from step to step).
 //
-// Cost: it runs on the engine's I/O thread for every write that found a full buffer and every
+// Cost: it runs on the engine's I/O thread for every write while a socket is full and every
 // completed push, so nothing allocates once the internal vectors have grown; a drain is O(1)
 // amortised; a round trip is O(round trips not yet measured), and round trips are ignored once
 // the link has been drained.
@@ -91,10 +94,18 @@ class BandwidthMonitor {
  public:
   explicit BandwidthMonitor(const BandwidthOptions& options = BandwidthOptions());
 
-  // The kernel took `bytes` of one connection's stream between from_ns and to_ns, while that
-  // connection's send buffer was full since from_ns. Calls come in the order of to_ns (they are
-  // made at to_ns); from_ns == to_ns adds bytes taken at that instant to the busy time around it.
+  // The link sent `bytes` between from_ns and to_ns, saturated all along. Calls come in the order
+  // of to_ns (they are made at to_ns); from_ns == to_ns adds bytes taken at that instant to the
+  // busy time around it.
   void OnDrained(uint64_t bytes, int64_t from_ns, int64_t to_ns);
+  // The engine's sockets (all of this worker's connections): a write of `bytes` at now_ns to a
+  // socket that was full before it (`was_full`) and is full after it (`full`). While at least one
+  // socket is full the link is saturated, and every byte any socket takes then is a drain from the
+  // last such write (or the saturation's start) to now_ns: bytes that entered a socket with room
+  // leave at the link's pace behind the full ones. Only calls while saturated, or with was_full or
+  // full, matter (saturated() says whether a call is needed).
+  void OnSocketWrite(uint64_t bytes, bool was_full, bool full, int64_t now_ns);
+  bool saturated() const { return full_sockets_ > 0; }
   // A round trip of `bytes` from start_ns to end_ns. Transfers may be reported out of start order
   // (they are reported at completion) and may overlap. Ignored once the link has been drained.
   void OnTransfer(uint64_t bytes, int64_t start_ns, int64_t end_ns);
@@ -122,6 +133,9 @@ class BandwidthMonitor {
 
   BandwidthOptions options_;
 
+  // OnSocketWrite: sockets full now, and the time of the last drain reported from them.
+  int full_sockets_ = 0;
+  int64_t saturated_mark_ns_ = 0;
   // Drains: the current window's merged full intervals (sorted, disjoint), their total, its bytes.
   std::vector<std::pair<int64_t, int64_t>> drain_runs_;
   int64_t drain_busy_ns_ = 0;

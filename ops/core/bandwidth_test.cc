@@ -247,6 +247,29 @@ TEST(AShortWindowMovesTheEstimateLittle) {
   EXPECT_NEAR(monitor.estimate_Bps(), 0.5e9, 0.01e9);
 }
 
+TEST(SocketWritesWhileOneIsFullAreDrains) {
+  // Socket A fills at 0 ms (its 1 MB taken at once is not a drain); while it stays full, A takes
+  // 1 MB at 1 ms and socket B, with room, 1 MB at 2 ms (behind A on the link); A empties at 4 ms
+  // taking 2 MB. 4 MB in 4 ms saturated. Then nothing is full: B's writes say nothing.
+  BandwidthMonitor monitor(Drains(4 * kMs));
+  monitor.OnSocketWrite(kMB, false, true, 0);
+  EXPECT_TRUE(monitor.saturated());
+  monitor.OnSocketWrite(kMB, true, true, kMs);
+  monitor.OnSocketWrite(kMB, false, false, 2 * kMs);
+  monitor.OnSocketWrite(2 * kMB, true, false, 4 * kMs);
+  EXPECT_TRUE(!monitor.saturated());
+  EXPECT_TRUE(monitor.drained());
+  EXPECT_NEAR(monitor.estimate_Bps(), 1e9, 1.0);
+  monitor.OnSocketWrite(10 * kMB, false, false, 5 * kMs);
+  monitor.OnSocketWrite(kMB, false, true, 100 * kMs);  // saturated again from 100 ms
+  monitor.OnSocketWrite(kMB, true, false, 102 * kMs);
+  monitor.OnSocketWrite(kMB, false, true, 103 * kMs);
+  monitor.OnSocketWrite(kMB, true, false, 105 * kMs);  // 2 MB in 4 ms saturated: 0.5 GB/s
+  const std::vector<BandwidthSample> samples = monitor.TakeSamples();
+  EXPECT_EQ(samples.size(), 2u);
+  if (samples.size() == 2) EXPECT_NEAR(samples[1].sample_Bps, 0.5e9, 1.0);
+}
+
 TEST(ADrainReportedLateCountsOnlyItsUnmeasuredPart) {
   BandwidthMonitor monitor(Drains(4 * kMs));
   for (int i = 0; i < 4; ++i) monitor.OnDrained(kMB, i * kMs, (i + 1) * kMs);  // window 0..4 ms

@@ -139,18 +139,9 @@ void Connection::Flush() {
 
 void Connection::NoteFill(uint64_t written_now) {
   if (!open_) return;
-  const bool full = !out_.empty();  // the loop above stops with frames left only at a full socket
-  if (full_since_ns_ < 0 && !full) return;  // the common case: no clock reading
-  const int64_t now = NowNs();
-  if (full_since_ns_ >= 0 && written_now > 0) {
-    handler_->OnDrained(*this, written_now, full_since_ns_, now);
-    full_since_ns_ = now;
-  }
-  if (!full) {
-    full_since_ns_ = -1;
-  } else if (full_since_ns_ < 0) {
-    full_since_ns_ = now;  // what it took now entered a socket with room: not a drain
-  }
+  const bool was_full = full_;
+  full_ = !out_.empty();  // the loop above stops with frames left only at a full socket
+  if (written_now > 0 || was_full != full_) handler_->OnFlushed(*this, written_now, was_full, full_);
 }
 
 void Connection::UpdateWriteInterest() {
@@ -199,6 +190,10 @@ void Connection::Close(const std::string& why) {
   ::close(fd_);
   fd_ = -1;
   out_.clear();
+  if (full_) {  // it will never drain: the bandwidth monitor must not count it as full
+    full_ = false;
+    handler_->OnFlushed(*this, 0, true, false);
+  }
   handler_->OnClosed(*this, why);
 }
 

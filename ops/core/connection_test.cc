@@ -89,16 +89,16 @@ class RecordingHandler : public Connection::Handler {
     done.push_back({meta.name, kind, tag, received_[meta.name]});
   }
   void OnClosed(Connection& /*c*/, const std::string& why) override { closed.push_back(why); }
-  struct Drain {
+  struct Flushed {
     uint64_t bytes;
-    int64_t from_ns, to_ns;
+    bool was_full, full;
   };
-  void OnDrained(Connection& /*c*/, uint64_t bytes, int64_t from_ns, int64_t to_ns) override {
-    drains.push_back({bytes, from_ns, to_ns});
+  void OnFlushed(Connection& /*c*/, uint64_t bytes, bool was_full, bool full) override {
+    flushes.push_back({bytes, was_full, full});
   }
 
   std::vector<Done> done;
-  std::vector<Drain> drains;
+  std::vector<Flushed> flushes;
   std::vector<std::string> closed;
   bool out_of_order_ = false;
 
@@ -302,9 +302,10 @@ TEST(SendsInPriorityOrderAndNeverPreemptsAStartedFrame) {
   }
 }
 
-TEST(ReportsWhatAFullSocketTookAsDrains) {
-  // The bandwidth monitor's link rate (bandwidth.h): only bytes the kernel took while the socket
-  // was full count, from the short write on, in reports that follow each other in time.
+TEST(ReportsWritesAndWhenTheSocketIsFull) {
+  // What the bandwidth monitor needs (BandwidthMonitor::OnSocketWrite): every write, and whether
+  // the socket was full before it and is after it; full from the short write until the queue
+  // empties; a closed socket is no longer full.
   Pair pair;
   RecordingHandler handler;
   Connection c(1, pair.ours, -1, &handler);
@@ -315,26 +316,33 @@ TEST(ReportsWhatAFullSocketTookAsDrains) {
   c.Flush();
   const uint64_t at_once = c.bytes_sent();
   EXPECT_TRUE(!c.idle() && at_once > 0);
-  EXPECT_EQ(handler.drains.size(), 0u);  // what entered a socket with room is no drain
-  c.Flush();  // the socket is still full: nothing taken, nothing reported
-  EXPECT_EQ(handler.drains.size(), 0u);
-  const std::string all = FlushAndCollect(c, pair.theirs);
-  EXPECT_TRUE(c.idle());
-  EXPECT_TRUE(!handler.drains.empty());
-  uint64_t drained = 0;
-  int64_t previous_to = 0;
-  for (const RecordingHandler::Drain& d : handler.drains) {
-    drained += d.bytes;
-    EXPECT_TRUE(d.bytes > 0 && d.from_ns <= d.to_ns && d.from_ns >= previous_to);
-    previous_to = d.to_ns;
+  EXPECT_EQ(handler.flushes.size(), 1u);
+  if (!handler.flushes.empty()) {
+    EXPECT_TRUE(handler.flushes[0].bytes == at_once && !handler.flushes[0].was_full && handler.flushes[0].full);
   }
-  EXPECT_EQ(drained, c.bytes_sent() - at_once);
-  // An idle socket takes a small frame at once: no drain.
-  const size_t reports = handler.drains.size();
+  c.Flush();  // still full: nothing taken, nothing reported
+  EXPECT_EQ(handler.flushes.size(), 1u);
+  FlushAndCollect(c, pair.theirs);
+  EXPECT_TRUE(c.idle() && handler.flushes.size() > 2);
+  uint64_t while_full = 0;
+  for (size_t i = 1; i < handler.flushes.size(); ++i) {
+    const RecordingHandler::Flushed& f = handler.flushes[i];
+    EXPECT_TRUE(f.was_full == handler.flushes[i - 1].full);  // one state, reported in order
+    EXPECT_TRUE(f.was_full && f.bytes > 0);
+    while_full += f.bytes;
+  }
+  EXPECT_EQ(while_full, c.bytes_sent() - at_once);
+  EXPECT_TRUE(!handler.flushes.back().full);
+  // An idle socket takes a small frame at once: a write, never full.
   c.Queue(MakeFrame(Meta("tiny", 0, 4), tiny.data(), 1, 0, nullptr));
   c.Flush();
-  EXPECT_TRUE(c.idle());
-  EXPECT_EQ(handler.drains.size(), reports);
+  EXPECT_TRUE(c.idle() && !handler.flushes.back().was_full && !handler.flushes.back().full);
+  // Full, then closed: reported as no longer full.
+  c.Queue(MakeFrame(Meta("big2", 0, big.size() / 4), big.data(), 1, 0, nullptr));
+  c.Flush();
+  EXPECT_TRUE(handler.flushes.back().full);
+  c.Close("test");
+  EXPECT_TRUE(handler.flushes.back().was_full && !handler.flushes.back().full && handler.flushes.back().bytes == 0);
 }
 
 TEST(AbandonDropsAReceiveAndDetachesQueuedFrames) {

@@ -179,8 +179,10 @@ struct Engine::Impl : public Connection::Handler,
     early.Received(c.peer());
     failures.OnClosed(c, why);
   }
-  void OnDrained(Connection& /*c*/, uint64_t bytes, int64_t from_ns, int64_t to_ns) override {
-    policy->bandwidth()->OnDrained(bytes, from_ns, to_ns);
+  void OnFlushed(Connection& /*c*/, uint64_t bytes, bool was_full, bool full) override {
+    BandwidthMonitor* monitor = policy->bandwidth();
+    // A clock reading only while a socket is (or becomes, or stops being) full.
+    if (was_full || full || monitor->saturated()) monitor->OnSocketWrite(bytes, was_full, full, NowNs());
   }
 
   // --- CollectiveHost, FailuresHost, TimeoutsHost ------------------------------------------------
