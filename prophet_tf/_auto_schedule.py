@@ -10,7 +10,7 @@ train function) the strategy
    gradient, that forward time, the step's tail and the gap between steps), finds the link rate
    at which the simulated runtime, with the schedule in use, takes the step time measured with
    it (the median of the steps since the last switch; without two such steps, the link rate at
-   which the simulated runtime measures the goodput the real one measured), and predicts the step
+   which the simulated runtime measures the bandwidth estimate the real one measured), and predicts the step
    time of ``prophet``, ``priority`` and ``fifo`` (with the strategy's barrier crossing and its
    gradient compression: the profile has the tensors' bytes, the predictor sends the compressed
    gradients in half of them) on this many workers at that link rate (:mod:`prophet_tf.predict`);

@@ -132,8 +132,8 @@ class StepReport:
     plan_blocks: Optional[int]  #: blocks of Prophet's current plan (None: not prophet)
     workers: int              #: number of workers (1: no link)
     last_step: Optional[StepTimes] = None  #: this worker's last step
-    #: the bandwidth monitor's goodput estimate (Gbit/s of pushes while pushing; noisier: a
-    #: push's round trip also lasts while its owner waits for the other workers)
+    #: the bandwidth monitor's estimate, Gbit/s: the link's rate while this worker's sockets were
+    #: full (before any filled: the pushes' goodput, whose round trips also last while owners wait)
     goodput_gbps: float = 0.0
 
     @property

@@ -325,8 +325,9 @@ def declare_fusion(group: str, tensors: Sequence[FusedTensor], bucket_bytes: int
 
 
 def scheduler_state() -> dict[str, Any]:
-    """The scheduling policy's state: ``{"schedule", "bandwidth_Bps" (goodput of completed
-    pushes), "bandwidth_samples", "planned_blocks" (blocks of prophet's current plan, 0 before
+    """The scheduling policy's state: ``{"schedule", "bandwidth_Bps" (the link's rate
+    while this worker's sockets were full; before any filled, the goodput of completed pushes),
+    "bandwidth_drained" (whether it is the former), "bandwidth_samples", "planned_blocks" (blocks of prophet's current plan, 0 before
     the first; -1 for the other policies), "profile"}``; ``profile`` (prophet only, else None) holds
     ``steps_observed``, ``step_origin_ns`` (first gradient of the open step, CLOCK_MONOTONIC) and
     ``tensors``: ``[{"name", "priority", "bytes", "ready_offset_ns"}]`` (median offsets from each

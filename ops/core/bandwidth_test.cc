@@ -1,6 +1,8 @@
 // Goodput estimation: busy time only, overlaps merged, smoothing, sample stream.
 #include "ops/core/bandwidth.h"
 
+#include <cmath>
+
 #include "ops/core/testing.h"
 
 namespace prophet {
@@ -171,6 +173,116 @@ TEST(PendingSamplesAreBounded) {
   const std::vector<BandwidthSample> samples = monitor.TakeSamples();
   EXPECT_EQ(samples.size(), 3u);
   if (!samples.empty()) EXPECT_EQ(samples.back().ts_ns, 81 * kMs);  // the newest are kept
+}
+
+// ---- Drains: what a full socket took (the link's rate) ----
+
+BandwidthOptions Drains(int64_t window_ns, int64_t time_constant_ns = 50 * kMs) {
+  BandwidthOptions options;
+  options.min_drain_busy_ns = window_ns;
+  options.drain_time_constant_ns = time_constant_ns;
+  return options;
+}
+
+TEST(DrainsMeasureTheLinkAndIgnoreTheRoundTrips) {
+  // Round trips alone: a 4-byte exchange that waited 20 ms for its partner and 1 MB pushes whose
+  // sums took 10 ms: a goodput far below the link.
+  BandwidthMonitor monitor(Drains(5 * kMs));
+  monitor.OnTransfer(4, 0, 20 * kMs);
+  for (int i = 0; i < 5; ++i) monitor.OnTransfer(kMB, (30 + 10 * i) * kMs, (40 + 10 * i) * kMs);
+  EXPECT_TRUE(monitor.has_estimate() && !monitor.drained());
+  EXPECT_TRUE(monitor.estimate_Bps() < 2e8);
+  // The socket was full from 100 ms on and took 1 MB per ms, reported at each write: 1 GB/s.
+  for (int i = 0; i < 10; ++i) monitor.OnDrained(kMB, (100 + i) * kMs, (101 + i) * kMs);
+  EXPECT_TRUE(monitor.drained());
+  EXPECT_NEAR(monitor.estimate_Bps(), 1e9, 1.0);
+  // Round trips no longer move it.
+  monitor.OnTransfer(4, 200 * kMs, 300 * kMs);
+  for (int i = 0; i < 50; ++i) monitor.OnTransfer(kMB, (300 + 10 * i) * kMs, (310 + 10 * i) * kMs);
+  EXPECT_NEAR(monitor.estimate_Bps(), 1e9, 1.0);
+  std::vector<BandwidthSample> samples = monitor.TakeSamples();
+  EXPECT_TRUE(!samples.empty() && samples.back().drained);
+  if (!samples.empty()) EXPECT_EQ(samples.back().busy_ns, 5 * kMs);
+}
+
+TEST(DrainsOfConnectionsFullAtOnceAddUp) {
+  // Two connections share the link, each full and taking 0.5 MB per ms: the link does 1 GB/s;
+  // their intervals overlap, so the time counts once. An idle gap between bursts is not counted.
+  BandwidthMonitor monitor(Drains(10 * kMs));
+  for (int burst = 0; burst < 2; ++burst) {
+    const int64_t t0 = burst * 100 * kMs;
+    for (int i = 0; i < 10; ++i) {
+      monitor.OnDrained(kMB / 2, t0 + i * kMs, t0 + (i + 1) * kMs);
+      monitor.OnDrained(kMB / 2, t0 + i * kMs + kMs / 2, t0 + (i + 1) * kMs + kMs / 2);
+    }
+  }
+  EXPECT_TRUE(monitor.drained());
+  // Each window: 10 ms of full time; a report that ends after the window closes counts in the
+  // next one (at most one report of 0.5 MB per window off).
+  EXPECT_NEAR(monitor.estimate_Bps(), 1e9, 0.1e9);
+  for (const BandwidthSample& s : monitor.TakeSamples()) EXPECT_NEAR(s.sample_Bps, 1e9, 0.1e9);
+}
+
+TEST(BytesTakenAtOnceJoinTheFullTimeAroundThem) {
+  // A connection with room takes 1 MB at once while another one is full (its bytes share the
+  // link then); at an instant with no full socket they say nothing.
+  BandwidthMonitor monitor(Drains(10 * kMs));
+  monitor.OnDrained(kMB, 0, 0);  // nothing full: ignored
+  monitor.OnDrained(kMB, 0, 5 * kMs);
+  monitor.OnDrained(kMB, 5 * kMs, 5 * kMs);  // inside the run
+  monitor.OnDrained(2 * kMB, 5 * kMs, 10 * kMs);
+  EXPECT_TRUE(monitor.drained());
+  EXPECT_NEAR(monitor.estimate_Bps(), 4e6 / 10e-3, 1.0);
+}
+
+TEST(AShortWindowMovesTheEstimateLittle) {
+  // Steady 1 GB/s, then one 5 ms window at half that: it moves the estimate by
+  // 1 - exp(-5/50) of the way; a long stretch at the new rate moves it all the way.
+  BandwidthMonitor monitor(Drains(5 * kMs));
+  for (int i = 0; i < 20; ++i) monitor.OnDrained(kMB, i * kMs, (i + 1) * kMs);
+  EXPECT_NEAR(monitor.estimate_Bps(), 1e9, 1.0);
+  for (int i = 0; i < 5; ++i) monitor.OnDrained(kMB / 2, (100 + i) * kMs, (101 + i) * kMs);
+  EXPECT_NEAR(monitor.estimate_Bps(), 1e9 - 0.5e9 * (1 - std::exp(-0.1)), 1e3);
+  for (int i = 0; i < 400; ++i) monitor.OnDrained(kMB / 2, (200 + i) * kMs, (201 + i) * kMs);
+  EXPECT_NEAR(monitor.estimate_Bps(), 0.5e9, 0.01e9);
+}
+
+TEST(SocketWritesWhileOneIsFullAreDrains) {
+  // Socket A fills at 0 ms (its 1 MB taken at once is not a drain); while it stays full, A takes
+  // 1 MB at 1 ms and socket B, with room, 1 MB at 2 ms (behind A on the link); A empties at 4 ms
+  // taking 2 MB. 4 MB in 4 ms saturated. Then nothing is full: B's writes say nothing.
+  BandwidthMonitor monitor(Drains(4 * kMs));
+  monitor.OnSocketWrite(kMB, false, true, 0);
+  EXPECT_TRUE(monitor.saturated());
+  monitor.OnSocketWrite(kMB, true, true, kMs);
+  monitor.OnSocketWrite(kMB, false, false, 2 * kMs);
+  monitor.OnSocketWrite(2 * kMB, true, false, 4 * kMs);
+  EXPECT_TRUE(!monitor.saturated());
+  EXPECT_TRUE(monitor.drained());
+  EXPECT_NEAR(monitor.estimate_Bps(), 1e9, 1.0);
+  monitor.OnSocketWrite(10 * kMB, false, false, 5 * kMs);
+  monitor.OnSocketWrite(kMB, false, true, 100 * kMs);  // saturated again from 100 ms
+  monitor.OnSocketWrite(kMB, true, false, 102 * kMs);
+  monitor.OnSocketWrite(kMB, false, true, 103 * kMs);
+  monitor.OnSocketWrite(kMB, true, false, 105 * kMs);  // 2 MB in 4 ms saturated: 0.5 GB/s
+  const std::vector<BandwidthSample> samples = monitor.TakeSamples();
+  EXPECT_EQ(samples.size(), 2u);
+  if (samples.size() == 2) EXPECT_NEAR(samples[1].sample_Bps, 0.5e9, 1.0);
+}
+
+TEST(ADrainReportedLateCountsOnlyItsUnmeasuredPart) {
+  BandwidthMonitor monitor(Drains(4 * kMs));
+  for (int i = 0; i < 4; ++i) monitor.OnDrained(kMB, i * kMs, (i + 1) * kMs);  // window 0..4 ms
+  EXPECT_EQ(monitor.samples_taken(), 1u);
+  // Another connection, full over 2..6 ms, reports at 6 ms: half of it is new.
+  monitor.OnDrained(4 * kMB, 2 * kMs, 6 * kMs);
+  monitor.OnDrained(2 * kMB, 6 * kMs, 8 * kMs);
+  const std::vector<BandwidthSample> samples = monitor.TakeSamples();
+  EXPECT_EQ(samples.size(), 2u);
+  if (samples.size() == 2) {
+    EXPECT_EQ(samples[1].busy_ns, 4 * kMs);
+    EXPECT_EQ(samples[1].bytes, 4 * kMB);
+  }
 }
 
 }  // namespace

@@ -87,6 +87,7 @@ void Connection::Queue(OutFrame frame) {
 }
 
 void Connection::Flush() {
+  uint64_t written_now = 0;
   while (open_ && !out_.empty()) {
     iovec iov[64];
     int n_iov = 0;
@@ -113,6 +114,7 @@ void Connection::Flush() {
       return;
     }
     bytes_sent_.fetch_add(static_cast<uint64_t>(n), std::memory_order_relaxed);
+    written_now += static_cast<uint64_t>(n);
     // Account every byte before running callbacks: a callback may fail an operation, and that
     // edits the queue (Abandon drops frames that have not started).
     uint64_t left = static_cast<uint64_t>(n);
@@ -131,7 +133,15 @@ void Connection::Flush() {
     // again now would only return EAGAIN. EPOLLOUT says when it has room.
     if (static_cast<uint64_t>(n) < offered) break;
   }
+  NoteFill(written_now);
   UpdateWriteInterest();
+}
+
+void Connection::NoteFill(uint64_t written_now) {
+  if (!open_) return;
+  const bool was_full = full_;
+  full_ = !out_.empty();  // the loop above stops with frames left only at a full socket
+  if (written_now > 0 || was_full != full_) handler_->OnFlushed(*this, written_now, was_full, full_);
 }
 
 void Connection::UpdateWriteInterest() {
@@ -180,6 +190,10 @@ void Connection::Close(const std::string& why) {
   ::close(fd_);
   fd_ = -1;
   out_.clear();
+  if (full_) {  // it will never drain: the bandwidth monitor must not count it as full
+    full_ = false;
+    handler_->OnFlushed(*this, 0, true, false);
+  }
   handler_->OnClosed(*this, why);
 }
 

@@ -86,6 +86,11 @@ class Connection {
                              ByteBuffer* buffered) = 0;
     // The connection closed on an error (reset, EOF, a malformed frame). Called once.
     virtual void OnClosed(Connection& c, const std::string& why) = 0;
+    // A Flush wrote `bytes` (0 or more) to the socket, which was full before it (`was_full`: an
+    // earlier write was short and frames stayed queued) and is full after it (`full`). Called when
+    // it wrote something or the socket filled or emptied: what the bandwidth monitor needs
+    // (BandwidthMonitor::OnSocketWrite).
+    virtual void OnFlushed(Connection& /*c*/, uint64_t /*bytes*/, bool /*was_full*/, bool /*full*/) {}
   };
 
   // Takes ownership of `fd` (connected, non-blocking). With `epoll_fd` >= 0 the connection keeps
@@ -141,6 +146,8 @@ class Connection {
   // recv() into `dst`; returns bytes (> 0), or 0 when the caller must stop (EAGAIN or closed).
   uint64_t Receive(char* dst, uint64_t room, uint64_t* budget);
   void UpdateWriteInterest();
+  // After a Flush that wrote `written_now` bytes: whether the socket is full, for the handler.
+  void NoteFill(uint64_t written_now);
 
   const int peer_;
   int fd_;
@@ -150,6 +157,9 @@ class Connection {
   bool open_ = true;
   bool refused_ = false;
   bool want_write_ = false;
+  // The kernel's send buffer is full with frames still queued (the last write was short and the
+  // queue has not emptied since).
+  bool full_ = false;
   std::deque<OutFrame> out_;
   std::atomic<uint64_t> bytes_sent_{0}, bytes_received_{0};
   int64_t last_receive_ns_;

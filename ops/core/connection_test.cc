@@ -89,8 +89,16 @@ class RecordingHandler : public Connection::Handler {
     done.push_back({meta.name, kind, tag, received_[meta.name]});
   }
   void OnClosed(Connection& /*c*/, const std::string& why) override { closed.push_back(why); }
+  struct Flushed {
+    uint64_t bytes;
+    bool was_full, full;
+  };
+  void OnFlushed(Connection& /*c*/, uint64_t bytes, bool was_full, bool full) override {
+    flushes.push_back({bytes, was_full, full});
+  }
 
   std::vector<Done> done;
+  std::vector<Flushed> flushes;
   std::vector<std::string> closed;
   bool out_of_order_ = false;
 
@@ -292,6 +300,49 @@ TEST(SendsInPriorityOrderAndNeverPreemptsAStartedFrame) {
     EXPECT_TRUE(payloads[0] == big);
     EXPECT_EQ(std::string(payloads[1].begin(), payloads[1].end()), std::string("boom!"));
   }
+}
+
+TEST(ReportsWritesAndWhenTheSocketIsFull) {
+  // What the bandwidth monitor needs (BandwidthMonitor::OnSocketWrite): every write, and whether
+  // the socket was full before it and is after it; full from the short write until the queue
+  // empties; a closed socket is no longer full.
+  Pair pair;
+  RecordingHandler handler;
+  Connection c(1, pair.ours, -1, &handler);
+  int small = 16 * 1024;
+  ::setsockopt(pair.ours, SOL_SOCKET, SO_SNDBUF, &small, sizeof(small));
+  const std::vector<char> big = Pattern(1 << 20, 3), tiny = Pattern(16, 4);
+  c.Queue(MakeFrame(Meta("big", 0, big.size() / 4), big.data(), 1, 0, nullptr));
+  c.Flush();
+  const uint64_t at_once = c.bytes_sent();
+  EXPECT_TRUE(!c.idle() && at_once > 0);
+  EXPECT_EQ(handler.flushes.size(), 1u);
+  if (!handler.flushes.empty()) {
+    EXPECT_TRUE(handler.flushes[0].bytes == at_once && !handler.flushes[0].was_full && handler.flushes[0].full);
+  }
+  c.Flush();  // still full: nothing taken, nothing reported
+  EXPECT_EQ(handler.flushes.size(), 1u);
+  FlushAndCollect(c, pair.theirs);
+  EXPECT_TRUE(c.idle() && handler.flushes.size() > 2);
+  uint64_t while_full = 0;
+  for (size_t i = 1; i < handler.flushes.size(); ++i) {
+    const RecordingHandler::Flushed& f = handler.flushes[i];
+    EXPECT_TRUE(f.was_full == handler.flushes[i - 1].full);  // one state, reported in order
+    EXPECT_TRUE(f.was_full && f.bytes > 0);
+    while_full += f.bytes;
+  }
+  EXPECT_EQ(while_full, c.bytes_sent() - at_once);
+  EXPECT_TRUE(!handler.flushes.back().full);
+  // An idle socket takes a small frame at once: a write, never full.
+  c.Queue(MakeFrame(Meta("tiny", 0, 4), tiny.data(), 1, 0, nullptr));
+  c.Flush();
+  EXPECT_TRUE(c.idle() && !handler.flushes.back().was_full && !handler.flushes.back().full);
+  // Full, then closed: reported as no longer full.
+  c.Queue(MakeFrame(Meta("big2", 0, big.size() / 4), big.data(), 1, 0, nullptr));
+  c.Flush();
+  EXPECT_TRUE(handler.flushes.back().full);
+  c.Close("test");
+  EXPECT_TRUE(handler.flushes.back().was_full && !handler.flushes.back().full && handler.flushes.back().bytes == 0);
 }
 
 TEST(AbandonDropsAReceiveAndDetachesQueuedFrames) {

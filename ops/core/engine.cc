@@ -179,6 +179,11 @@ struct Engine::Impl : public Connection::Handler,
     early.Received(c.peer());
     failures.OnClosed(c, why);
   }
+  void OnFlushed(Connection& /*c*/, uint64_t bytes, bool was_full, bool full) override {
+    BandwidthMonitor* monitor = policy->bandwidth();
+    // A clock reading only while a socket is (or becomes, or stops being) full.
+    if (was_full || full || monitor->saturated()) monitor->OnSocketWrite(bytes, was_full, full, NowNs());
+  }
 
   // --- CollectiveHost, FailuresHost, TimeoutsHost ------------------------------------------------
   int rank() const override { return options_.rank; }

@@ -908,6 +908,26 @@ TEST(SingleWorkerReturnsInput) {
 
 // ProphetStrategy(schedule="auto"): the policy switches between steps, the bandwidth measured so far
 // carries over, and the prophet policy's profile of ready times is readable from another thread.
+TEST(FullSocketsGiveTheBandwidthEstimate) {
+  // Two workers push 8 MiB tensors to each other over loopback: the sockets (TCP_NOTSENT_LOWAT
+  // 256 KiB) fill, and the estimate becomes the link's rate from them (bandwidth.h), not the round
+  // trips' goodput. Bounded rounds, no timing: a socket fills whatever the machine's speed.
+  auto engines = StartCluster(ClusterOptions(2));
+  if (!engines[0] || !engines[1]) return;
+  std::vector<float> in(2 * 1024 * 1024, 1.0f), out0(in.size()), out1(in.size());
+  int rounds = 0;
+  for (; rounds < 50 && !Contains(engines[0]->SchedulerStateJson(), "\"bandwidth_drained\": true"); ++rounds) {
+    auto a = PushPull(engines[0].get(), "grad/big", DataType::kFloat32, {static_cast<int64_t>(in.size())}, in.data(),
+                      out0.data(), in.size() * 4);
+    auto b = PushPull(engines[1].get(), "grad/big", DataType::kFloat32, {static_cast<int64_t>(in.size())}, in.data(),
+                      out1.data(), in.size() * 4);
+    EXPECT_TRUE(AWAIT(*a).ok() && AWAIT(*b).ok());
+  }
+  const std::string state = engines[0]->SchedulerStateJson();
+  std::printf("after %d rounds: %s\n", rounds, state.substr(0, 160).c_str());
+  EXPECT_TRUE(Contains(state, "\"bandwidth_drained\": true"));
+}
+
 TEST(ScheduleSwitchesBetweenStepsAndStateIsReadable) {
   std::vector<EngineOptions> options = ClusterOptions(2);
   for (EngineOptions& o : options) o.schedule = "prophet";

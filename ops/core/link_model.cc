@@ -53,7 +53,7 @@ void LinkModel::Rerate(int connection, int64_t now_ns) {
   Progress(c, now_ns);
   const double rate = Rate(connection);
   if (rate == c.rate) return;
-  c.rate = rate;
+  SetRate(connection, rate, now_ns);
   c.finish_ns = now_ns + static_cast<int64_t>(std::ceil(c.head_left / c.rate));
   FinishChanged(connection);
 }
@@ -192,7 +192,7 @@ void LinkModel::SetActive(int connection, bool active, int64_t now_ns) {
     }
     c.at_worker = static_cast<int>(sender.active.size());
     sender.active.push_back(connection);
-    c.rate = 0;  // forces a finish time when the shares are applied
+    SetRate(connection, 0, now_ns);  // forces a finish time when the shares are applied
     c.updated_ns = now_ns;
   } else {
     SwapRemove(&first_list, &c.at_first, [this](int other) { return &connections_[other].at_first; });
@@ -201,6 +201,7 @@ void LinkModel::SetActive(int connection, bool active, int64_t now_ns) {
       if (from.out.empty()) from.egress_busy_ns += now_ns - from.busy_since_ns;
     }
     SwapRemove(&sender.active, &c.at_worker, [this](int other) { return &connections_[other].at_worker; });
+    SetRate(connection, 0, now_ns);  // sends no more
     if (sender.first == connection && !sender.dirty) {
       sender.dirty = true;
       dirty_senders_.push_back(s);
@@ -221,20 +222,68 @@ void LinkModel::SetActive(int connection, bool active, int64_t now_ns) {
 
 void LinkModel::NoteWritten(int connection, int64_t now_ns) {
   Connection& c = connections_[connection];
-  if (c.frames.empty()) return;
+  if (c.frames.empty()) return NoteFull(connection, false, now_ns);
   // Stream offsets from the head's first byte: the socket holds up to `window` bytes beyond what
   // has been sent.
   const double sent = wire_bytes(c.frames.front().frame) - c.head_left;
   const double limit = sent + static_cast<double>(options_.socket_window_bytes);
   double end = 0;
+  bool waiting = false;
   for (size_t i = 0; i < c.frames.size(); ++i) {
     Queued& q = c.frames[i];
     end += q.wire_bytes;
-    if (end > limit + 1e-6) break;
+    if (end > limit + 1e-6) {
+      waiting = true;
+      break;
+    }
     if (!q.written) {
       q.written = true;
       pending_.push_back({LinkEvent::kWritten, now_ns, q.frame});
     }
+  }
+  NoteFull(connection, waiting, now_ns);
+}
+
+void LinkModel::SetRate(int connection, double rate, int64_t now_ns) {
+  Connection& c = connections_[connection];
+  if (!c.local) {
+    Sender& sender = senders_[Src(connection)];
+    if (now_ns > sender.sent_ns) {
+      sender.sent += sender.rate_sum * static_cast<double>(now_ns - sender.sent_ns);
+      sender.sent_ns = now_ns;
+    }
+    sender.rate_sum += rate - c.rate;
+  }
+  c.rate = rate;
+}
+
+void LinkModel::ReportDrained(int s, int64_t now_ns) {
+  Sender& sender = senders_[s];
+  if (sender.full_connections == 0 || now_ns <= sender.drained_mark_ns) return;
+  const double sent = sender.sent + sender.rate_sum * static_cast<double>(now_ns - sender.sent_ns);
+  LinkEvent drained;
+  drained.kind = LinkEvent::kDrained;
+  drained.time_ns = now_ns;
+  drained.frame.src = s;
+  drained.drained_bytes = sent - sender.drained_mark_sent;
+  drained.drained_since_ns = sender.drained_mark_ns;
+  pending_.push_back(drained);
+  sender.drained_mark_ns = now_ns;
+  sender.drained_mark_sent = sent;
+}
+
+void LinkModel::NoteFull(int connection, bool full, int64_t now_ns) {
+  Connection& c = connections_[connection];
+  if (c.local || c.full == full) return;  // loopback is not the link
+  c.full = full;
+  const int s = Src(connection);
+  Sender& sender = senders_[s];
+  if (!full) ReportDrained(s, now_ns);  // what it sent until now, if this ends the saturation
+  sender.full_connections += full ? 1 : -1;
+  if (full && sender.full_connections == 1) {
+    // Saturated from now: its NIC sends as fast as it can while a connection waits for room.
+    sender.drained_mark_ns = now_ns;
+    sender.drained_mark_sent = sender.sent + sender.rate_sum * static_cast<double>(now_ns - sender.sent_ns);
   }
 }
 
@@ -323,8 +372,9 @@ void LinkModel::AdvanceTo(int64_t now_ns, std::vector<LinkEvent>* out) {
       c.finish_ns = time_ns + static_cast<int64_t>(std::ceil(c.head_left / c.rate));
       FinishChanged(connection);
       FixSenders();
-      NoteWritten(connection, time_ns);
     }
+    NoteWritten(connection, time_ns);
+    ReportDrained(Src(connection), time_ns);
     for (const LinkEvent& e : pending_) out->push_back(e);
     pending_.clear();
   }

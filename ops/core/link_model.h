@@ -61,10 +61,17 @@ struct LinkFrame {
 };
 
 struct LinkEvent {
-  enum Kind { kWritten, kSent };  // last byte entered the socket / left the NIC
+  // kWritten: the frame's last byte entered the socket; kSent: it left the NIC; kDrained: worker
+  // frame.src's NIC sent drained_bytes (wire bytes, to other hosts) from drained_since_ns to
+  // time_ns, all of it while one of its connections to another host was full (had a frame that
+  // did not fit in its socket): the NIC's rate, what the engine's connections report to the
+  // bandwidth monitor (bandwidth.h). The other fields of `frame` are the frame that just left.
+  enum Kind { kWritten, kSent, kDrained };
   Kind kind = kSent;
   int64_t time_ns = 0;
   LinkFrame frame;
+  double drained_bytes = 0;
+  int64_t drained_since_ns = 0;
 };
 
 class LinkModel {
@@ -128,6 +135,7 @@ class LinkModel {
     int at_first = -1;
     int at_ingress = -1;
     int at_worker = -1;
+    bool full = false;          // a frame waits for room in the socket (not over loopback)
   };
   struct Host {
     std::vector<int> out;    // active connections to other hosts (egress)
@@ -145,6 +153,15 @@ class LinkModel {
     int first = -1;           // the one finishing first (finish_ns, then index), -1: none
     int heap_at = -1;
     bool dirty = false;       // `first` must be found again
+    // Kept for kDrained: wire bytes its connections to other hosts sent until sent_ns (and their
+    // rates' sum, wire bytes per ns), its connections to other hosts that are full, and while
+    // there are any, the time of the last report and `sent` then.
+    double rate_sum = 0;
+    double sent = 0;
+    int64_t sent_ns = 0;
+    int full_connections = 0;
+    int64_t drained_mark_ns = 0;
+    double drained_mark_sent = 0;
   };
 
   int Index(int src, int dst) const { return src * options_.workers + dst; }
@@ -169,8 +186,15 @@ class LinkModel {
   void HeapSiftUp(size_t at);
   void HeapSiftDown(size_t at);
   void HeapUpdate(int sender);
-  // Marks frames whose last byte is inside the socket window as written.
+  // Marks frames whose last byte is inside the socket window as written, then whether a frame
+  // still waits (NoteFull).
   void NoteWritten(int connection, int64_t now_ns);
+  // Whether `connection` is full now, and what that changes for its sender's drain reports.
+  void NoteFull(int connection, bool full, int64_t now_ns);
+  // Senders' sent bytes: brings `sent` to now_ns, then a connection's rate changes to `rate`.
+  void SetRate(int connection, double rate, int64_t now_ns);
+  // A kDrained report of what `sender` sent since the last one, while saturated.
+  void ReportDrained(int sender, int64_t now_ns);
 
   LinkOptions options_;
   std::vector<Connection> connections_;

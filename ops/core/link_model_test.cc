@@ -77,6 +77,38 @@ TEST(SocketWindowPinsTheOrderAndWritesEarly) {
   EXPECT_EQ(WrittenAt(events, 3), 3 * kMs);
 }
 
+TEST(AFullSocketReportsWhatItTookAsDrains) {
+  // A 2,500-byte socket and ten 1,000-byte frames at once: the socket is full until the last
+  // frame fits in it (8 ms); the NIC's bytes meanwhile are reported, in reports that follow each
+  // other, each at the link's rate.
+  LinkModel link(Options(2, 2'500));
+  for (uint64_t tag = 1; tag <= 10; ++tag) link.Queue(0, Frame(0, 1, 1'000, 1, tag));
+  const std::vector<LinkEvent> events = Drain(&link);
+  double drained = 0;
+  int64_t previous = 0;
+  int reports = 0;
+  for (const LinkEvent& e : events) {
+    if (e.kind != LinkEvent::kDrained) continue;
+    ++reports;
+    drained += e.drained_bytes;
+    EXPECT_TRUE(e.drained_since_ns == previous && e.time_ns > e.drained_since_ns);
+    EXPECT_NEAR(e.drained_bytes / static_cast<double>(e.time_ns - e.drained_since_ns), 1e-3, 1e-9);
+    previous = e.time_ns;
+  }
+  EXPECT_EQ(reports, 8);
+  EXPECT_NEAR(drained, 8'000, 1e-6);
+  // A socket with room never fills: no drain; nor over loopback.
+  LinkModel roomy(Options(2, 1'000'000));
+  for (uint64_t tag = 1; tag <= 10; ++tag) roomy.Queue(0, Frame(0, 1, 1'000, 1, tag));
+  LinkOptions one_host = Options(2, 2'500);
+  one_host.workers_per_host = 2;
+  LinkModel local(one_host);
+  for (uint64_t tag = 1; tag <= 10; ++tag) local.Queue(0, Frame(0, 1, 1'000, 1, tag));
+  for (LinkModel* model : {&roomy, &local}) {
+    for (const LinkEvent& e : Drain(model)) EXPECT_TRUE(e.kind != LinkEvent::kDrained);
+  }
+}
+
 TEST(ConnectionsShareEgressAndIngress) {
   {
     LinkModel link(Options(3));

@@ -57,6 +57,7 @@ std::string PolicyStateJson(const SchedulerPolicy& policy) {
   std::snprintf(number, sizeof(number), ", \"bandwidth_Bps\": %.17g", policy.bandwidth()->estimate_Bps());
   out += number;
   out += ", \"bandwidth_samples\": " + std::to_string(policy.bandwidth()->samples_taken()) +
+         ", \"bandwidth_drained\": " + (policy.bandwidth()->drained() ? "true" : "false") +
          ", \"planned_blocks\": " + std::to_string(policy.planned_blocks()) + ", \"profile\": ";
   const ReadyTimeProfiler* profiler = policy.ready_time_profiler();
   if (profiler == nullptr || !profiler->has_profile()) return out + "null}";

@@ -157,8 +157,9 @@ class SchedulerPolicy {
   virtual void OnPushLeft(const SendTask& /*task*/) {}
   // Feedback: a push's sum came back. A policy that overrides this calls it.
   virtual void OnTransferDone(const TransferDone& d) { bandwidth_.OnTransfer(d.task.bytes, d.sent_ns, d.done_ns); }
-  // This worker's link goodput, measured from the completed transfers: the one estimate that both
-  // the planner and the timeline's bandwidth counter read.
+  // This worker's link rate (bandwidth.h: what its full sockets took, or before any filled, the
+  // completed transfers' goodput): the one estimate that the planner, the timeline's bandwidth
+  // counter and schedule="auto" read.
   BandwidthMonitor* bandwidth() { return &bandwidth_; }
   const BandwidthMonitor* bandwidth() const { return &bandwidth_; }
   virtual size_t queued() const = 0;
@@ -212,7 +213,8 @@ struct SchedulerOptions {
 std::unique_ptr<SchedulerPolicy> MakePolicy(const SchedulerOptions& options, std::string* error);
 
 // The policy's state for the Python package (ProphetStrategy(schedule="auto") decides from it):
-// {"schedule": ..., "bandwidth_Bps": ..., "bandwidth_samples": ..., "planned_blocks": ..., "profile": null or
+// {"schedule": ..., "bandwidth_Bps": ..., "bandwidth_samples": ..., "bandwidth_drained": true when
+//  the estimate is the link's rate from full sockets (bandwidth.h), "planned_blocks": ..., "profile": null or
 //  {"steps_observed": ..., "step_origin_ns": ..., "tensors": [{"name", "priority", "bytes",
 //  "ready_offset_ns"}, ...]}}. step_origin_ns is the open step's first gradient (-1: none).
 std::string PolicyStateJson(const SchedulerPolicy& policy);

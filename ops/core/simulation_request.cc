@@ -184,6 +184,11 @@ std::string PredictionJson(const StepPrediction& p) {
     if (i > 0) out += ", ";
     AppendNumber(p.periods_s[i], &out);
   }
+  out += "], \"bandwidth_samples_Bps\": [";
+  for (size_t i = 0; i < p.bandwidth_samples_Bps.size(); ++i) {
+    if (i > 0) out += ", ";
+    AppendNumber(p.bandwidth_samples_Bps[i], &out);
+  }
   out += "]";
   const std::pair<const char*, double> numbers[] = {
       {"single_step_s", p.single_step_s}, {"compute_s", p.compute_s},

@@ -799,7 +799,8 @@ void Simulation::ExchangeAdvance(int w, uint64_t key) {
     const int64_t arrived_ns = op.exchange_arrived_ns[op.exchange_next];
     if (arrived_ns < 0) return;
     if (op.exchange_sent_ns >= 0 && arrived_ns > op.exchange_sent_ns) {
-      // The engine's SmallAllreduce::MaybeReportTransfer: a round trip measures the link.
+      // The engine's SmallAllreduce::MaybeReportTransfer: a round trip (the monitor's estimate
+      // until a socket fills).
       TransferDone& done = scratch_done_;
       done.task = SendTask();
       done.task.name = units_[unit].name;
@@ -968,6 +969,12 @@ void Simulation::PlanUnits() {
 // The event loop
 
 void Simulation::HandleLink(const LinkEvent& e) {
+  if (e.kind == LinkEvent::kDrained) {
+    // The engine's Connection::Flush: a full socket took these bytes (the link's rate).
+    workers_[e.frame.src].policy->bandwidth()->OnDrained(static_cast<uint64_t>(e.drained_bytes + 0.5),
+                                                          e.drained_since_ns, e.time_ns);
+    return;
+  }
   const FrameInfo& info = frames_[e.frame.tag];
   if (e.kind == LinkEvent::kWritten) {
     // An owner is done with a partition once its sum is written to every peer's socket.
@@ -1107,6 +1114,7 @@ Status Simulation::Run(StepPrediction* prediction) {
   const double mean_step = static_cast<double>(measure_end_ns_ - measure_begin_ns_) / 1e9 / steps;
   if (p.comm_s > 0) p.overlap = std::min(1.0, std::max(0.0, (p.single_step_s + p.comm_s - mean_step) / p.comm_s));
   p.gate_wait_s = static_cast<double>(first.gate_wait_ns) / 1e9 / steps;
+  p.bandwidth_samples_Bps = bandwidth_samples_;
   if (!bandwidth_samples_.empty()) {
     std::vector<double> b = bandwidth_samples_;
     std::nth_element(b.begin(), b.begin() + b.size() / 2, b.end());

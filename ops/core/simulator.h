@@ -207,6 +207,7 @@ struct StepPrediction {
   double overlap = 0;                // share of comm_s that did not lengthen the step, [0, 1]
   double gate_wait_s = 0;            // worker 0's forward passes waiting for updates, per step
   double bandwidth_Bps = 0;          // worker 0's bandwidth estimate as a measured step begins (median)
+  std::vector<double> bandwidth_samples_Bps;  // that estimate at each measured step's beginning
   double messages_per_step = 0;      // frames worker 0 sent per measured step (every kind)
   double exchanged_per_step = 0;     // collectives per step that go by exchange (small_allreduce.h)
   std::string policy;                // the policy's Describe() at the end (worker 0)

@@ -2,7 +2,9 @@
 // and without ingress limits, latency and what the kernel's socket holds. The numbers were
 // printed by the simulator before its event loop and link model were made faster for N = 256
 // (commit "simulator: golden predictions"), before small tensors went by exchange (so they run
-// with RuntimeModel::small_allreduce off); a change of any of them is a change of the model,
+// with RuntimeModel::small_allreduce off), and before the runtime's bandwidth estimate became the
+// link's rate while a socket is full (issue 19: 7 prophet rows moved, its plans being made for
+// the link's rate instead of the round trips' goodput; no other row moved); a change of any of them is a change of the model,
 // which must be intended and stated, never a side effect of an optimisation. On a mismatch the
 // test prints the whole table as it is now, ready to paste after such an intended change.
 #include <cstdio>
@@ -99,11 +101,11 @@ const Golden kGoldens[] = {
     {{"priority", 3, 0}, 438386458, 3068168101, 51014532},
     {{"fifo", 3, 0}, 438386458, 3068168101, 51014532},
     {{"mwms", 3, 0}, 486410533, 3404873731, 50931516},
-    {{"prophet", 5, 0}, 531682953, 3714006126, 60698933},
+    {{"prophet", 5, 0}, 531682953, 3714006126, 60698517},
     {{"priority", 5, 0}, 531203302, 3717236629, 60762122},
     {{"fifo", 5, 0}, 531790902, 3717824229, 60799672},
     {{"mwms", 5, 0}, 572973757, 4010816299, 61118736},
-    {{"prophet", 8, 0}, 580270407, 4053055153, 66512749},
+    {{"prophet", 8, 0}, 580270407, 4061831644, 66657544},
     {{"priority", 8, 0}, 578781857, 4051926331, 66657544},
     {{"fifo", 8, 0}, 586389028, 4059728291, 66809667},
     {{"mwms", 8, 0}, 621674751, 4351723257, 66850126},
@@ -119,7 +121,7 @@ const Golden kGoldens[] = {
     {{"priority", 3, 1}, 59596714, 418154372, 50935302},
     {{"fifo", 3, 1}, 59596714, 418154372, 50935302},
     {{"mwms", 3, 1}, 97161057, 680127399, 50931516},
-    {{"prophet", 5, 1}, 67731224, 475817079, 60621650},
+    {{"prophet", 5, 1}, 67731223, 475354583, 60587933},
     {{"priority", 5, 1}, 67732176, 475820336, 60621399},
     {{"fifo", 5, 1}, 67732176, 475820336, 60621399},
     {{"mwms", 5, 1}, 106017381, 742121667, 61118736},
@@ -131,19 +133,19 @@ const Golden kGoldens[] = {
     {{"priority", 16, 1}, 83214506, 579267170, 70361352},
     {{"fifo", 16, 1}, 83214506, 579267170, 70361352},
     {{"mwms", 16, 1}, 117496193, 822473351, 71626590},
-    {{"prophet", 2, 2}, 167559528, 1176013041, 38186815},
+    {{"prophet", 2, 2}, 167545252, 1175998765, 38194691},
     {{"priority", 2, 2}, 166171254, 1174624767, 38158422},
     {{"fifo", 2, 2}, 166171254, 1174624767, 38158422},
     {{"mwms", 2, 2}, 215923539, 1511464773, 38198344},
-    {{"prophet", 3, 2}, 220581217, 1553440258, 50952089},
+    {{"prophet", 3, 2}, 222412407, 1555271448, 51076975},
     {{"priority", 3, 2}, 222783668, 1555642709, 51083216},
     {{"fifo", 3, 2}, 222783668, 1555642709, 51083216},
     {{"mwms", 3, 2}, 270021937, 1890153559, 50931516},
-    {{"prophet", 5, 2}, 271827008, 1884772892, 60889738},
+    {{"prophet", 5, 2}, 267706985, 1880543558, 60799672},
     {{"priority", 5, 2}, 267626640, 1880463213, 60799672},
     {{"fifo", 5, 2}, 267626640, 1880463213, 60799672},
     {{"mwms", 5, 2}, 313303549, 2193124843, 61118736},
-    {{"prophet", 8, 2}, 306873658, 2136080065, 66678623},
+    {{"prophet", 8, 2}, 311261904, 2140468311, 66826175},
     {{"priority", 8, 2}, 311261904, 2140468311, 66826175},
     {{"fifo", 8, 2}, 311261904, 2140468311, 66826175},
     {{"mwms", 8, 2}, 337654063, 2363578441, 66850126},

@@ -5,6 +5,7 @@
 // without ingress limits, and MultiWorkerMirroredStrategy's ring all-reduce.
 #include "ops/core/simulator.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -495,6 +496,68 @@ TEST(TwoHundredFiftySixWorkersFinishAboveTheIdealBound) {
         EXPECT_TRUE(p.step_s < 100 * bound.step_s);  // sane: not stuck behind a lost event
       }
     }
+  }
+}
+
+// A model with what makes round trips a poor measure of the link: 40 small biases (fused into
+// small buckets), 8 kernels of 4 MiB and 32 of 256 KiB, and an exchanged control collective; a
+// backward pass about as long as the link needs for the gradients (comm/comp about 1 at N = 2 and
+// 1 Gbit/s).
+StepProfile SmallBucketsAndLargeTensors() {
+  const uint64_t kKiB = 1024;
+  StepProfile profile;
+  const int layers = 40;
+  for (int i = 0; i < layers; ++i) {
+    profile.layers.push_back({"L" + std::to_string(i), 3 * kMs, 7 * kMs});
+    const int64_t ready = static_cast<int64_t>(layers - i) * 15 * kMs / 2;
+    const uint64_t kernel = i % 5 == 0 ? 4096 * kKiB : 256 * kKiB;
+    profile.tensors.push_back(Tensor("grad/L" + std::to_string(i) + "/kernel", kernel, 2 * (layers - i), i, ready));
+    profile.tensors.push_back(Tensor("grad/L" + std::to_string(i) + "/bias", 4 * kKiB, 2 * (layers - i) - 1, i, ready));
+  }
+  profile.backward_ns = layers * 15 * kMs / 2;
+  ModelTensor loss = Tensor("loss", 4, kControlPriority, -1, profile.backward_ns);
+  profile.tensors.push_back(loss);
+  profile.tail_ns = kMs;
+  profile.gap_ns = kMs;
+  return profile;
+}
+
+// The runtime's bandwidth estimate is the link's payload rate (bandwidth.h: what the NIC sent
+// while a socket was full), with fusion's small buckets, large tensors, an exchanged control
+// collective, N = 2 to 16, and long fat links; and it holds still from step to step (no swing for
+// the planner to follow). Round trips measured 3-40% of the link on such runs. Not here: a link
+// so fast for its N that no socket ever fills (N = 8 at 10 Gbit/s: 1.5 MB per socket holds every
+// push), where the estimate stays the round trips' goodput (bandwidth.h).
+TEST(TheBandwidthEstimateIsTheLinksPayloadRate) {
+  struct Setting {
+    int workers;
+    double link_bps;
+    int64_t latency_ns;
+  };
+  for (const Setting& setting : {Setting{2, 1e9, 0}, Setting{8, 1e9, 0}, Setting{2, 1e9, 50'000},
+                                 Setting{2, 10e9, 20 * kMs}, Setting{8, 2.5e9, 20 * kMs}, Setting{16, 1e9, 0}}) {
+    NetworkModel network;
+    network.workers = setting.workers;
+    network.link_Bps = setting.link_bps / 8;
+    network.latency_ns = setting.latency_ns;
+    RuntimeModel runtime;
+    runtime.fusion_bytes = kFusionAuto;
+    SimulationOptions options;
+    options.warmup_steps = 5;
+    options.steps = 10;
+    const StepPrediction p = Run(SmallBucketsAndLargeTensors(), network, runtime, options);
+    const double link_Bps = network.link_Bps * network.payload_efficiency;
+    double low = p.bandwidth_Bps, high = p.bandwidth_Bps;
+    for (double b : p.bandwidth_samples_Bps) {
+      low = std::min(low, b);
+      high = std::max(high, b);
+    }
+    std::printf("N=%d, %.1f Gbit/s, latency %.2f ms: estimate %.1f MB/s (steps %.1f..%.1f), link %.1f MB/s; %s\n",
+                setting.workers, setting.link_bps / 1e9, static_cast<double>(setting.latency_ns) / 1e6,
+                p.bandwidth_Bps / 1e6, low / 1e6, high / 1e6, link_Bps / 1e6, p.policy.c_str());
+    EXPECT_EQ(p.bandwidth_samples_Bps.size(), static_cast<size_t>(options.steps));
+    EXPECT_NEAR(p.bandwidth_Bps / link_Bps, 1.0, 0.15);
+    EXPECT_TRUE(high <= 1.1 * low);
   }
 }
 

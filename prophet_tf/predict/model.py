@@ -209,6 +209,8 @@ class Prediction:
     exchanged_per_step: float     # collectives per step by exchange (ops/core/small_allreduce.h)
     periods_s: list[float]
     tensor_times: list[dict[str, Any]]
+    # That estimate at each measured step's beginning (how steady it is).
+    bandwidth_samples_Bps: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def speedup(self) -> float:
@@ -359,7 +361,8 @@ def predict(profile: Profile, *, workers: int, bandwidth_bps: float, schedule: s
                       gate_wait_s=data["gate_wait_s"], bandwidth_Bps=data["bandwidth_Bps"],
                       policy=data["policy"], messages_per_step=data["messages_per_step"],
                       exchanged_per_step=data["exchanged_per_step"],
-                      periods_s=list(data["periods_s"]), tensor_times=times)
+                      periods_s=list(data["periods_s"]), tensor_times=times,
+                      bandwidth_samples_Bps=list(data.get("bandwidth_samples_Bps", [])))
 
 
 def predict_many(profile: Profile, *, workers: Sequence[int], bandwidths_bps: Sequence[float],
