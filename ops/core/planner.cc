@@ -95,17 +95,24 @@ Plan MakePlan(const Profile& profile, double bandwidth_Bps) {
     block.start_offset_ns = stage.start_offset_ns;
     const double budget = std::max(0.0, bandwidth_Bps) * static_cast<double>(stage.interval_ns) / 1e9;
     block.budget_bytes = static_cast<uint64_t>(std::floor(budget));
-    size_t taken = 0;
+    // The most urgent candidates bigger than the whole budget are held for the credit phase (see
+    // planner.h): as a block of their own they would hold the link for longer than the stage,
+    // and no more urgent gradient may overtake a block.
+    size_t held = 0;
+    while (held < candidates.size() && profile.tensors[candidates[held]].bytes > block.budget_bytes) {
+      ++held;
+    }
+    size_t taken = held;
     while (taken < candidates.size()) {
       const ProfiledTensor& tensor = profile.tensors[candidates[taken]];
-      if (taken > 0 && block.bytes + tensor.bytes > block.budget_bytes) break;
+      if (block.bytes + tensor.bytes > block.budget_bytes) break;
       block.bytes += tensor.bytes;
       block.members.push_back(tensor.name);
       plan.block_of[tensor.name] = static_cast<int>(plan.blocks.size());
       ++taken;
     }
     candidates.erase(candidates.begin(), candidates.begin() + taken);
-    plan.blocks.push_back(std::move(block));
+    if (!block.members.empty()) plan.blocks.push_back(std::move(block));
   }
   return plan;
 }

@@ -27,8 +27,10 @@
 //    tensor of higher priority) is ready, the open block's queued partitions are released and then
 //    everything left goes under the credit in priority order (the first layer may overtake
 //    released partitions of the block that have not started: the connection's queue is in
-//    priority order). Tensors that fit in no block and tensors the profile does not know yet are
-//    held for this phase, but only while the plan keeps the link busy: when everything this policy
+//    priority order). Tensors that fit in no block (a tensor bigger than its stage's budget is
+//    one of them: as a block it would hold the more urgent ones back for longer than the stage,
+//    see planner.h) and tensors the profile does not know yet are held for this phase, but only
+//    while the plan keeps the link busy: when everything this policy
 //    released has left and the open block waits for members that are not ready (and no later
 //    block has data), or every block ended before the first layer, the held tensors go under the
 //    credit, most urgent first, rather than the link idling (it idled 42% of the backward pass of

@@ -35,18 +35,15 @@ struct Layer {
 const Layer kLayers[] = {{"g5", 0, 2, 0},       {"g4", 1, 1, kMs / 10},
                          {"g3", 2, 1, 10 * kMs}, {"g2", 3, 1, 10 * kMs + kMs / 10},
                          {"g1", 4, 1, 20 * kMs}, {"g0", 5, 1, 20 * kMs + kMs / 10}};
-const Layer& LayerOf(const std::string& name) {
-  for (const Layer& layer : kLayers) {
-    if (name == layer.name) return layer;
-  }
-  return kLayers[0];
-}
+using Layers = std::vector<Layer>;
+const Layers kModel(std::begin(kLayers), std::end(kLayers));
 
 // Plays the engine: announces tensors, enqueues their partitions, asks for tasks and simulates a
 // link of `link_Bps` that sends released tasks one after another, reporting them as done.
 class Harness {
  public:
-  explicit Harness(double link_Bps) : link_Bps_(link_Bps) {
+  explicit Harness(double link_Bps, const Layers& layers = kModel)
+      : link_Bps_(link_Bps), layers_(layers) {
     ProphetOptions options;
     options.profiler.warmup_steps = 0;  // synthetic steps have no tracing step to skip
     options.profiler.min_steps = 1;
@@ -58,6 +55,13 @@ class Harness {
   void set_link_Bps(double link_Bps) { link_Bps_ = link_Bps; }
   // Compressed gradients: the tensors announced are twice the bytes their tasks carry.
   void set_tensor_bytes_per_wire_byte(uint64_t ratio) { tensor_per_wire_ = ratio; }
+
+  const Layer& LayerOf(const std::string& name) const {
+    for (const Layer& layer : layers_) {
+      if (name == layer.name) return layer;
+    }
+    return layers_.front();
+  }
 
   void Ready(const std::string& name, uint64_t round, int64_t offset_ns) {
     const Layer& layer = LayerOf(name);
@@ -158,7 +162,7 @@ class Harness {
   // As the engine does, the policy is asked again when what it released has left.
   std::string RunProfiledStep(uint64_t round) {
     std::string order;
-    for (const Layer& layer : kLayers) {
+    for (const Layer& layer : layers_) {
       ReadyAtProfiledTime(layer.name, round);
       for (std::string released; !(released = Dequeue(kLargeCredit, round, layer.offset_ns)).empty();)
         order += (order.empty() ? "" : ",") + released;
@@ -168,6 +172,7 @@ class Harness {
 
  private:
   double link_Bps_;
+  Layers layers_;
   uint64_t tensor_per_wire_ = 1;
   std::unique_ptr<ProphetPolicy> policy_;
   std::vector<std::unique_ptr<std::string>> names_;
@@ -302,6 +307,49 @@ TEST(NoNewBlockUntilTheOpenOneHasLeft) {
   EXPECT_EQ(h.policy().pushes_unsent(), 4u);
   while (h.unsent() > 0) h.LeaveOne();
   EXPECT_EQ(h.policy().pushes_unsent(), 0u);
+  EXPECT_EQ(h.policy().queued(), 0u);
+}
+
+// VGG16's shape: a big, low-priority gradient (fc, 4 MB in 8 partitions) is ready alone in stage 0;
+// the more urgent c3, c2, c1 follow at 10 ms, cb and c0 (the first layer) at 20 ms:
+//   stages {fc} | {c3, c2, c1} | {cb, c0}, 10 ms each; at 120 MB/s a stage carries 1.2 MB.
+// fc is bigger than stage 0's budget: it joins no block (as a block of its own it would hold the
+// link for 33 ms while c1 and c2 wait behind it). It fills the idle link one credit at a time, and
+// block {c1, c2} overtakes what is left of it; then c3 and fc in priority order.
+TEST(TensorBiggerThanItsBudgetDoesNotHoldBackMoreUrgentOnes) {
+  const Layers model = {{"fc", 0, 8, 0},           {"c3", 1, 1, 10 * kMs},
+                        {"c2", 2, 1, 10 * kMs + kMs / 10}, {"c1", 3, 1, 10 * kMs + 2 * kMs / 10},
+                        {"cb", 4, 1, 20 * kMs},   {"c0", 5, 1, 20 * kMs + kMs / 10}};
+  Harness h(120e6, model);
+  h.RunProfiledStep(0);  // priority order, leaves a profile and a bandwidth estimate
+  h.ReadyAtProfiledTime("fc", 1);
+  EXPECT_TRUE(h.policy().blocks_active());
+  const Plan& plan = h.policy().plan();
+  EXPECT_EQ(plan.blocks.size(), 1u);
+  if (plan.blocks.size() != 1) return;
+  EXPECT_EQ(Members(plan.blocks[0]), std::string("c1,c2"));
+  EXPECT_EQ(plan.BlockOf("fc"), -1);
+  // One partition may wait in this worker at a time (the credit): fc fills the idle link.
+  EXPECT_EQ(h.DequeueUnsent(kHalfMB, 1, 0), std::string("fc"));
+  h.LeaveOne();
+  EXPECT_EQ(h.DequeueUnsent(kHalfMB, 1, 5 * kMs), std::string("fc"));
+  h.LeaveOne();
+  for (const char* name : {"c3", "c2", "c1"}) h.ReadyAtProfiledTime(name, 1);
+  // The block goes before the six partitions of fc still queued.
+  EXPECT_EQ(h.DequeueUnsent(kHalfMB, 1, 10 * kMs + 2 * kMs / 10), std::string("c1"));
+  h.LeaveOne();
+  EXPECT_EQ(h.DequeueUnsent(kHalfMB, 1, 11 * kMs), std::string("c2"));
+  h.LeaveOne();
+  // Every block ended: what is held goes in priority order, c3 before fc.
+  EXPECT_EQ(h.DequeueUnsent(kHalfMB, 1, 12 * kMs), std::string("c3"));
+  h.LeaveOne();
+  EXPECT_EQ(h.DequeueUnsent(kHalfMB, 1, 13 * kMs), std::string("fc"));
+  h.LeaveOne();
+  h.ReadyAtProfiledTime("cb", 1);
+  h.ReadyAtProfiledTime("c0", 1);
+  EXPECT_EQ(h.DequeueUnsent(kLargeCredit, 1, 20 * kMs + kMs / 10),
+            std::string("c0,cb,fc,fc,fc,fc,fc"));
+  while (h.unsent() > 0) h.LeaveOne();
   EXPECT_EQ(h.policy().queued(), 0u);
 }
 
