@@ -545,7 +545,7 @@ void Simulation::EnqueuePush(int w, int step, int tensor, int partition, int own
 void Simulation::Pump(int w) {
   Worker& worker = workers_[w];
   if (worker.policy->queued() > 0) {
-    const uint64_t credit = runtime_.credit_bytes;
+    const uint64_t credit = ResolveCreditBytes(runtime_.credit_bytes, n_, runtime_.partition_bytes);
     std::vector<SendTask>& tasks = released_;
     tasks.clear();
     worker.policy->Dequeue(worker.unsent_push_bytes < credit ? credit - worker.unsent_push_bytes : 0, now_ns_, &tasks);
@@ -1178,8 +1178,8 @@ Status Simulate(const StepProfile& profile, const NetworkModel& network, const R
     return Status(Code::kInvalidArgument, "need at least one measured step and no negative warm-up");
   }
   if (profile.layers.empty()) return Status(Code::kInvalidArgument, "the profile has no layer");
-  if (runtime.partition_bytes < 64 || runtime.credit_bytes < 1) {
-    return Status(Code::kInvalidArgument, "partition_bytes must be at least 64 and credit_bytes positive");
+  if (runtime.partition_bytes < 64) {
+    return Status(Code::kInvalidArgument, "partition_bytes must be at least 64");
   }
   if (runtime.schedule != "mwms") {
     std::string error;
