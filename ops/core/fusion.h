@@ -92,7 +92,7 @@ uint64_t ResolveFusionBytes(int64_t setting, int world_size, double link_Bps);
 // most urgent bucket, which the next step's first layers wait for, becomes ready when the
 // backward pass ends: everything it carries (and waits for) is on the step's critical path. A
 // bucket of the full size there held up to bucket_bytes back until the backward pass ended (the
-// whole of ResNet50 at N = 256, 6.3 MB at N = 16 and 100 Gbit/s, 4.2 ms of every step). Sizes
+// whole of ResNet50 at N = 256; 6.3 MB at N = 16 and 100 Gbit/s, predicted). Sizes
 // that double from the most urgent end keep that tail to one owner's share, while a less urgent
 // bucket is ready before the more urgent bytes it may equal, which the links still carry after it.
 uint64_t FusionBucketCap(uint64_t ahead_bytes, int world_size, uint64_t bucket_bytes);
