@@ -89,7 +89,8 @@ def init(
         to each other that they hold it (HMAC-SHA256 over fresh nonces; it never travels).
       schedule: one of :func:`schedules`.
       partition_bytes: tensors are cut into partitions of at most this size.
-      credit_bytes: bytes of released partitions that may wait to leave this worker at once.
+      credit_bytes: bytes of released partitions that may wait to leave this worker at once
+        (0, the default: max(16 MiB, (world_size - 1) x partition_bytes)).
       replan_threshold: the ``prophet`` policy re-plans when the measured bandwidth or a stage
         interval moves by more than this fraction.
       timeout_s: an operation not completed within this time fails instead of hanging

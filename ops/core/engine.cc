@@ -46,13 +46,15 @@ struct Engine::Impl : public Connection::Handler,
                       public FailuresHost,
                       public TimeoutsHost {
   // Early PUSHes arrive from every peer that is ahead; a credit and a partition per peer is
-  // worth keeping warm.
-  explicit Impl(const EngineOptions& o)
+  // worth keeping warm (the credit as set: the automatic one, which grows with N, counts as
+  // kMinCreditBytes here, so the pool does not grow with N squared).
+  Impl(const EngineOptions& o, uint64_t credit_setting)
       : options_(o),
         early(o),
         failures(this, o.world_size),
         timeouts(this),
-        buffers(static_cast<uint64_t>(std::max(o.world_size - 1, 0)) * (o.credit_bytes + o.partition_bytes)) {}
+        buffers(static_cast<uint64_t>(std::max(o.world_size - 1, 0)) *
+                ((credit_setting == kCreditAuto ? kMinCreditBytes : credit_setting) + o.partition_bytes)) {}
 
   EngineOptions options_;
   int epoll_fd = -1;
@@ -239,7 +241,16 @@ struct Engine::Impl : public Connection::Handler,
 // ------------------------------------------------------------------------------------------------
 // Lifecycle
 
-Engine::Engine(const EngineOptions& options) : options_(options), impl_(new Impl(options)) {}
+namespace {
+
+EngineOptions Resolved(EngineOptions options) {
+  options.credit_bytes = ResolveCreditBytes(options.credit_bytes, options.world_size, options.partition_bytes);
+  return options;
+}
+
+}  // namespace
+
+Engine::Engine(const EngineOptions& options) : options_(Resolved(options)), impl_(new Impl(options_, options.credit_bytes)) {}
 
 Status Engine::Start(const EngineOptions& options, std::unique_ptr<Engine>* out) {
   std::unique_ptr<Engine> engine(new Engine(options));

@@ -1,5 +1,6 @@
 #include "ops/core/engine_options.h"
 
+#include <algorithm>
 #include <charconv>
 #include <sstream>
 
@@ -7,6 +8,12 @@
 #include "ops/core/wire.h"
 
 namespace prophet {
+
+uint64_t ResolveCreditBytes(uint64_t setting, int world_size, uint64_t partition_bytes) {
+  if (setting != kCreditAuto) return setting;
+  const uint64_t peers = static_cast<uint64_t>(std::max(world_size - 1, 1));
+  return std::max(kMinCreditBytes, peers * partition_bytes);
+}
 
 Status ParseEngineOptions(const std::string& text, EngineOptions* o) {
   std::istringstream in(text);
@@ -68,7 +75,6 @@ Status ParseEngineOptions(const std::string& text, EngineOptions* o) {
                       "explicitly with allow_no_token=True (or PROPHET_ALLOW_NO_TOKEN=1), which lets any process "
                       "that can reach the workers' ports join the job");
   if (o->partition_bytes < 64) return Status(Code::kInvalidArgument, "partition_bytes must be at least 64");
-  if (o->credit_bytes < 1) return Status(Code::kInvalidArgument, "credit_bytes must be positive");
   if (o->timeout_s <= 0) return Status(Code::kInvalidArgument, "timeout_s must be positive");
   if (o->max_early_bytes < o->partition_bytes)
     return Status(Code::kInvalidArgument, "max_early_bytes (" + std::to_string(o->max_early_bytes) +

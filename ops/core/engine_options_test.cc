@@ -60,6 +60,19 @@ TEST(AMultiWorkerJobNeedsATokenUnlessAllowed) {
   EXPECT_TRUE(ParseEngineOptions("rank=0\nworld_size=1", &o).ok());  // one worker: no network, no token
 }
 
+// The default credit grows with N: one partition per peer, at least 16 MiB; a setting stays.
+TEST(CreditFollowsTheWorkers) {
+  EXPECT_EQ(EngineOptions().credit_bytes, kCreditAuto);
+  EXPECT_EQ(ResolveCreditBytes(kCreditAuto, 2, 4u << 20), uint64_t{16} << 20);
+  EXPECT_EQ(ResolveCreditBytes(kCreditAuto, 5, 4u << 20), uint64_t{16} << 20);
+  EXPECT_EQ(ResolveCreditBytes(kCreditAuto, 16, 4u << 20), uint64_t{60} << 20);
+  EXPECT_EQ(ResolveCreditBytes(kCreditAuto, 256, 1u << 20), uint64_t{255} << 20);
+  EXPECT_EQ(ResolveCreditBytes(1000, 256, 4u << 20), 1000u);
+  EngineOptions o;
+  EXPECT_TRUE(ParseEngineOptions("rank=0\nworld_size=1\ncredit_bytes=0", &o).ok());
+  EXPECT_EQ(o.credit_bytes, kCreditAuto);
+}
+
 TEST(ConstantsForPythonComeFromTheCore) {
   const std::string json = RuntimeConstantsJson();
   for (const char* name : kScheduleNames) EXPECT_TRUE(Contains(json, std::string("\"") + name + "\""));

@@ -46,6 +46,11 @@ uint64_t ResolveFusionBytes(int64_t setting, int world_size, double link_Bps) {
   return static_cast<uint64_t>(std::max<int64_t>(0, setting));
 }
 
+uint64_t FusionBucketCap(uint64_t ahead_bytes, int world_size, uint64_t bucket_bytes) {
+  const uint64_t owner_bytes = bucket_bytes / static_cast<uint64_t>(std::max(world_size, 1));
+  return std::min(bucket_bytes, std::max(owner_bytes, ahead_bytes));
+}
+
 namespace {
 
 FusionBucket Alone(const std::vector<FusionInput>& tensors, int i) {
@@ -83,6 +88,8 @@ std::vector<FusionBucket> PlanFusion(const std::vector<FusionInput>& tensors, in
   };
   std::vector<FusionBucket> buckets;
   FusionBucket open;  // the bucket being filled (no members: none)
+  uint64_t open_cap = 0;    // the open bucket closes once it holds this much (FusionBucketCap)
+  uint64_t ahead_bytes = 0; // bytes of every tensor before the current one in priority order
   auto close = [&] {
     if (open.members.empty()) return;
     if (open.fused()) {
@@ -95,6 +102,8 @@ std::vector<FusionBucket> PlanFusion(const std::vector<FusionInput>& tensors, in
   };
   for (const int i : order) {
     const FusionInput& t = tensors[i];
+    const uint64_t before = ahead_bytes;
+    ahead_bytes += t.bytes;
     if (!fusable(i)) {
       close();
       buckets.push_back(Alone(tensors, i));
@@ -105,11 +114,12 @@ std::vector<FusionBucket> PlanFusion(const std::vector<FusionInput>& tensors, in
     if (open.members.empty()) {
       open.element_size = t.element_size;
       open.priority = t.priority;
+      open_cap = FusionBucketCap(before, world_size, bucket_bytes);
     }
     open.members.push_back(i);
     open.offsets.push_back(open.bytes);
     open.bytes += t.bytes;
-    if (open.bytes >= bucket_bytes) close();
+    if (open.bytes >= open_cap) close();
   }
   close();
   return buckets;

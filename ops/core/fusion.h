@@ -86,10 +86,22 @@ constexpr double kFusionAssumedLink_Bps = 1.25e9;
 // setting.
 uint64_t ResolveFusionBytes(int64_t setting, int world_size, double link_Bps);
 
+// How large a bucket may grow whose first member has `ahead_bytes` of more urgent tensors before
+// it (in priority order): as large as those together, at least one owner's share (bucket_bytes /
+// N), at most bucket_bytes. Why: a bucket leaves when its most urgent member is ready, and the
+// most urgent bucket, which the next step's first layers wait for, becomes ready when the
+// backward pass ends: everything it carries (and waits for) is on the step's critical path. A
+// bucket of the full size there held up to bucket_bytes back until the backward pass ended (the
+// whole of ResNet50 at N = 256; 6.3 MB at N = 16 and 100 Gbit/s, predicted). Sizes
+// that double from the most urgent end keep that tail to one owner's share, while a less urgent
+// bucket is ready before the more urgent bytes it may equal, which the links still carry after it.
+uint64_t FusionBucketCap(uint64_t ahead_bytes, int world_size, uint64_t bucket_bytes);
+
 // Buckets in priority order (most urgent first; equal priorities by name): runs of consecutive
 // fusable tensors of one fuse_key, each smaller than N x min_split_bytes (larger ones already
-// spread over every owner and travel alone), closed once they reach `bucket_bytes` or when the
-// next tensor cannot join. Every input is in exactly one bucket. bucket_bytes == 0: no fusion
+// spread over every owner and travel alone), closed once they reach their cap (FusionBucketCap:
+// sizes that double from the most urgent bucket up to `bucket_bytes`) or when the next tensor
+// cannot join. Every input is in exactly one bucket. bucket_bytes == 0: no fusion
 // (every tensor its own bucket). Inputs must have distinct names.
 std::vector<FusionBucket> PlanFusion(const std::vector<FusionInput>& tensors, int world_size, uint64_t bucket_bytes,
                                      uint64_t min_split_bytes = 64 * 1024);

@@ -105,12 +105,13 @@ TEST(BucketsSpreadOverEveryOwnerTheyCanFeed) {
 }
 
 TEST(FusesRunsInPriorityOrder) {
-  // Given in no particular order; 4 workers, buckets of 100 kB.
+  // Given in no particular order; 4 workers, buckets of 200 kB (50 kB per owner).
   std::vector<FusionInput> in = {In("c", 30000, 7), In("a", 40000, 9), In("big", 4 * 64 * kKiB, 8),
-                                 In("b", 40000, 10), In("d", 50000, 6), In("e", 60000, 5), In("f", 4, 4)};
-  const std::vector<FusionBucket> plan = PlanFusion(in, 4, 100000);
+                                 In("b", 40000, 10), In("d", 50000, 6), In("e", 130000, 5), In("f", 4, 4)};
+  const std::vector<FusionBucket> plan = PlanFusion(in, 4, 200000);
   EXPECT_TRUE(Covers(in, plan));
-  // b(10) a(9) | big(8) alone, spread already | c(7) d(6) e(5): 140 kB >= 100 kB closes | f(4)
+  // b(10) a(9): 80 kB >= one owner's 50 kB closes the most urgent bucket | big(8) alone, spread
+  // already | c(7) d(6) e(5): 210 kB >= 200 kB closes | f(4)
   EXPECT_EQ(plan.size(), 4u);
   EXPECT_EQ(plan[0].name, std::string("fused:b..a/2"));
   EXPECT_EQ(plan[0].bytes, 80000u);
@@ -120,6 +121,60 @@ TEST(FusesRunsInPriorityOrder) {
   EXPECT_EQ(plan[2].offsets[2], 80000u);
   EXPECT_EQ(plan[3].name, std::string("f"));  // alone: keeps its own name, so its unfused owners
   EXPECT_TRUE(!plan[3].fused());
+}
+
+// The most urgent bucket leaves when the backward pass ends, so it holds one owner's share;
+// every later bucket may be as large as all more urgent tensors together, up to the bucket size.
+TEST(BucketSizesDoubleFromTheMostUrgent) {
+  EXPECT_EQ(FusionBucketCap(0, 16, 640000), 40000u);
+  EXPECT_EQ(FusionBucketCap(100000, 16, 640000), 100000u);
+  EXPECT_EQ(FusionBucketCap(10000000, 16, 640000), 640000u);
+  std::vector<FusionInput> in;
+  for (int i = 0; i < 128; ++i) in.push_back(In("t" + std::to_string(1000 + i), 10000, 1000 - i));
+  const std::vector<FusionBucket> plan = PlanFusion(in, 16, 640000);
+  EXPECT_TRUE(Covers(in, plan));
+  std::vector<uint64_t> sizes;
+  for (const FusionBucket& b : plan) sizes.push_back(b.bytes);
+  const std::vector<uint64_t> expected = {40000, 40000, 80000, 160000, 320000, 640000};
+  EXPECT_TRUE(sizes == expected);
+  for (size_t i = 0; i < sizes.size(); ++i) std::printf("bucket %zu: %llu bytes\n", i, static_cast<unsigned long long>(sizes[i]));
+}
+
+// The step's tail after the backward pass: 120 gradients of 3,000 bytes on 16 workers at 1 Gbit/s,
+// ready one every 250 us over a 30 ms backward pass (the most urgent last). The links keep up, so
+// what the next step's first layer waits for is the most urgent bucket, sent when the backward
+// pass ends: one owner's share (22.5 kB, about 0.4 ms there and back). With buckets of the full
+// size (360 kB) it held every gradient back until the backward pass ended: about 6 ms.
+TEST(TheMostUrgentBucketFinishesSoonAfterTheBackwardPass) {
+  StepProfile profile;
+  profile.layers = {{"all", 5'000'000, 0}};
+  for (int i = 0; i < 120; ++i) {
+    ModelTensor t;
+    t.name = "grad/" + std::to_string(1000 + i);
+    t.bytes = 3000;
+    t.priority = 1000 - i;
+    t.layer = 0;
+    t.ready_ns = 30'000'000 - 250'000 * i;
+    profile.tensors.push_back(t);
+  }
+  profile.backward_ns = 30'000'000;
+  NetworkModel network;
+  network.workers = 16;
+  network.link_Bps = 125e6;
+  SimulationOptions options;
+  options.warmup_steps = 2;
+  options.steps = 3;
+  RuntimeModel runtime;
+  runtime.schedule = "priority";
+  runtime.cross_barrier = false;
+  runtime.fusion_bytes = kFusionAuto;
+  StepPrediction p;
+  EXPECT_TRUE(Simulate(profile, network, runtime, options, &p).ok());
+  const double backward_end_s = 5e-3 + 30e-3;
+  const double tail_s = p.tensor_times[0].done_s - backward_end_s;
+  std::printf("16 workers: the most urgent gradient is summed %.2f ms after the backward pass\n", tail_s * 1e3);
+  EXPECT_TRUE(tail_s > 0);
+  EXPECT_TRUE(tail_s < 1.5e-3);
 }
 
 TEST(KeysAndUnfusableSplitRuns) {

@@ -117,9 +117,10 @@ struct NetworkModel {
   uint64_t max_socket_buffer_bytes = 0;
   uint64_t autotuned_socket_buffer_bytes = 4u << 20;
   uint64_t socket_unsent_bytes = static_cast<uint64_t>(EngineOptions().socket_unsent_bytes);
-  // What TCP keeps queued below the socket (the host's qdisc and NIC), as time at the link rate:
-  // TCP small queues allow about 1 ms of the connection's pacing rate, which runs above the link
-  // rate while TCP probes for bandwidth.
+  // What TCP keeps queued below the sockets (the host's qdisc and NIC), as time at the link rate:
+  // TCP small queues allow about 1 ms of each connection's pacing rate, which runs above its rate
+  // while TCP probes for bandwidth; the connections leaving a host share it
+  // (KernelSendBufferBytes).
   double sender_queue_s = 1e-3;
   double sum_Bps = 0;               // an owner's summation rate (0: instant)
   // CPU time of one frame on the engine's I/O thread, which handles a worker's frames one at a
@@ -143,8 +144,10 @@ struct NetworkModel {
 //    emulated cluster, veth + tbf at 983 Mbit/s: a saturated connection held 6.2-8.3 MB);
 //    autotuned, it grows up to net.ipv4.tcp_wmem's maximum (4.2 MB measured at 2 Gbit/s).
 //  - With TCP_NOTSENT_LOWAT the unsent part stays within socket_unsent_bytes, and what is sent
-//    but still queued in the host is about sender_queue_s of the link. (Measured on the emulated
-//    cluster with a 256 KiB limit, at 1 and 2 Gbit/s: 0.3 MB unsent, and 0.3 and 0.8 MB sent and
+//    but still queued in the host is about sender_queue_s of the connection's rate: its share of
+//    the host's egress when every connection leaving the host is busy (TCP small queues: about
+//    1 ms of the socket's own pacing rate each, so about sender_queue_s of the link together).
+//    (Measured on the emulated cluster with a 256 KiB limit, at 1 and 2 Gbit/s: 0.3 MB unsent, and 0.3 and 0.8 MB sent and
 //    not yet acknowledged, which includes what has arrived but whose acknowledgement is late.)
 uint64_t KernelSendBufferBytes(const NetworkModel& network);
 

@@ -205,6 +205,41 @@ TEST(UrgentPushesWaitBehindWhatTheKernelHolds) {
   EXPECT_EQ(KernelSendBufferBytes(NetworkModel()), static_cast<uint64_t>(EngineOptions().socket_unsent_bytes) + 125'000);
 }
 
+// What TCP queues below the sockets is about sender_queue_s of the link in all, shared by the
+// connections leaving a host (each gets its share of the link, and TCP small queues keep about
+// 1 ms of a connection's own rate): 5 workers on 1 MB/s links, 40 ms (40,000 bytes) below the
+// sockets, so 10,000 bytes per connection. Every worker pushes 100,000-byte bulk tensors, cut into
+// 1,000-byte partitions spread over every owner, when the backward pass starts; an urgent
+// 1,000-byte tensor owned by worker 0 is
+// ready 10 ms later. Its pushes wait behind at most 4 connections x 10,000 bytes at each sender,
+// its sum again at worker 0: at most about 2 x 40 ms plus its own bytes (54 ms here). Counting
+// 40,000 bytes for each connection (the whole link's 40 ms per peer) made it 174 ms.
+TEST(UrgentPushesWaitBehindOneQueueOfTheLinkNotOnePerPeer) {
+  constexpr int kWorkers = 5;
+  StepProfile profile;
+  profile.layers = {{"only", 10 * kMs, 0}};
+  profile.backward_ns = 10 * kMs;
+  for (int owner = 0; owner < kWorkers; ++owner)
+    profile.tensors.push_back(Tensor(NameOwnedBy("bulk" + std::to_string(owner), owner, kWorkers), 100'000, 0, 0, 0));
+  profile.tensors.push_back(Tensor(NameOwnedBy("urgent", 0, kWorkers), 1'000, 1, 0, 10 * kMs));
+  RuntimeModel runtime = OwnerPath();
+  runtime.schedule = "priority";
+  runtime.cross_barrier = false;
+  runtime.partition_bytes = 1'000;
+  NetworkModel network = SlowNetwork(kWorkers);
+  network.autotuned_socket_buffer_bytes = 1'000'000'000;
+  network.socket_unsent_bytes = 1;
+  network.sender_queue_s = 0.040;
+  EXPECT_EQ(KernelSendBufferBytes(network), 10'001u);
+  NetworkModel two = network;
+  two.workers = 2;  // one connection: all of it
+  EXPECT_EQ(KernelSendBufferBytes(two), 40'001u);
+  const StepPrediction p = Run(profile, network, runtime);
+  const double waited_ms = (p.tensor_times[kWorkers].done_s - p.tensor_times[kWorkers].ready_s) / kMsS;
+  std::printf("urgent push_pull behind 4 loaded connections: %.1f ms\n", waited_ms);
+  EXPECT_TRUE(waited_ms > 40 && waited_ms < 90);
+}
+
 // The byte credit returns when a push has left this worker (the engine's OnPushLeft), not when its
 // sum is back. Worker 0 pushes two 10,000-byte tensors to worker 1 with a credit of one of them,
 // when the backward pass starts (b); the kernel holds nothing, so a push leaves with its last byte:
