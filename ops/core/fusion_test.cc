@@ -29,6 +29,39 @@ FusionInput In(const std::string& name, uint64_t bytes, int64_t priority, uint64
 }
 
 // Every input once; members contiguous in the bucket; members in priority order.
+struct SmallGradient {
+  std::string name;
+  uint64_t bytes;
+  int64_t priority;
+  int64_t ready_ns;
+};
+
+// A model of one layer (forward_ns) whose `count` gradients are described by gradient(i).
+template <typename Gradient>
+StepProfile OneLayerOfSmallGradients(int64_t forward_ns, int64_t backward_ns, int count, Gradient gradient) {
+  StepProfile profile;
+  profile.layers = {{"all", forward_ns, 0}};
+  for (int i = 0; i < count; ++i) {
+    const SmallGradient g = gradient(i);
+    ModelTensor t;
+    t.name = g.name;
+    t.bytes = g.bytes;
+    t.priority = g.priority;
+    t.layer = 0;
+    t.ready_ns = g.ready_ns;
+    profile.tensors.push_back(t);
+  }
+  profile.backward_ns = backward_ns;
+  return profile;
+}
+
+NetworkModel SixteenWorkersAt1Gbit() {
+  NetworkModel network;
+  network.workers = 16;
+  network.link_Bps = 125e6;
+  return network;
+}
+
 bool Covers(const std::vector<FusionInput>& in, const std::vector<FusionBucket>& plan) {
   std::vector<int> seen(in.size(), 0);
   for (const FusionBucket& b : plan) {
@@ -146,21 +179,11 @@ TEST(BucketSizesDoubleFromTheMostUrgent) {
 // pass ends: one owner's share (22.5 kB, about 0.4 ms there and back). With buckets of the full
 // size (360 kB) it held every gradient back until the backward pass ended: about 6 ms.
 TEST(TheMostUrgentBucketFinishesSoonAfterTheBackwardPass) {
-  StepProfile profile;
-  profile.layers = {{"all", 5'000'000, 0}};
-  for (int i = 0; i < 120; ++i) {
-    ModelTensor t;
-    t.name = "grad/" + std::to_string(1000 + i);
-    t.bytes = 3000;
-    t.priority = 1000 - i;
-    t.layer = 0;
-    t.ready_ns = 30'000'000 - 250'000 * i;
-    profile.tensors.push_back(t);
-  }
-  profile.backward_ns = 30'000'000;
-  NetworkModel network;
-  network.workers = 16;
-  network.link_Bps = 125e6;
+  const StepProfile profile = OneLayerOfSmallGradients(
+      5'000'000, 30'000'000, 120, [](int i) {
+        return SmallGradient{"grad/" + std::to_string(1000 + i), 3000, 1000 - i, 30'000'000 - 250'000 * int64_t{i}};
+      });
+  const NetworkModel network = SixteenWorkersAt1Gbit();
   SimulationOptions options;
   options.warmup_steps = 2;
   options.steps = 3;
@@ -227,21 +250,11 @@ TEST(SamePlanWhateverTheInputOrder) {
 // bucket's members finish together, every gradient finishes, and the step is shorter than
 // unfused (each tensor alone has one owner, which receives 15 pushes while other links idle).
 TEST(SimulatorFusesAsTheEnginePlans) {
-  StepProfile profile;
-  profile.layers = {{"all", 1'000'000, 0}};
-  for (int i = 0; i < 40; ++i) {
-    ModelTensor t;
-    t.name = "grad/" + std::to_string(i);
-    t.bytes = 4 * static_cast<uint64_t>(1000 + 500 * (i % 7));
-    t.priority = 40 - i;
-    t.layer = 0;
-    t.ready_ns = (40 - i) * 10'000;
-    profile.tensors.push_back(t);
-  }
-  profile.backward_ns = 400'000;
-  NetworkModel network;
-  network.workers = 16;
-  network.link_Bps = 125e6;
+  const StepProfile profile = OneLayerOfSmallGradients(1'000'000, 400'000, 40, [](int i) {
+    return SmallGradient{"grad/" + std::to_string(i), 4 * static_cast<uint64_t>(1000 + 500 * (i % 7)), 40 - i,
+                         (40 - int64_t{i}) * 10'000};
+  });
+  const NetworkModel network = SixteenWorkersAt1Gbit();
   SimulationOptions options;
   options.warmup_steps = 2;
   options.steps = 3;
