@@ -7,8 +7,10 @@
 namespace prophet {
 
 uint64_t FusionOwnerBytes(double link_Bps, int64_t message_cost_ns) {
+  const double rate = std::max(0.0, link_Bps);
+  const double sized_for = rate <= kFusionLinearUpTo_Bps ? rate : std::sqrt(rate * kFusionLinearUpTo_Bps);
   const double amortised =
-      kFusionAmortisation * std::max(0.0, link_Bps) * static_cast<double>(std::max<int64_t>(0, message_cost_ns)) / 1e9;
+      kFusionAmortisation * sized_for * static_cast<double>(std::max<int64_t>(0, message_cost_ns)) / 1e9;
   return std::max<uint64_t>(kFusionMinOwnerBytes, static_cast<uint64_t>(std::ceil(amortised)));
 }
 

@@ -55,13 +55,20 @@ constexpr int64_t kFusionMessageCostNs = 20000;
 constexpr double kFusionAmortisation = 9.0;
 
 // The bytes each owner of a bucket sums at least: enough that a partition amortises the
-// per-message cost, kFusionAmortisation x link_Bps x message_cost, and at least
-// kFusionMinOwnerBytes (a frame's header is then at most 2.5% of it).
+// per-message cost, kFusionAmortisation x R x message_cost, and at least kFusionMinOwnerBytes (a
+// frame's header is then at most 2.5% of it). R is the link rate up to kFusionLinearUpTo_Bps and
+// grows as the square root beyond (sqrt(link_Bps x kFusionLinearUpTo_Bps)): a bucket also holds
+// its earliest-ready bytes back until its last member is ready, and on fast links that wait costs
+// more than the messages saved. Chosen with the predictor (ResNet50, 25 and 100 Gbit/s, N = 16-256,
+// with no message cost and with 6 us per frame each end; docs/design.md, "Fusion"): linear sizing
+// was the slowest at N = 64-256 (100 Gbit/s N = 256: 30.6 ms, 24.6 with the square root, ring
+// 32.2), sizing for 10 Gbit/s at every rate fell behind the ring once messages cost 6 us (39.7 ms).
 constexpr uint64_t kFusionMinOwnerBytes = 4096;
+constexpr double kFusionLinearUpTo_Bps = 1.25e9;
 uint64_t FusionOwnerBytes(double link_Bps, int64_t message_cost_ns = kFusionMessageCostNs);
 
 // The bucket size for N workers on links of `link_Bps` (bytes/s per direction):
-//   bucket = N x FusionOwnerBytes(link_Bps) = N x max(4 KiB, 9 x link_Bps x 20 us)
+//   bucket = N x FusionOwnerBytes(link_Bps) = N x max(4 KiB, 9 x R x 20 us), R as above
 // A full bucket is then cut into N partitions, one per owner (BucketPartitions), each of which
 // amortises the per-message cost. 0 for one worker (nothing travels).
 uint64_t FusionBucketBytes(int world_size, double link_Bps, int64_t message_cost_ns = kFusionMessageCostNs);

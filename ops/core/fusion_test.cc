@@ -85,8 +85,11 @@ TEST(BucketSizeFollowsWorkersAndLink) {
   EXPECT_EQ(FusionOwnerBytes(125e6), 22500u);
   EXPECT_EQ(FusionBucketBytes(2, 125e6), 2 * 22500u);
   EXPECT_EQ(FusionBucketBytes(64, 125e6), 64 * 22500u);
-  // 100 Gbit/s: 2.25 MB per owner; a slow link: the 4 KiB floor.
-  EXPECT_EQ(FusionBucketBytes(8, 12.5e9), 8 * uint64_t{2250000});
+  // 10 Gbit/s: 225 kB per owner, the last rate sized linearly; 100 Gbit/s: sized for
+  // sqrt(100 x 10) Gbit/s, 9 x 3.953 GB/s x 20 us = 711.5 kB (2.25 MB if linear); a slow link:
+  // the 4 KiB floor.
+  EXPECT_EQ(FusionOwnerBytes(1.25e9), 225000u);
+  EXPECT_EQ(FusionBucketBytes(8, 12.5e9), 8 * uint64_t{711513});
   EXPECT_EQ(FusionOwnerBytes(1e6), kFusionMinOwnerBytes);
   EXPECT_EQ(FusionBucketBytes(1, 125e6), 0u);
   EXPECT_EQ(ResolveFusionBytes(0, 64, 125e6), 0u);
