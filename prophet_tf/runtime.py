@@ -104,8 +104,11 @@ def init(
         process, an unreachable host) is declared lost and pending operations fail, naming it,
         long before ``timeout_s``. A program that is merely slow is not affected (its runtime
         thread keeps answering). Every worker must use the same value. Default 0 (off).
-      socket_buffer_bytes: SO_SNDBUF/SO_RCVBUF of each connection (default 0: the kernel's
-        autotuning, which sizes them for each link's bandwidth-delay product).
+      socket_buffer_bytes: SO_SNDBUF/SO_RCVBUF of each connection; 0: the kernel's autotuning,
+        which sizes them for each link's bandwidth-delay product; default -1: with 3 or more
+        workers each send buffer gets max(512 KiB, 4 MiB / (N - 1)) so that the kernel holds
+        little ahead of an urgent gradient (docs/design.md, "Transport"), receive buffers and
+        2-worker jobs the autotuning, and so does a kernel whose net.core.wmem_max is lower.
       socket_unsent_bytes: TCP_NOTSENT_LOWAT of each connection: how much data a socket may hold
         that TCP has not sent yet (0: no limit). The kernel sends what it holds in the order it
         was written, before any more urgent gradient written later; the runtime keeps the rest

@@ -283,7 +283,9 @@ Status Engine::Start(const EngineOptions& options, std::unique_ptr<Engine>* out)
     b.bind_host = options.bind_host;
     b.connect_timeout_s = options.connect_timeout_s;
     b.heartbeat_s = options.heartbeat_s;
-    b.socket_buffer_bytes = options.socket_buffer_bytes;
+    b.send_buffer_bytes =
+        SendBufferRequest(options.socket_buffer_bytes, options.world_size, KernelMaxSendBufferBytes());
+    b.receive_buffer_bytes = std::max(options.socket_buffer_bytes, 0);
     b.socket_unsent_bytes = options.socket_unsent_bytes;
     b.path_tag = m.two_level ? PathTag(true, *m.two_level) : 0;
     int listen_fd = -1;

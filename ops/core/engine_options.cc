@@ -80,9 +80,11 @@ Status ParseEngineOptions(const std::string& text, EngineOptions* o) {
     return Status(Code::kInvalidArgument, "max_early_bytes (" + std::to_string(o->max_early_bytes) +
                                               ") must be at least partition_bytes (" +
                                               std::to_string(o->partition_bytes) + ")");
-  if (o->socket_buffer_bytes < 0 || (o->socket_buffer_bytes > 0 && o->socket_buffer_bytes < kMinSocketBufferBytes))
+  if (o->socket_buffer_bytes < kSocketBufferAuto ||
+      (o->socket_buffer_bytes > 0 && o->socket_buffer_bytes < kMinSocketBufferBytes))
     return Status(Code::kInvalidArgument,
-                  "socket_buffer_bytes must be 0 (the kernel's autotuning, the default) or at least " +
+                  "socket_buffer_bytes must be -1 (send buffers sized for the workers, the default), 0 (the "
+                  "kernel's autotuning) or at least " +
                       std::to_string(kMinSocketBufferBytes) + ", got " + std::to_string(o->socket_buffer_bytes) +
                       ": a receive buffer smaller than two TCP segments (64 KiB each over loopback) closes the window "
                       "below one segment, and the connection then moves a few bytes per retransmission timeout");
@@ -128,6 +130,15 @@ std::string RuntimeConstantsJson() {
      << d.socket_unsent_bytes << ", \"max_early_bytes\": " << d.max_early_bytes << ", \"hierarchical\": \""
      << HierarchyName(d.hierarchical) << "\"}}";
   return os.str();
+}
+
+int SendBufferRequest(int setting, int world_size, int64_t wmem_max) {
+  if (setting != kSocketBufferAuto) return std::max(setting, 0);
+  if (world_size < 3) return 0;
+  const int64_t committed = std::max(kMinAutoSendBufferBytes, kSocketBudgetBytes / (world_size - 1));
+  const int64_t request = committed / 2;
+  if (wmem_max <= 0 || request > wmem_max) return 0;
+  return static_cast<int>(request);
 }
 
 }  // namespace prophet

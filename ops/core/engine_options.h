@@ -15,6 +15,28 @@ namespace prophet {
 
 // The smallest socket_buffer_bytes accepted (see ParseEngineOptions).
 constexpr int kMinSocketBufferBytes = 128 << 10;
+// socket_buffer_bytes = kSocketBufferAuto (the default): each connection's send buffer is sized
+// for the workers (SendBufferRequest), receive buffers are the kernel's.
+constexpr int kSocketBufferAuto = -1;
+// With kSocketBufferAuto and 3 or more workers, what a worker lets the kernel hold below all its
+// sockets together (unsent, queued in the host, in flight), and at least this per connection.
+constexpr int64_t kSocketBudgetBytes = int64_t{4} << 20;
+constexpr int64_t kMinAutoSendBufferBytes = int64_t{512} << 10;
+
+// The SO_SNDBUF request for each of a worker's connections (0: leave it to the kernel's
+// autotuning) for a socket_buffer_bytes setting on `world_size` workers, where the kernel caps a
+// request at `wmem_max` (net.core.wmem_max; <= 0: unknown). An explicit size is itself. Auto: with
+// 2 workers the autotuning, whose limit (net.ipv4.tcp_wmem's maximum, 4 MiB by default) is already
+// the budget; with N >= 3, max(kMinAutoSendBufferBytes, kSocketBudgetBytes / (N - 1)), halved
+// because Linux doubles a request. Why: bytes in the kernel leave in the order written, and TCP
+// small queues let each socket keep about 1 ms of its own rate below it, up to
+// tcp_limit_output_bytes (4 MiB on Linux 6.6+): with N - 1 sockets each autotuned up to 4 MiB, the
+// next step's most urgent push and sum waited behind (N - 1) x 4 MiB, 1 ms of a 100 Gbit/s link
+// (predicted ResNet50 on 100 TFLOP/s accelerators: 17.3 -> 15.8 ms at N = 4, 17.6 -> 15.9 at 8,
+// 18.3 -> 16.9 at 16; slower links do not fill the sockets and do not change). Autotuning where
+// the kernel would cap the request (a fixed buffer smaller than intended would limit every flow
+// to buffer / round trip).
+int SendBufferRequest(int setting, int world_size, int64_t wmem_max);
 
 // credit_bytes = kCreditAuto: max(kMinCreditBytes, (N - 1) x partition_bytes) (ResolveCreditBytes).
 constexpr uint64_t kCreditAuto = 0;
@@ -49,8 +71,9 @@ struct EngineOptions {
   // process), long before timeout_s. Every worker must use the same value (checked at start-up).
   double heartbeat_s = 0.0;
   // SO_SNDBUF / SO_RCVBUF of every connection. 0 leaves both to the kernel's autotuning, which
-  // sizes them for the bandwidth-delay product of each link (a fixed size caps a long fat link).
-  int socket_buffer_bytes = 0;  // 0, or at least kMinSocketBufferBytes
+  // sizes them for the bandwidth-delay product of each link (a fixed size caps a long fat link);
+  // kSocketBufferAuto sizes the send buffers for the workers (SendBufferRequest); a size sets both.
+  int socket_buffer_bytes = kSocketBufferAuto;  // kSocketBufferAuto, 0, or at least kMinSocketBufferBytes
   // TCP_NOTSENT_LOWAT of every connection: how much a socket holds that TCP has not sent yet
   // (0: no limit). Bytes handed to the kernel leave in the order written, so everything it holds
   // goes before a more urgent gradient written later; this keeps that small, while the bytes in

@@ -42,10 +42,14 @@ TEST(RejectsBadInputNamingIt) {
   EXPECT_TRUE(!s.ok() && Contains(s.message(), "socket_unsent_bytes must be 0 (no limit) or positive"));
   o = EngineOptions();
   s = ParseEngineOptions("socket_buffer_bytes=4096", &o);
-  EXPECT_TRUE(!s.ok() && Contains(s.message(), "socket_buffer_bytes must be 0 (the kernel's autotuning, the default) "
-                                                "or at least 131072, got 4096"));
+  EXPECT_TRUE(!s.ok() && Contains(s.message(), "socket_buffer_bytes must be -1 (send buffers sized for the workers, "
+                                                "the default), 0 (the kernel's autotuning) or at least 131072, got 4096"));
+  o = EngineOptions();
+  s = ParseEngineOptions("socket_buffer_bytes=-2", &o);
+  EXPECT_TRUE(!s.ok() && Contains(s.message(), "got -2"));
   o = EngineOptions();
   EXPECT_TRUE(ParseEngineOptions("socket_buffer_bytes=131072\nsocket_unsent_bytes=1", &o).ok());
+  EXPECT_TRUE(ParseEngineOptions("socket_buffer_bytes=-1", &o).ok() && o.socket_buffer_bytes == kSocketBufferAuto);
 }
 
 TEST(AMultiWorkerJobNeedsATokenUnlessAllowed) {
@@ -73,6 +77,25 @@ TEST(CreditFollowsTheWorkers) {
   EXPECT_EQ(o.credit_bytes, kCreditAuto);
 }
 
+TEST(SendBuffersShareTheBudgetFromThreeWorkersOn) {
+  const int64_t wmem_max = 4 << 20;
+  EXPECT_EQ(EngineOptions().socket_buffer_bytes, kSocketBufferAuto);
+  // Two workers: the autotuning (its 4 MiB limit is the budget already).
+  EXPECT_EQ(SendBufferRequest(kSocketBufferAuto, 2, wmem_max), 0);
+  // N >= 3: 4 MiB over the N - 1 connections, at least 512 KiB each; Linux doubles the request.
+  EXPECT_EQ(SendBufferRequest(kSocketBufferAuto, 3, wmem_max), 1 << 20);
+  EXPECT_EQ(SendBufferRequest(kSocketBufferAuto, 5, wmem_max), 512 << 10);
+  EXPECT_EQ(SendBufferRequest(kSocketBufferAuto, 16, wmem_max), 256 << 10);
+  EXPECT_EQ(SendBufferRequest(kSocketBufferAuto, 256, wmem_max), 256 << 10);
+  // A kernel that would cap the request (the stock net.core.wmem_max, 208 KiB), or an unknown cap:
+  // the autotuning rather than a smaller fixed buffer than intended.
+  EXPECT_EQ(SendBufferRequest(kSocketBufferAuto, 16, 212992), 0);
+  EXPECT_EQ(SendBufferRequest(kSocketBufferAuto, 16, 0), 0);
+  // Explicit settings are themselves (the kernel caps them), 0 the autotuning.
+  EXPECT_EQ(SendBufferRequest(1 << 20, 16, 212992), 1 << 20);
+  EXPECT_EQ(SendBufferRequest(0, 16, wmem_max), 0);
+}
+
 TEST(ConstantsForPythonComeFromTheCore) {
   const std::string json = RuntimeConstantsJson();
   for (const char* name : kScheduleNames) EXPECT_TRUE(Contains(json, std::string("\"") + name + "\""));
@@ -83,7 +106,7 @@ TEST(ConstantsForPythonComeFromTheCore) {
   EXPECT_TRUE(Contains(json, "\"credit_bytes\": " + std::to_string(EngineOptions().credit_bytes)));
   EXPECT_TRUE(Contains(json, "\"replan_threshold\": 0.2,"));  // shortest form, reads back exactly
   EXPECT_TRUE(Contains(json, "\"max_early_bytes\": " + std::to_string(EngineOptions().max_early_bytes)));
-  EXPECT_TRUE(Contains(json, "\"socket_buffer_bytes\": 0, \"socket_unsent_bytes\": " +
+  EXPECT_TRUE(Contains(json, "\"socket_buffer_bytes\": -1, \"socket_unsent_bytes\": " +
                                  std::to_string(EngineOptions().socket_unsent_bytes)));
 }
 

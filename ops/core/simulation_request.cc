@@ -91,7 +91,7 @@ std::map<std::string, std::function<bool(const std::string&)>> OptionSetters(Sim
       {"latency_ns", i64(&r->network.latency_ns)},
       {"payload_efficiency", real(&r->network.payload_efficiency)},
       {"frame_overhead_bytes", u64(&r->network.frame_overhead_bytes)},
-      {"socket_buffer_bytes", u64(&r->network.socket_buffer_bytes)},
+      {"socket_buffer_bytes", integer(&r->network.socket_buffer_bytes)},
       {"max_socket_buffer_bytes", u64(&r->network.max_socket_buffer_bytes)},
       {"autotuned_socket_buffer_bytes", u64(&r->network.autotuned_socket_buffer_bytes)},
       {"socket_unsent_bytes", u64(&r->network.socket_unsent_bytes)},

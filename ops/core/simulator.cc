@@ -1133,11 +1133,10 @@ Status Simulation::Run(StepPrediction* prediction) {
 
 uint64_t KernelSendBufferBytes(const NetworkModel& network) {
   uint64_t buffer = network.autotuned_socket_buffer_bytes;
-  if (network.socket_buffer_bytes > 0) {
-    uint64_t requested = network.socket_buffer_bytes;
-    if (network.max_socket_buffer_bytes > 0) requested = std::min(requested, network.max_socket_buffer_bytes);
-    buffer = 2 * requested;
-  }
+  const uint64_t cap = network.max_socket_buffer_bytes > 0 ? network.max_socket_buffer_bytes
+                                                            : std::numeric_limits<uint64_t>::max() / 4;
+  const int requested = SendBufferRequest(network.socket_buffer_bytes, network.workers, static_cast<int64_t>(cap));
+  if (requested > 0) buffer = 2 * std::min<uint64_t>(static_cast<uint64_t>(requested), cap);
   if (network.socket_unsent_bytes == 0) return buffer;
   // TCP small queues let each socket keep about 1 ms of its own pacing rate below it, and a
   // connection's rate is its share of the host's egress: with every connection leaving a host

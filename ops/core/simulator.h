@@ -113,7 +113,7 @@ struct NetworkModel {
   // (SO_SNDBUF, 0: autotuned; TCP_NOTSENT_LOWAT, 0: none) and the kernel's limits: an SO_SNDBUF
   // request is capped at net.core.wmem_max (0: no cap), the autotuning at net.ipv4.tcp_wmem's
   // maximum (4 MiB by default).
-  uint64_t socket_buffer_bytes = static_cast<uint64_t>(EngineOptions().socket_buffer_bytes);
+  int socket_buffer_bytes = EngineOptions().socket_buffer_bytes;  // as SendBufferRequest takes it
   uint64_t max_socket_buffer_bytes = 0;
   uint64_t autotuned_socket_buffer_bytes = 4u << 20;
   uint64_t socket_unsent_bytes = static_cast<uint64_t>(EngineOptions().socket_unsent_bytes);

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <fstream>
 #include <list>
 #include <memory>
 
@@ -819,13 +820,12 @@ Status ParseAddress(const std::string& address, std::string* host, int* port) {
   return Status::OK();
 }
 
-void TuneSocket(int fd, int buffer_bytes, int unsent_bytes) {
+void TuneSocket(int fd, int send_buffer_bytes, int receive_buffer_bytes, int unsent_bytes) {
   int one = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  if (buffer_bytes > 0) {
-    ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buffer_bytes, sizeof(buffer_bytes));
-    ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buffer_bytes, sizeof(buffer_bytes));
-  }
+  if (send_buffer_bytes > 0) ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &send_buffer_bytes, sizeof(send_buffer_bytes));
+  if (receive_buffer_bytes > 0)
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &receive_buffer_bytes, sizeof(receive_buffer_bytes));
   // Writes stop, and EPOLLOUT waits, while the socket holds this much that TCP has not sent; the
   // bytes in flight are TCP's to size. What is queued behind stays in the engine's priority-ordered
   // queue, where a more urgent frame can still overtake it.
@@ -904,8 +904,15 @@ Status ConnectAll(const BootstrapOptions& o, int listen_fd, std::vector<int>* fd
     return s;
   }
   for (int fd : *fds)
-    if (fd >= 0) TuneSocket(fd, o.socket_buffer_bytes, o.socket_unsent_bytes);
+    if (fd >= 0) TuneSocket(fd, o.send_buffer_bytes, o.receive_buffer_bytes, o.socket_unsent_bytes);
   return Status::OK();
+}
+
+int64_t KernelMaxSendBufferBytes() {
+  std::ifstream in("/proc/sys/net/core/wmem_max");
+  int64_t bytes = 0;
+  if (!(in >> bytes) || bytes < 0) return 0;
+  return bytes;
 }
 
 }  // namespace prophet

@@ -46,7 +46,8 @@ struct BootstrapOptions {
   double heartbeat_s = 0.0;            // the engine's; peers must use the same (checked here)
   // Socket options of the data connections (EngineOptions has the defaults and says why); 0 leaves
   // each to the kernel.
-  int socket_buffer_bytes = 0;         // SO_SNDBUF / SO_RCVBUF
+  int send_buffer_bytes = 0;           // SO_SNDBUF
+  int receive_buffer_bytes = 0;        // SO_RCVBUF
   int socket_unsent_bytes = 0;         // TCP_NOTSENT_LOWAT
   // The path push_pulls take (hosts.h, PathTag: 0 flat, else a digest of the hosts): carried in
   // the hello's flags; peers must use the same (checked here).
@@ -69,7 +70,10 @@ Status Listen(const BootstrapOptions& options, int* listen_fd);
 Status ConnectAll(const BootstrapOptions& options, int listen_fd, std::vector<int>* fds);
 
 // Socket options used on every data connection.
-void TuneSocket(int fd, int buffer_bytes, int unsent_bytes);
+void TuneSocket(int fd, int send_buffer_bytes, int receive_buffer_bytes, int unsent_bytes);
+
+// net.core.wmem_max, the kernel's cap on an SO_SNDBUF request; 0 when it cannot be read.
+int64_t KernelMaxSendBufferBytes();
 
 }  // namespace prophet
 

@@ -216,7 +216,7 @@ TEST(DataConnectionsHoldLittleUnsentData) {
     std::vector<BootstrapOptions> o = Job(2);
     for (BootstrapOptions& x : o) {
       x.socket_unsent_bytes = explicit_buffer ? 0 : 123456;
-      x.socket_buffer_bytes = explicit_buffer ? 256 << 10 : 0;
+      x.send_buffer_bytes = x.receive_buffer_bytes = explicit_buffer ? 256 << 10 : 0;
     }
     std::vector<Worker> w(2);
     for (int r = 0; r < 2; ++r) w[r].Start(o[r]);

@@ -181,7 +181,8 @@ def _define_flags() -> None:
     flags.DEFINE_integer("partition_bytes", defaults.partition_bytes, "Runtime option.")
     flags.DEFINE_integer("credit_bytes", defaults.credit_bytes, "Runtime option.")
     flags.DEFINE_integer("socket_buffer_bytes", defaults.socket_buffer_bytes, "Runtime option "
-                         "(SO_SNDBUF; the kernel doubles it; 0: the kernel's autotuning).")
+                         "(SO_SNDBUF; the kernel doubles it; 0: the kernel's autotuning; -1: sized for the "
+                         "workers, see SendBufferRequest in ops/core/engine_options.h).")
     flags.DEFINE_integer("socket_unsent_bytes", defaults.socket_unsent_bytes, "Runtime option "
                          "(TCP_NOTSENT_LOWAT; 0: none).")
     flags.DEFINE_integer("max_socket_buffer_bytes", 0, "net.core.wmem_max of the workers' hosts, "

@@ -103,7 +103,8 @@ class PredictOptions:
         payload bytes per 1538 on the wire (preamble, headers, inter-frame gap).
       frame_overhead_bytes: the runtime's frame header, tensor name and shape.
       socket_buffer_bytes, socket_unsent_bytes: the runtime's socket options (SO_SNDBUF, 0: the
-        kernel's autotuning; TCP_NOTSENT_LOWAT, 0: none). A connection commits what the kernel
+        kernel's autotuning, -1 the runtime's default: sized for the workers; TCP_NOTSENT_LOWAT,
+        0: none). A connection commits what the kernel
         lets its socket hold ahead of the NIC, and frames queued later cannot overtake those
         bytes (``KernelSendBufferBytes`` in ops/core/simulator.h): Linux doubles an SO_SNDBUF
         request (socket(7)), so a 4 MiB buffer commits up to 8 MiB; with TCP_NOTSENT_LOWAT the

@@ -155,7 +155,7 @@ class Session {
     b.addresses = options_.addresses;
     b.token = options_.token;
     b.connect_timeout_s = 10;
-    b.socket_buffer_bytes = options_.socket_buffer_bytes;
+    b.send_buffer_bytes = b.receive_buffer_bytes = options_.socket_buffer_bytes;
     Status s = FakePeer::Listen(b, &peer_);
     if (!s.ok()) return Violation("fake peer cannot listen: " + s.message());
     std::unique_ptr<Engine> engine;
