@@ -285,13 +285,14 @@ class FusedTensor:
 
 
 #: The link rate (Gbit/s per host and direction) automatic fusion sizes buckets for; the same on
-#: every worker (the launcher passes one environment). Unset: 10 Gbit/s.
+#: every worker (the launcher passes one environment). Unset: ProphetStrategy measures the link
+#: at start-up (prophet_tf/_link_probe.py); runtime.declare_fusion alone assumes 10 Gbit/s.
 LINK_GBPS_ENV = "PROPHET_LINK_GBPS"
 
 
 def fusion_link_bps() -> float:
-    """The link rate in bytes/s that ``declare_fusion(bucket_bytes=-1)`` sizes buckets for
-    (``$PROPHET_LINK_GBPS``); 0.0 when unset (the runtime then assumes 10 Gbit/s)."""
+    """The link rate in bytes/s that ``declare_fusion(bucket_bytes=-1)`` sizes buckets for when
+    given none (``$PROPHET_LINK_GBPS``); 0.0 when unset (the runtime then assumes 10 Gbit/s)."""
     text = os.environ.get(LINK_GBPS_ENV, "").strip()
     if not text:
         return 0.0
@@ -304,17 +305,28 @@ def fusion_link_bps() -> float:
     return gbps * 1e9 / 8
 
 
-def declare_fusion(group: str, tensors: Sequence[FusedTensor], bucket_bytes: int = -1) -> None:
+def declare_fusion(group: str, tensors: Sequence[FusedTensor], bucket_bytes: int = -1, *,
+                   link_Bps: Optional[float] = None) -> None:
     """From now on, the push_pulls of ``tensors`` travel fused into buckets (docs/design.md,
     "Fusion"): each waits until every member of its bucket is submitted, then they travel as one.
 
     Every worker must declare the same tensors with the same ``bucket_bytes`` (-1: sized from the
-    workers and the link rate in ``$PROPHET_LINK_GBPS``, else 10 Gbit/s; 0: none fused) before
+    workers and the link rate; 0: none fused) and, with -1, the same ``link_Bps`` before
     submitting them (in any order, under any group name); where they differ, the fused
     push_pulls fail on every worker within seconds, naming the first tensor that differs. A
-    declaration replaces the previous one of ``group``. Raises ProphetError when the runtime
-    refuses it."""
+    declaration replaces the previous one of ``group``. ``link_Bps``: the link rate in bytes/s
+    per direction that -1 sizes buckets for (ProphetStrategy passes the rate its start-up probe
+    agreed on); None: ``$PROPHET_LINK_GBPS`` (:func:`fusion_link_bps`), else 10 Gbit/s.
+
+    Raises:
+      ValueError: ``link_Bps`` is not a positive finite number.
+      ProphetError: the runtime refuses the declaration.
+    """
     _require()
+    if link_Bps is None:
+        link_Bps = fusion_link_bps()
+    elif not (0 < link_Bps < float("inf")):
+        raise ValueError(f"link_Bps must be a positive number of bytes/s, got {link_Bps!r}")
     lines = []
     for t in tensors:
         if any(c in t.name for c in "\n\r"):
@@ -324,7 +336,7 @@ def declare_fusion(group: str, tensors: Sequence[FusedTensor], bucket_bytes: int
                      f"{t.compression or 'none'} {t.name}")
     error = ctypes.create_string_buffer(1024)
     if c_api().prophet_declare_fusion(group.encode(), "\n".join(lines).encode(), int(bucket_bytes),
-                                      fusion_link_bps(), error, len(error)) != 0:
+                                      float(link_Bps), error, len(error)) != 0:
         raise ProphetError(error.value.decode(errors="replace"))
 
 

@@ -64,7 +64,7 @@ from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.framework import tensor_util
 from tensorflow.python.util import nest
 
-from prophet_tf import _gradients, _sparse, _variable_agreement
+from prophet_tf import _gradients, _link_probe, _sparse, _variable_agreement
 from prophet_tf._library import runtime_constants
 from prophet_tf.cluster import JOB_SEED_ENV, resolve_cluster
 
@@ -84,6 +84,8 @@ SCHEDULES: tuple[str, ...] = tuple(runtime_constants()["schedules"]) + ("auto",)
 # gradient); this is its lower end.
 CONTROL_PRIORITY: int = runtime_constants()["control_priority"]
 
+# runtime.declare_fusion's bucket size for fusion="auto": sized from N and the link rate.
+_AUTOMATIC_FUSION = -1
 # Sparse gradients are gathered, never densified, unless the user asks for it (see the docstring of
 # ProphetStrategy: densifying changes the result of Adam, RMSprop, Adagrad...).
 _DEFAULT_SPARSE_AS_DENSE_BYTES = 0
@@ -189,6 +191,9 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
         # Fusion of the optimizer's dense gradients (docs/design.md, "Fusion"): None: off; else the
         # bucket size given to runtime.declare_fusion (-1: automatic).
         self._fusion_bytes = fusion_bytes
+        # The link rate automatic fusion sizes buckets for, decided at the first declaration
+        # (see fusion_link_rate).
+        self._fusion_link_rate: Optional[_link_probe.FusionLinkRate] = None
         self._cross_barrier = bool(cross_barrier)
         # How gradients travel (None, "fp16", "bf16"); control collectives never compress.
         self._compression = compression
@@ -494,7 +499,51 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
                 bytes=int(value.shape.num_elements()) * wire.size, priority=int(gradient.priority),
                 average=not deferred and reduce_op == reduce_util.ReduceOp.MEAN,
                 compression=self._compression))
-        _runtime().declare_fusion(f"optimizer {id(site.optimizer)}", declared, self._fusion_bytes)
+        _runtime().declare_fusion(f"optimizer {id(site.optimizer)}", declared, self._fusion_bytes,
+                                  link_Bps=self._fusion_link_Bps())
+
+    @property
+    def fusion_link_rate(self) -> Optional[_link_probe.FusionLinkRate]:
+        """The link rate automatic fusion sizes buckets for, the same on every worker: a
+        ``prophet_tf._link_probe.FusionLinkRate`` (its ``source``: ``"probe"``, measured at
+        start-up and agreed, or ``"env"``, ``$PROPHET_LINK_GBPS``; ``gbps``; and, probed, this
+        worker's ``measured_gbps``, the slowest worker's ``agreed_gbps`` and ``probe_seconds``).
+        Known from the first fusion declaration on (when the first training step is traced);
+        None before, with one worker, and with ``fusion="off"`` or a bucket size in bytes."""
+        return self._fusion_link_rate
+
+    def _fusion_link_Bps(self) -> Optional[float]:
+        """The link rate runtime.declare_fusion sizes automatic buckets for: the one agreed at
+        this strategy's first declaration (measured then, once); None where the runtime's own
+        applies (a bucket size in bytes, $PROPHET_LINK_GBPS)."""
+        if self._fusion_bytes != _AUTOMATIC_FUSION:
+            return None
+        if self._fusion_link_rate is None:
+            self._fusion_link_rate = self._agree_on_link_rate()
+        rate = self._fusion_link_rate
+        return rate.bytes_per_s if rate.source == "probe" else None
+
+    def _agree_on_link_rate(self) -> _link_probe.FusionLinkRate:
+        """$PROPHET_LINK_GBPS when set; else every worker measures the link (eagerly, also when
+        called while a step is traced, as _agree_on_variable does) and all take the slowest
+        worker's rate, rounded to the 1-2-5 series (prophet_tf/_link_probe.py)."""
+        env_Bps = _runtime().fusion_link_bps()
+        if env_Bps > 0:
+            return _link_probe.FusionLinkRate(source="env", gbps=env_Bps * 8 / 1e9)
+        # A worker still creating variables hears of it before it waits for the probe.
+        self._close_variable_creation()
+        with tf.init_scope():
+            if not tf.executing_eagerly():
+                logger.warning("fusion: no eager context to measure the link from; buckets are "
+                               "sized for the runtime's assumed 10 Gbit/s (set $%s to the link "
+                               "rate)", _runtime().LINK_GBPS_ENV)
+                return _link_probe.FusionLinkRate(source="assumed", gbps=None)
+            rate = _link_probe.probe(self._world_size, CONTROL_PRIORITY)
+        logger.info("fusion: link rate measured %.3g Gbit/s on rank %d, agreed %.3g Gbit/s (the "
+                    "slowest of %d workers), buckets sized for %g Gbit/s; the probe took %.0f ms",
+                    rate.measured_gbps, self._rank, rate.agreed_gbps, self._world_size, rate.gbps,
+                    rate.probe_seconds * 1e3)
+        return rate
 
     def _reduce_one(self, reduce_op, value, name, priority, compression=None):
         """Sums (or averages) one value; ``compression`` only for gradients (see
@@ -875,11 +924,14 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
         no finite value becomes infinite. The difference from exact summation is bounded per
         element (README, "Gradient compression"; docs/design.md).
       fusion: ``"auto"`` (the default): the optimizer's small dense gradients travel fused into
-        buckets of consecutive
-        priorities sized for the number of workers and the link rate in ``$PROPHET_LINK_GBPS``
-        (10 Gbit/s when unset; docs/design.md, "Fusion"), so each bucket is summed by every worker
-        instead of a few; a bucket size in bytes; or ``None``/``"off"``: every gradient is its
-        own collective. Results stay
+        buckets of consecutive priorities sized for the number of workers and the link rate, so
+        each bucket is summed by every worker instead of a few; a bucket size in bytes; or
+        ``None``/``"off"``: every gradient is its own collective. ``"auto"`` with several
+        workers measures the link once, when the first training step is traced (3 all-reduces
+        of 4 MiB and a gather: about 0.1 s at 1 Gbit/s), and every worker sizes for the slowest
+        worker's rate rounded down to 1, 2 or 5 x 10^k Gbit/s (:attr:`fusion_link_rate`;
+        docs/design.md, "Fusion", "The size"); ``$PROPHET_LINK_GBPS`` (the same on every worker)
+        gives the rate instead, and no measurement is made. Results stay
         deterministic and the same on every worker; with 3 or more workers a fused element may be
         summed by another owner than unfused (another fixed order: other last bits). Workers
         whose gradients differ (a model built differently on one of them) fail ``fit`` within
@@ -1005,6 +1057,12 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
         return self.extended._compression
 
     @property
+    def fusion_link_rate(self) -> Optional[_link_probe.FusionLinkRate]:
+        """The link rate ``fusion="auto"`` sizes buckets for (see
+        ``ProphetExtended.fusion_link_rate``): None until the first training step is traced."""
+        return self.extended.fusion_link_rate
+
+    @property
     def schedule_in_use(self) -> str:
         """The runtime's policy now (with ``"auto"``, the last one chosen)."""
         auto = self.extended._auto_schedule
@@ -1047,7 +1105,7 @@ def _fusion_setting(fusion: Any) -> Optional[int]:
     if fusion is None or fusion == "off":
         return None
     if fusion == "auto":
-        return -1
+        return _AUTOMATIC_FUSION
     if isinstance(fusion, int) and not isinstance(fusion, bool) and fusion > 0:
         return fusion
     raise ValueError(f"fusion must be None, 'off', 'auto' or a positive number of bytes, got {fusion!r}")

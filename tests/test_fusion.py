@@ -72,3 +72,62 @@ def test_fusion_settings_and_link_rate(monkeypatch):
     monkeypatch.setenv(runtime.LINK_GBPS_ENV, "fast")
     with pytest.raises(ValueError, match="PROPHET_LINK_GBPS"):
         runtime.fusion_link_bps()
+
+
+def test_two_workers_size_buckets_for_the_link_rate_they_measured_and_agreed(run_workers, tmp_path,
+                                                                              monkeypatch):
+    # Without $PROPHET_LINK_GBPS the first strategy measures the link once (its first fusion
+    # declaration, when fit traces the step) and both workers take the same rate; the second
+    # strategy, with $PROPHET_LINK_GBPS set, takes that rate and measures nothing.
+    from prophet_tf import _link_probe, runtime, timeline
+    monkeypatch.delenv(runtime.LINK_GBPS_ENV, raising=False)
+    trace = tmp_path / "trace.{rank}.json"
+    run = run_workers("fusion_link_probe.py", 2, timeout=240,
+                      env={"PROPHET_TIMELINE": str(trace)}).check_ok()
+    probed = [run.one(rank, case="probe") for rank in range(2)]
+    for r in probed:
+        assert r["rate_before"] is None, r  # nothing measured before the step is traced
+        rate = r["rate"]
+        assert rate["source"] == "probe" and rate["measured_gbps"] > 0, r
+        assert rate["gbps"] == _link_probe.quantize_gbps(rate["agreed_gbps"]), r
+        assert rate["agreed_gbps"] <= rate["measured_gbps"] and rate["probe_seconds"] > 0, r
+        assert r["fused"] > 0, r  # the gradients travelled in buckets sized for it
+        # The probe's push_pulls are not gradients: Prophet's profile never holds them.
+        assert not any(name.startswith(_link_probe.PROBE_NAME) for name in r["profiled"]), r
+    # The same rate everywhere (the slowest worker's, from the same gathered values), so the same
+    # buckets, hence the same weights on both workers.
+    for key in ("gbps", "agreed_gbps"):
+        assert probed[0]["rate"][key] == probed[1]["rate"][key], probed
+    assert probed[0]["rate"]["agreed_gbps"] == min(r["rate"]["measured_gbps"] for r in probed), probed
+    assert probed[0]["digest"] == probed[1]["digest"], probed
+    for rank in range(2):
+        env = run.one(rank, case="env")
+        assert env["rate"] == {"source": "env", "gbps": 2.5, "measured_gbps": None, "agreed_gbps": None,
+                               "probe_seconds": 0.0}, env
+        assert env["fused"] > 0, env
+        # One probe in the whole run: the first strategy's (its second fit traced the step again,
+        # the second strategy had the environment's rate): its rounds and the gathering, once each.
+        ops = timeline.events_by_track(timeline.load_trace(tmp_path / f"trace.{rank}.json"))["op"]
+        probe_ops = sorted(e["name"] for e in ops if str(e["name"]).startswith(_link_probe.PROBE_NAME))
+        assert probe_ops == sorted([f"{_link_probe.PROBE_NAME}/{k}" for k in range(_link_probe.PROBE_ROUNDS)]
+                                   + [f"{_link_probe.PROBE_NAME}/rates"]), probe_ops
+
+
+def test_link_rate_rounds_to_the_series_within_the_payload_allowance():
+    from prophet_tf._link_probe import (MIN_GBPS, PAYLOAD_ALLOWANCE, allreduce_rate, probe_bytes,
+                                        quantize_gbps)
+    # A link's TCP payload rate rounds to its nominal rate; a rate well below it, one step down.
+    cases = {0.94: 1, 0.7: 1, 0.69: 0.5, 9.4: 10, 7.0: 10, 6.9: 5, 1.3: 1, 1.4: 2, 3.4: 2, 3.5: 5,
+             24.0: 20, 95.0: 100, 1000.0: 1000, 0.36: 0.5, 0.3: 0.2, 0.14: 0.2, 0.1: 0.1}
+    for measured, want in cases.items():
+        assert quantize_gbps(measured) == want, (measured, quantize_gbps(measured), want)
+    assert quantize_gbps(0.001) == MIN_GBPS  # below: the bucket floor applies anyway
+    for value in (0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100):  # every series value maps to itself
+        assert quantize_gbps(value) == value and quantize_gbps(value * PAYLOAD_ALLOWANCE) == value
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="link rate"):
+            quantize_gbps(bad)
+    # Every worker owns a share of the probe's tensor: N x 64 KiB from N = 64 on.
+    assert probe_bytes(2) == probe_bytes(64) == 4 << 20 and probe_bytes(256) == 16 << 20
+    # 2 workers: each link carries the tensor once per direction; N: 2 (N-1)/N of it.
+    assert allreduce_rate(2, 1000, 1.0) == 1000.0 and allreduce_rate(4, 1000, 1.0) == 1500.0

@@ -1,0 +1,137 @@
+"""The link rate automatic fusion sizes its buckets for, measured once at start-up and agreed.
+
+``ProphetStrategy(fusion="auto")`` sizes buckets from the number of workers and the link rate
+(docs/design.md, "Fusion", "The size"). Every worker must make the same buckets, so the rate must
+be the same number everywhere. With ``$PROPHET_LINK_GBPS`` set, that is the rate (one environment
+for every worker). Otherwise the strategy measures the link at its first fusion declaration
+(:func:`probe`):
+
+1. ``PROBE_ROUNDS`` push_pulls of a float32 tensor of :func:`probe_bytes` bytes through the
+   runtime's normal path: control priority (never profiled as a gradient by Prophet's policy,
+   never counted by the step meter) but at least N x 64 KiB, so it is cut into at least N
+   partitions, one per owner, and never takes the small-tensor exchange;
+2. each worker's rate = 2 (N-1)/N x P / (its fastest round's time): the bytes each worker's link
+   carries per direction in an all-reduce (its pushes to the other owners, then its sums to
+   the other workers); the fastest round, since the first also waits for the workers that
+   reached the probe later;
+3. every worker's rate is gathered (float64) and the minimum taken: the same gathered values
+   give every worker the same bits;
+4. that minimum is rounded to the 1-2-5 series (:func:`quantize_gbps`), so that runs on the
+   same cluster nearly always size the same buckets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Optional
+
+#: Timed push_pulls; the fastest counts (the first also absorbs the workers' arrival skew).
+PROBE_ROUNDS = 3
+#: The probe's tensor: 4 MiB moves in about 3.4 ms per round at 10 Gbit/s with 2 workers (34 ms
+#: at 1 Gbit/s), against a round trip of tens of microseconds and about 20 us of CPU per
+#: message: long enough to measure up to 10 Gbit/s within the series' steps, where fusion's
+#: sizes stop growing; small enough that the probe costs a fraction of a second at 1 Gbit/s.
+PROBE_BYTES = 4 << 20
+#: The runtime spreads a tensor of at least N x this many bytes over every worker
+#: (ops/core/partition.h, MakePartitions): below it the probe's bytes would meet fewer owners.
+SPREAD_BYTES_PER_WORKER = 64 << 10
+#: A measured rate counts as a series value v from this fraction of v on: TCP moves at most
+#: about 95% of a link's line rate as payload (1500-byte frames) and an all-reduce adds the
+#: owners' sums and round trips, so a strict rounding down would size most links for half
+#: their rate (a 1 Gbit/s link measures 0.9, not 1.0).
+PAYLOAD_ALLOWANCE = 0.7
+#: The lowest rate buckets are sized for, Gbit/s: below it the bucket size is at its floor of
+#: 4 KiB per owner anyway (ops/core/fusion.h, FusionOwnerBytes).
+MIN_GBPS = 0.1
+PROBE_NAME = "fusion_probe"
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionLinkRate:
+    """The link rate automatic fusion sized its buckets for, and where it came from.
+
+    Attributes:
+      source: ``"probe"`` (measured at start-up and agreed), ``"env"`` (``$PROPHET_LINK_GBPS``)
+        or ``"assumed"`` (no eager context to probe from: the runtime's assumed 10 Gbit/s).
+      gbps: the rate buckets are sized for, Gbit/s per direction (the same on every worker);
+        None for ``"assumed"`` (the runtime's constant).
+      measured_gbps: this worker's probe rate (its fastest round); None unless probed.
+      agreed_gbps: the minimum of every worker's ``measured_gbps`` (before rounding to the
+        series); None unless probed.
+      probe_seconds: how long this worker's probe took, its gathering of the rates included;
+        0.0 unless probed.
+    """
+
+    source: str
+    gbps: Optional[float]
+    measured_gbps: Optional[float] = None
+    agreed_gbps: Optional[float] = None
+    probe_seconds: float = 0.0
+
+    @property
+    def bytes_per_s(self) -> Optional[float]:
+        """``gbps`` in bytes per second, as runtime.declare_fusion takes it."""
+        return None if self.gbps is None else self.gbps * 1e9 / 8
+
+
+def probe_bytes(world_size: int) -> int:
+    """Bytes of the probe's tensor for ``world_size`` workers: PROBE_BYTES, or N x 64 KiB where
+    that is more, so that every worker owns a share of it."""
+    return max(PROBE_BYTES, world_size * SPREAD_BYTES_PER_WORKER)
+
+
+def allreduce_rate(world_size: int, nbytes: int, seconds: float) -> float:
+    """Bytes/s per direction of a worker's link that all-reduced ``nbytes`` in ``seconds``:
+    2 (N-1)/N x nbytes leave (and arrive) at each worker (its pushes, then its sums)."""
+    return 2.0 * (world_size - 1) / world_size * nbytes / seconds
+
+
+def quantize_gbps(gbps: float) -> float:
+    """The rate buckets are sized for, from a measured ``gbps``: the largest of the 1-2-5 series
+    (0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100, ... Gbit/s) that ``gbps`` reaches within
+    PAYLOAD_ALLOWANCE (a value v from 0.7 v on), at least MIN_GBPS. The same input gives the same
+    output on every worker; measured rates that differ by less than a series step mostly give
+    the same output."""
+    if not gbps > 0 or math.isinf(gbps):
+        raise ValueError(f"a link rate must be positive and finite, got {gbps!r} Gbit/s")
+    exponent = math.floor(math.log10(gbps / PAYLOAD_ALLOWANCE))
+    best = MIN_GBPS
+    for e in (exponent - 1, exponent, exponent + 1):  # log10's rounding at a decade's edge
+        for mantissa in (1, 2, 5):
+            # Exact decimals (0.2, not 2 x 0.1): the series values print as written.
+            value = mantissa * 10 ** e if e >= 0 else mantissa / 10 ** -e
+            if value * PAYLOAD_ALLOWANCE <= gbps:  # (not gbps / allowance: 0.2 x 0.7 / 0.7 < 0.2)
+                best = max(best, float(value))
+    return best
+
+
+def probe(world_size: int, priority: int) -> FusionLinkRate:
+    """Measures the link with the runtime's push_pull and agrees on the rate with every worker
+    (the module's docstring). Must run eagerly, on every worker at the same point of the program.
+
+    Raises:
+      prophet_tf.errors.ProphetError: a push_pull or the gathering failed (a peer left, the
+        operation timeout passed); the runtime's error, naming the probe's tensor.
+    """
+    import numpy as np
+    import tensorflow as tf
+
+    from prophet_tf import ops
+
+    start = time.perf_counter()
+    nbytes = probe_bytes(world_size)
+    payload = tf.zeros([nbytes // 4], tf.float32)
+    best = math.inf
+    for k in range(PROBE_ROUNDS):
+        t0 = time.perf_counter()
+        ops.push_pull(payload, name=f"{PROBE_NAME}/{k}", priority=priority).numpy()
+        best = min(best, time.perf_counter() - t0)
+    measured = allreduce_rate(world_size, nbytes, best)
+    rates = ops.allgather(tf.constant([measured], tf.float64), name=f"{PROBE_NAME}/rates",
+                          priority=priority).numpy()
+    agreed = float(np.min(rates))
+    return FusionLinkRate(source="probe", gbps=quantize_gbps(agreed * 8 / 1e9),
+                          measured_gbps=measured * 8 / 1e9, agreed_gbps=agreed * 8 / 1e9,
+                          probe_seconds=time.perf_counter() - start)
