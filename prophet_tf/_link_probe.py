@@ -31,8 +31,9 @@ from typing import Optional
 PROBE_ROUNDS = 3
 #: The probe's tensor: 4 MiB moves in about 3.4 ms per round at 10 Gbit/s with 2 workers (34 ms
 #: at 1 Gbit/s), against a round trip of tens of microseconds and about 20 us of CPU per
-#: message: long enough to measure up to 10 Gbit/s within the series' steps, where fusion's
-#: sizes stop growing; small enough that the probe costs a fraction of a second at 1 Gbit/s.
+#: message: long enough to measure up to about 10 Gbit/s within the series' steps (beyond,
+#: where fusion's sizes grow only with the square root of the rate, it reads low: smaller
+#: buckets); small enough that the probe costs a fraction of a second at 1 Gbit/s.
 PROBE_BYTES = 4 << 20
 #: The runtime spreads a tensor of at least N x this many bytes over every worker
 #: (ops/core/partition.h, MakePartitions): below it the probe's bytes would meet fewer owners.
