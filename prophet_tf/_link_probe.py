@@ -120,10 +120,12 @@ def probe(world_size: int, priority: int) -> FusionLinkRate:
     import tensorflow as tf
 
     from prophet_tf import ops
+    from prophet_tf._devices import HOST_DEVICE
 
     start = time.perf_counter()
     nbytes = probe_bytes(world_size)
-    payload = tf.zeros([nbytes // 4], tf.float32)
+    with tf.device(HOST_DEVICE):  # where push_pull runs: no copy from a GPU in the timing
+        payload = tf.zeros([nbytes // 4], tf.float32)
     best = math.inf
     for k in range(PROBE_ROUNDS):
         t0 = time.perf_counter()

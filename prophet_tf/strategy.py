@@ -506,7 +506,8 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
     def fusion_link_rate(self) -> Optional[_link_probe.FusionLinkRate]:
         """The link rate automatic fusion sizes buckets for, the same on every worker: a
         ``prophet_tf._link_probe.FusionLinkRate`` (its ``source``: ``"probe"``, measured at
-        start-up and agreed, or ``"env"``, ``$PROPHET_LINK_GBPS``; ``gbps``; and, probed, this
+        start-up and agreed, ``"env"``, ``$PROPHET_LINK_GBPS``, or ``"assumed"``, the runtime's
+        10 Gbit/s where no eager context could run the probe; ``gbps``; and, probed, this
         worker's ``measured_gbps``, the slowest worker's ``agreed_gbps`` and ``probe_seconds``).
         Known from the first fusion declaration on (when the first training step is traced);
         None before, with one worker, and with ``fusion="off"`` or a bucket size in bytes."""
