@@ -27,8 +27,12 @@ import math
 import time
 from typing import Optional
 
-#: Timed push_pulls; the fastest counts (the first also absorbs the workers' arrival skew).
-PROBE_ROUNDS = 3
+#: Timed push_pulls; the fastest counts. The first also absorbs the workers' arrival skew, and
+#: the first few through a fresh job's connections are slow on fast links (buffers and windows
+#: grow): with 3 rounds the start-up probe read 3.9-4.1 Gbit/s on an emulated 10 Gbit/s link
+#: (sized for 5) and 3.3 on loopback (sized for 2), with 6 rounds 6.5-7.9 and 10.0 (sized for
+#: 5-10 and 10), at 0.1 s more start-up at 1 Gbit/s (docs/design.md, "The size").
+PROBE_ROUNDS = 6
 #: The probe's tensor: 4 MiB moves in about 3.4 ms per round at 10 Gbit/s with 2 workers (34 ms
 #: at 1 Gbit/s), against a round trip of tens of microseconds and about 20 us of CPU per
 #: message: long enough to measure up to about 10 Gbit/s within the series' steps (beyond,

@@ -928,8 +928,8 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
         buckets of consecutive priorities sized for the number of workers and the link rate, so
         each bucket is summed by every worker instead of a few; a bucket size in bytes; or
         ``None``/``"off"``: every gradient is its own collective. ``"auto"`` with several
-        workers measures the link once, when the first training step is traced (3 all-reduces
-        of 4 MiB and a gather: 0.1-0.2 s at 1 Gbit/s), and every worker sizes for the slowest
+        workers measures the link once, when the first training step is traced (6 all-reduces
+        of 4 MiB and a gather: 0.2-0.4 s at 1 Gbit/s), and every worker sizes for the slowest
         worker's rate rounded down to 1, 2 or 5 x 10^k Gbit/s (:attr:`fusion_link_rate`;
         docs/design.md, "Fusion", "The size"); ``$PROPHET_LINK_GBPS`` (the same on every worker)
         gives the rate instead, and no measurement is made. Results stay
