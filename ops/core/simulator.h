@@ -110,7 +110,7 @@ struct NetworkModel {
   double payload_efficiency = 1448.0 / 1538.0;  // TCP payload per Ethernet frame on the wire
   uint64_t frame_overhead_bytes = 96;           // the runtime's frame header + name + shape
   // What the kernel lets a connection hold (KernelSendBufferBytes): the runtime's socket options
-  // (SO_SNDBUF, 0: autotuned; TCP_NOTSENT_LOWAT, 0: none) and the kernel's limits: an SO_SNDBUF
+  // (SO_SNDBUF as SendBufferRequest resolves it, 0: autotuned; TCP_NOTSENT_LOWAT, 0: none) and the kernel's limits: an SO_SNDBUF
   // request is capped at net.core.wmem_max (0: no cap), the autotuning at net.ipv4.tcp_wmem's
   // maximum (4 MiB by default).
   int socket_buffer_bytes = EngineOptions().socket_buffer_bytes;  // as SendBufferRequest takes it
