@@ -15,7 +15,7 @@ SIGTERM and a short grace period before they are killed. Under a multi-worker
    checkpoint: the ``BackupAndRestore`` backup when the fit has one, otherwise the strategy's own
    (model and optimizer state, in ``checkpoint_dir``); it records the epoch and the number of
    training steps of that epoch already applied, and a resumed ``fit`` continues exactly there
-   (see ``prophet_tf/_fit_session.py``);
+   (see ``prophet_tf/_keras/fit_session.py``);
 4. each worker writes one line to stderr (:class:`Report`, parsed by the launcher) and exits with
    :data:`EXIT_PREEMPTED` by raising :class:`Preempted` (a ``SystemExit``: ``finally`` blocks of
    the program run). When that exception ends the program, the process leaves right after its

@@ -18,8 +18,8 @@ cross-worker communication:
 * variable creation under the scope -> ``broadcast`` of the initial value from rank 0, after the
   workers agreed that they create the same variable (else every worker raises
   ``VariableMismatchError`` naming it, see ``prophet_tf/_variable_agreement.py``);
-* Keras metrics, loss scaling and saving -> see ``prophet_tf/_keras_patches.py`` and
-  ``prophet_tf/_keras_saving.py`` (installed when a multi-worker strategy is created).
+* Keras metrics, loss scaling and saving -> see ``prophet_tf/_keras/patches.py`` and
+  ``prophet_tf/_keras/saving.py`` (installed when a multi-worker strategy is created).
 
 Input pipelines are sharded with global-batch semantics: ``fit(batch_size=B)`` gives every worker
 ``B / N`` rows of every global batch (disjoint shards, equal step counts on all workers).
@@ -69,7 +69,7 @@ from prophet_tf._library import runtime_constants
 from prophet_tf.cluster import JOB_SEED_ENV, resolve_cluster
 
 if TYPE_CHECKING:
-    from prophet_tf._step_report import StepReport
+    from prophet_tf._keras.step_report import StepReport
 
 __all__ = ["ProphetStrategy", "SCHEDULES"]
 
@@ -202,7 +202,7 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
         # once, so that the trace shows them (see prophet_tf.predict.profile).
         self._recording = bool(recording)
         self._auto_schedule = None  # an _auto_schedule.AutoSchedule with schedule="auto"
-        self._step_reporter = None  # a _step_report.StepReporter with step_report=True
+        self._step_reporter = None  # a step_report.StepReporter with step_report=True
         # Gradients verified so far, by how they were reduced ("summed", "gathered", "deferred"):
         # counted when an optimizer step is traced (or runs eagerly), see _gradients.GradientSite.
         self.gradient_counts: collections.Counter = collections.Counter()
@@ -217,8 +217,8 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
         self._creation_open = False
         self._local = threading.local()
         self._cluster_resolver = None
-        # Preemption (prophet_tf/_fit_session.py): where the strategy's own checkpoint of a fit
-        # without BackupAndRestore goes (None: none), and how many fits this worker started.
+        # Preemption (prophet_tf/_keras/fit_session.py): where the strategy's own checkpoint of a
+        # fit without BackupAndRestore goes (None: none), and how many fits this worker started.
         self._checkpoint_dir: Optional[str] = None
         self._fit_count = 0
 
@@ -805,8 +805,8 @@ def _gradient_clipping(optimizer):
     if not any(getattr(optimizer, option, None)
                for option in ("clipnorm", "clipvalue", "global_clipnorm")):
         return None
-    from prophet_tf import _keras_patches
-    return functools.partial(_keras_patches.keras_clip_gradients(), optimizer)
+    from prophet_tf._keras import patches
+    return functools.partial(patches.keras_clip_gradients(), optimizer)
 
 
 def _check_replication_mode(options) -> None:
@@ -946,7 +946,7 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
       step_report: measure where the time of every ``fit`` step goes (its wall time, the time it
         waited for gradients, the link rate, the schedule) and add it to the epoch logs under
         ``prophet/...`` keys, the same on every worker (see :meth:`step_report` and
-        ``prophet_tf/_step_report.py``).
+        ``prophet_tf/_keras/step_report.py``).
       report_every_epoch: with ``step_report``, rank 0 prints one line per epoch of ``fit``
         (not with ``verbose=0``); default ``$PROPHET_REPORT_EVERY_EPOCH``, on unless 0.
       preemption_signals: signals that make every worker stop at the same step of ``fit``, write
@@ -1011,9 +1011,9 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
                                    fusion_bytes=fusion_bytes)
         extended._cluster_resolver = cluster_resolver or _resolver_for(info)
         if step_report:
-            from prophet_tf import _step_report
-            extended._step_reporter = _step_report.StepReporter(
-                extended, _step_report.report_every_epoch_default() if report_every_epoch is None
+            from prophet_tf._keras.step_report import StepReporter, report_every_epoch_default
+            extended._step_reporter = StepReporter(
+                extended, report_every_epoch_default() if report_every_epoch is None
                 else report_every_epoch)
         if auto and info.world_size > 1:
             extended._auto_schedule = _auto_schedule.AutoSchedule(
@@ -1030,11 +1030,11 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
             preemption.arm(preemption_signals, preemption_grace_s, info.rank)
             extended._checkpoint_dir = (checkpoint_dir
                                         or os.environ.get(preemption.CHECKPOINT_DIR_ENV) or None)
-        from prophet_tf import _keras_patches
-        _keras_patches.install()  # each hook acts only for the strategies it concerns
+        from prophet_tf._keras import patches
+        patches.install()  # each hook acts only for the strategies it concerns
         if extended._communicates:
-            from prophet_tf import _keras_saving
-            _keras_saving.install(extended)
+            from prophet_tf._keras import saving
+            saving.install(extended)
 
     # Convenience accessors -------------------------------------------------------------------
     @property
@@ -1078,9 +1078,9 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
 
     def step_report(self) -> StepReport:
         """Where the time of this worker's ``fit`` steps went since the start of the current (or
-        last) epoch: a ``prophet_tf._step_report.StepReport`` (mean step time, time waiting for
-        gradients and its parts, compute time, link rate, schedule and Prophet's blocks, the last
-        step's figures). The epoch logs hold the same figures averaged over the workers.
+        last) epoch: a ``prophet_tf._keras.step_report.StepReport`` (mean step time, time waiting
+        for gradients and its parts, compute time, link rate, schedule and Prophet's blocks, the
+        last step's figures). The epoch logs hold the same figures averaged over the workers.
 
         Raises:
           ValueError: the strategy was created with ``step_report=False``.

@@ -120,7 +120,7 @@ def _update_loss_tracker(original, values, sample_weight=None):
 
 
 def _compile(original, self, *args, **kwargs):
-    from prophet_tf._keras_patches import _patch
+    from prophet_tf._keras.patches import _patch
 
     result = original(self, *args, **kwargs)
     if getattr(self, "_loss_tracker", None) is not None:
@@ -132,7 +132,7 @@ def install() -> None:
     """Patches Keras' loss reduction and loss tracker (idempotent)."""
     from keras.src.losses import loss as loss_module
     from keras.src.trainers import trainer as base_trainer
-    from prophet_tf._keras_patches import _patch
+    from prophet_tf._keras.patches import _patch
 
     _patch(loss_module, "reduce_values", _reduce_values)
     _patch(loss_module, "apply_mask", _apply_mask)

@@ -17,7 +17,8 @@ idempotent.
   clipped; the strategy clips the reduced ones (``clipnorm``, ``clipvalue`` and
   ``global_clipnorm`` then act on the global batch's gradient, as in one process).
 * ``keras.src.losses.loss.reduce_values``/``apply_mask`` and each model's loss tracker: losses
-  are averaged over the global batch's count, not each worker's (``prophet_tf/_loss_normalization.py``).
+  are averaged over the global batch's count, not each worker's
+  (``prophet_tf/_keras/loss_normalization.py``).
 * ``LossScaleOptimizer.check_finite``: finiteness is reduced across workers, so either every
   worker applies the step (and makes its gradient all-reduce) or none does.
 * ``TensorFlowTrainer.predict``: the input is sharded like fit's, so the per-step outputs are
@@ -30,12 +31,12 @@ idempotent.
   marks, ``schedule="auto"``, and the preemption request carried in the step's metric reduction).
 * ``TensorFlowTrainer.fit``, ``TFEpochIterator``, ``EpochIterator._enumerate_iterator``: a fit
   knows its position, resumes step-exactly from a backup and stops for a preemption
-  (``prophet_tf/_fit_session.py``).
+  (``prophet_tf/_keras/fit_session.py``).
 * ``Trainer._symbolic_build``: a model that defines ``train_step`` but no ``call()`` (a GAN, a
   VAE) is not traced symbolically (Keras would fail with "Unable to automatically build the
   model" under any strategy); like without a strategy, it builds in its first step.
 * ``TensorFlowTrainer.fit``, ``CallbackList.on_epoch_end`` and the train function: the step
-  report (``prophet_tf/_step_report.py``; any ProphetStrategy with ``step_report=True``, one
+  report (``prophet_tf/_keras/step_report.py``; any ProphetStrategy with ``step_report=True``, one
   worker included) measures every step and adds its ``prophet/...`` keys to the epoch logs.
 """
 
@@ -47,7 +48,7 @@ import time
 import threading
 import weakref
 
-from prophet_tf import _loss_normalization
+from prophet_tf._keras import loss_normalization
 
 _installed = False
 _lock = threading.Lock()
@@ -102,7 +103,7 @@ def install() -> None:
         _patch_fit()
         _patch_step_outputs()
         _patch_build_without_call()
-        _loss_normalization.install()
+        loss_normalization.install()
         _installed = True
 
 
@@ -115,7 +116,7 @@ def _patch_step_functions():
     * measures it for the step report (train; prophet_tf/_step_report);
     * gives ``schedule="auto"`` its occasion to choose the schedule (prophet_tf/_auto_schedule);
     * carries this worker's preemption request in the step's reductions and acts on the agreed
-      one (prophet_tf/preemption.py, prophet_tf/_fit_session.py).
+      one (prophet_tf/preemption.py, prophet_tf/_keras/fit_session.py).
 
     Forward and backward progress inside a step are already on the trace: a layer's forward pass
     starts when its "gate" span ends, and the backward pass emits a "ready" instant per gradient.
@@ -137,12 +138,13 @@ def _patch_step_functions():
 
 
 def _wrap_step_function(model, function, training: bool):
-    from prophet_tf import _fit_session, _step_report, preemption, runtime
+    from prophet_tf import preemption, runtime
+    from prophet_tf._keras import fit_session, step_report
 
     if function is None or getattr(function, "_prophet_wrapped", False):
         return function
     ext = _model_extended(model)
-    reporter = _step_report.reporter_of(model) if training else None  # one worker included
+    reporter = step_report.reporter_of(model) if training else None  # one worker included
     auto = ext._auto_schedule if training and ext is not None else None
     marking = training and ext is not None and runtime.timeline_enabled()
     coordinating = ext is not None and ext._multi and preemption.armed()
@@ -173,7 +175,7 @@ def _wrap_step_function(model, function, training: bool):
         if auto is not None:
             auto.after_step(step, start, time.monotonic_ns())
         if coordinating:
-            _fit_session.after_step(out, training, per_call)
+            fit_session.after_step(out, training, per_call)
         return out
 
     wrapped._prophet_wrapped = True
@@ -184,7 +186,7 @@ def _wrap_step_function(model, function, training: bool):
 
 def _patch_fit():
     """``fit`` (one patch: ``_patch`` wraps a method once) runs, on several workers, in a session
-    (prophet_tf/_fit_session.py: its position, a step-exact resume from a restored backup, the
+    (prophet_tf/_keras/fit_session.py: its position, a step-exact resume from a restored backup, the
     preemption stop), and inside it gets the step report's callback first among its callbacks
     (its keys reach every other callback). The training epoch iterator resumes step-exactly.
     The report's line is printed once every callback's ``on_epoch_end`` ran, after Keras's
@@ -193,28 +195,28 @@ def _patch_fit():
     from keras.src.callbacks import callback_list
     from keras.src.trainers import epoch_iterator
 
-    from prophet_tf import _fit_session, _step_report
+    from prophet_tf._keras import fit_session, step_report
 
     def fit(original, self, *args, **kwargs):
         @functools.wraps(original)
         def with_report(model, *a, **k):
-            return _step_report.fit_with_report(original, model, a, k)
+            return step_report.fit_with_report(original, model, a, k)
 
         ext = _model_extended(self)
         if ext is None or not ext._multi:
             return with_report(self, *args, **kwargs)
-        return _fit_session.run_fit(with_report, self, ext, args, kwargs)
+        return fit_session.run_fit(with_report, self, ext, args, kwargs)
 
     def epoch_iterator_init(original, self, *args, **kwargs):
         original(self, *args, **kwargs)
-        _fit_session.claim_iterator(self)
+        fit_session.claim_iterator(self)
 
     def enumerate_iterator(original, self):
-        return _fit_session.enumerate_epoch(original, self)
+        return fit_session.enumerate_epoch(original, self)
 
     def on_epoch_end(original, self, epoch, logs=None):
         original(self, epoch, logs)
-        _step_report.after_epoch_end(self)
+        step_report.after_epoch_end(self)
 
     _patch(tf_trainer.TensorFlowTrainer, "fit", fit)
     _patch(tf_trainer.TFEpochIterator, "__init__", epoch_iterator_init)
@@ -235,7 +237,7 @@ def _patch_metrics():
         per_metric = [list(m.variables) for m in metrics]
         flat = [v for vs in per_metric for v in vs]
         from prophet_tf import preemption
-        from prophet_tf._fit_session import STOP_KEY
+        from prophet_tf._keras.fit_session import STOP_KEY
 
         stop_flag = preemption.flag_to_carry() if ext._multi else None
         reduced, agreed_stop = ext._reduce_metric_state(flat, stop_flag)
@@ -406,8 +408,8 @@ def _patch_step_outputs():
         ext = _prophet_extended(strategy)
         if ext is None or reduction not in ("auto", "mean"):
             return original(values, strategy, reduction)  # "concat" (predict) is gathered
-        from prophet_tf import _fit_session
-        return _fit_session.carry_stop_flag(ext, _average_step_outputs(ext, values))
+        from prophet_tf._keras import fit_session
+        return fit_session.carry_stop_flag(ext, _average_step_outputs(ext, values))
 
     _patch(tf_trainer, "reduce_per_replica", reduce_per_replica)
 

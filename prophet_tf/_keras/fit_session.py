@@ -5,7 +5,7 @@ stops for a preemption.
   step functions (wrapped in ``_keras_patches``) count the steps; an internal callback, last in
   the fit's list, starts each epoch's count.
 * **Step-exact resume**: ``BackupAndRestore`` records the position with its weights
-  (``_keras_saving._backup_save``). Keras records only the epoch and, on restore, runs that epoch
+  (``saving._backup_save``). Keras records only the epoch and, on restore, runs that epoch
   again from its first batch on top of weights that already contain some of its updates. Here,
   loading a backup registers a :class:`ResumePlan`; when the resumed epoch starts, the training
   epoch iterator reads the batches already applied without training on them, so the first step

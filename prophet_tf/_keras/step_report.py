@@ -326,7 +326,7 @@ def _bit_rate(gbps: float) -> str:
     return f"{gbps / 1e-6:.3g} kbit/s"
 
 
-# ---- Keras hooks (installed by prophet_tf._keras_patches) ------------------------------------------
+# ---- Keras hooks (installed by prophet_tf._keras.patches) ------------------------------------------
 
 def reporter_of(model: Any) -> Optional[StepReporter]:
     """The step reporter of the ProphetStrategy ``model`` trains under, if it reports."""

@@ -363,9 +363,9 @@ def _backup_save(callback: Any) -> None:
 
     The metadata holds the position (:func:`backup_position`: ``epoch`` and ``steps_done``, with
     Keras' ``batch``) and what decides the order of the training input (``input_order``), from
-    which a resumed fit continues step-exactly (``prophet_tf/_fit_session.py``).
+    which a resumed fit continues step-exactly (``prophet_tf/_keras/fit_session.py``).
     """
-    from prophet_tf import _fit_session
+    from prophet_tf._keras import fit_session
     from keras.src.utils import file_utils
 
     os.makedirs(callback.backup_dir, exist_ok=True)
@@ -383,7 +383,7 @@ def _backup_save(callback: Any) -> None:
         epoch, steps = backup_position(callback)
         state = {"epoch": epoch, "batch": max(steps - 1, 0), "steps_done": steps,
                  "weights_inode": os.stat(temporary).st_ino}
-        session = _fit_session.current()
+        session = fit_session.current()
         order = session.input_order() if session is not None else None
         if order is not None:
             state["input_order"] = order.to_json()
@@ -420,9 +420,9 @@ def _backup_metadata_path(callback: Any) -> str:
 
 def _register_resume(callback: Any, metadata_path: str) -> None:
     """Tells the running fit where the backup just loaded continues (step-exactly)."""
-    from prophet_tf import _fit_session
+    from prophet_tf._keras import fit_session
 
-    session = _fit_session.current()
+    session = fit_session.current()
     if session is None or not os.path.exists(callback._weights_path):
         return
     try:
@@ -481,7 +481,7 @@ def _backup_restore(callback: Any) -> None:
 def _patch_callbacks() -> None:
     from keras.src.callbacks import backup_and_restore, csv_logger
 
-    from prophet_tf._keras_patches import _patch
+    from prophet_tf._keras.patches import _patch
 
     @agreed
     def save_model(_original, self):
