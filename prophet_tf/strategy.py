@@ -65,6 +65,7 @@ from tensorflow.python.framework import tensor_util
 from tensorflow.python.util import nest
 
 from prophet_tf import _gradients, _link_probe, _sparse, _variable_agreement
+from prophet_tf._keras.host import KerasHost
 from prophet_tf._library import runtime_constants
 from prophet_tf.cluster import JOB_SEED_ENV, resolve_cluster
 
@@ -180,8 +181,9 @@ class _ProphetReplicaContext(distribute_lib.ReplicaContext):
 # --------------------------------------------------------------------------------------------
 
 
-class ProphetExtended(one_device_strategy.OneDeviceExtended):
-    """Implementation of :class:`ProphetStrategy` (one device per worker process)."""
+class ProphetExtended(one_device_strategy.OneDeviceExtended, KerasHost):
+    """Implementation of :class:`ProphetStrategy` (one device per worker process); the Keras
+    glue (``prophet_tf._keras``) recognises it as a :class:`KerasHost`."""
 
     def __init__(self, container_strategy, device: str, rank: int, world_size: int,
                  sparse_as_dense_bytes: int = _DEFAULT_SPARSE_AS_DENSE_BYTES,

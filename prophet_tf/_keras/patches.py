@@ -48,22 +48,20 @@ import time
 import threading
 import weakref
 
-from prophet_tf._keras import loss_normalization
+from prophet_tf import preemption, runtime
+from prophet_tf._gradients import tf_variable
+from prophet_tf._keras import fit_session, loss_normalization, step_report
+from prophet_tf._keras.fit_session import STOP_KEY
+from prophet_tf._keras.host import communicating_host, host_of
+from prophet_tf._keras.patching import patch
 
 _installed = False
 _lock = threading.Lock()
 
 
-def _prophet_extended(strategy):
-    from prophet_tf.strategy import ProphetStrategy
-    if isinstance(strategy, ProphetStrategy) and strategy.extended._communicates:
-        return strategy.extended
-    return None
-
-
 def _current_extended():
     import tensorflow as tf
-    return _prophet_extended(tf.distribute.get_strategy())
+    return communicating_host(tf.distribute.get_strategy())
 
 
 def _model_extended(model):
@@ -71,22 +69,7 @@ def _model_extended(model):
         strategy = model.distribute_strategy
     except Exception:  # noqa: BLE001 - not a TF trainer
         return None
-    return _prophet_extended(strategy)
-
-
-def _patch(owner, name: str, wrapper) -> None:
-    """Replaces ``owner.<name>`` (a class's method or a module's function) by one that calls
-    ``wrapper(original, *args, **kwargs)``, once: a second call finds it patched already."""
-    original = getattr(owner, name)
-    if getattr(original, "_prophet_patched", False):
-        return
-
-    @functools.wraps(original)
-    def patched(*args, **kwargs):
-        return wrapper(original, *args, **kwargs)
-
-    patched._prophet_patched = True
-    setattr(owner, name, patched)
+    return communicating_host(strategy)
 
 
 def install() -> None:
@@ -133,14 +116,11 @@ def _patch_step_functions():
         self.test_function = _wrap_step_function(self, self.test_function, training=False)
         return result
 
-    _patch(tf_trainer.TensorFlowTrainer, "make_train_function", make_train_function)
-    _patch(tf_trainer.TensorFlowTrainer, "make_test_function", make_test_function)
+    patch(tf_trainer.TensorFlowTrainer, "make_train_function", make_train_function)
+    patch(tf_trainer.TensorFlowTrainer, "make_test_function", make_test_function)
 
 
 def _wrap_step_function(model, function, training: bool):
-    from prophet_tf import preemption, runtime
-    from prophet_tf._keras import fit_session, step_report
-
     if function is None or getattr(function, "_prophet_wrapped", False):
         return function
     ext = _model_extended(model)
@@ -195,8 +175,6 @@ def _patch_fit():
     from keras.src.callbacks import callback_list
     from keras.src.trainers import epoch_iterator
 
-    from prophet_tf._keras import fit_session, step_report
-
     def fit(original, self, *args, **kwargs):
         @functools.wraps(original)
         def with_report(model, *a, **k):
@@ -218,10 +196,10 @@ def _patch_fit():
         original(self, epoch, logs)
         step_report.after_epoch_end(self)
 
-    _patch(tf_trainer.TensorFlowTrainer, "fit", fit)
-    _patch(tf_trainer.TFEpochIterator, "__init__", epoch_iterator_init)
-    _patch(epoch_iterator.EpochIterator, "_enumerate_iterator", enumerate_iterator)
-    _patch(callback_list.CallbackList, "on_epoch_end", on_epoch_end)
+    patch(tf_trainer.TensorFlowTrainer, "fit", fit)
+    patch(tf_trainer.TFEpochIterator, "__init__", epoch_iterator_init)
+    patch(epoch_iterator.EpochIterator, "_enumerate_iterator", enumerate_iterator)
+    patch(callback_list.CallbackList, "on_epoch_end", on_epoch_end)
 
 
 # ---- metrics ------------------------------------------------------------------------------
@@ -236,8 +214,6 @@ def _patch_metrics():
         metrics = list(self.metrics)
         per_metric = [list(m.variables) for m in metrics]
         flat = [v for vs in per_metric for v in vs]
-        from prophet_tf import preemption
-        from prophet_tf._keras.fit_session import STOP_KEY
 
         stop_flag = preemption.flag_to_carry() if ext._multi else None
         reduced, agreed_stop = ext._reduce_metric_state(flat, stop_flag)
@@ -257,7 +233,7 @@ def _patch_metrics():
             _mark_global(value)
         return return_metrics
 
-    _patch(base_trainer.Trainer, "get_metrics_result", get_metrics_result)
+    patch(base_trainer.Trainer, "get_metrics_result", get_metrics_result)
 
 
 # ---- the optimizer step ---------------------------------------------------------------------
@@ -273,20 +249,18 @@ def _patch_optimizer():
             self, grads, trainable_variables,
             lambda: original(self, grads, trainable_variables, learning_rate))
 
-    _patch(tf_optimizer.TFOptimizer, "_backend_update_step", _backend_update_step)
+    patch(tf_optimizer.TFOptimizer, "_backend_update_step", _backend_update_step)
 
 
 def _optimizer_extended(optimizer, variables):
     """The multi-worker ProphetExtended that owns these variables (or this optimizer, or the
     current scope), whatever context the optimizer step runs in: a step outside the strategy's
     replica context must be caught, not passed through."""
-    from prophet_tf._gradients import tf_variable
-
     for v in variables:
-        ext = _prophet_extended(getattr(tf_variable(v), "_distribute_strategy", None))
+        ext = communicating_host(getattr(tf_variable(v), "_distribute_strategy", None))
         if ext is not None:
             return ext
-    return (_prophet_extended(getattr(optimizer, "_distribution_strategy", None))
+    return (communicating_host(getattr(optimizer, "_distribution_strategy", None))
             or _current_extended())
 
 
@@ -309,7 +283,7 @@ def _patch_clipping():
             return grads  # clipped once reduced (ProphetExtended._reduce_gradients)
         return original(self, grads)
 
-    _patch(base_optimizer.BaseOptimizer, "_clip_gradients", _clip_gradients)
+    patch(base_optimizer.BaseOptimizer, "_clip_gradients", _clip_gradients)
 
 
 # ---- loss scaling -------------------------------------------------------------------------
@@ -324,7 +298,7 @@ def _patch_loss_scale():
             return finite
         return ext._all_finite(finite)
 
-    _patch(lso.LossScaleOptimizer, "check_finite", check_finite)
+    patch(lso.LossScaleOptimizer, "check_finite", check_finite)
 
 
 # ---- predict ------------------------------------------------------------------------------
@@ -354,7 +328,7 @@ def _patch_predict():
             _gathering_predict_functions[self] = (key, self.predict_function)
             self.predict_function = plain
 
-    _patch(tf_trainer.TensorFlowTrainer, "predict", predict)
+    patch(tf_trainer.TensorFlowTrainer, "predict", predict)
 
 
 # ---- values returned by train/test steps ------------------------------------------------------
@@ -375,7 +349,6 @@ def _average_step_outputs(ext, values):
     other dtypes take rank 0's value. Outputs marked global are returned unchanged."""
     import tensorflow as tf
     from keras.src import tree
-    from prophet_tf.strategy import CONTROL_PRIORITY
 
     flat = tree.flatten(values)
     groups: dict = {}
@@ -392,7 +365,7 @@ def _average_step_outputs(ext, values):
         joined = tf.concat(parts, axis=0)
         name = f"{site}/{dtype.name}/{len(idx)}"
         if dtype.is_floating:
-            reduced = ext._push_pull(joined, name, CONTROL_PRIORITY, True)
+            reduced = ext._push_pull(joined, name, runtime.control_priority(), True)
         else:
             reduced = ext._broadcast(joined, name, root_rank=0)
         for i, part in zip(idx, tf.split(reduced, tf.stack(sizes))):
@@ -405,13 +378,12 @@ def _patch_step_outputs():
     from keras.src.backend.tensorflow import trainer as tf_trainer
 
     def reduce_per_replica(original, values, strategy, reduction):
-        ext = _prophet_extended(strategy)
+        ext = communicating_host(strategy)
         if ext is None or reduction not in ("auto", "mean"):
             return original(values, strategy, reduction)  # "concat" (predict) is gathered
-        from prophet_tf._keras import fit_session
         return fit_session.carry_stop_flag(ext, _average_step_outputs(ext, values))
 
-    _patch(tf_trainer, "reduce_per_replica", reduce_per_replica)
+    patch(tf_trainer, "reduce_per_replica", reduce_per_replica)
 
 
 # ---- models without call() --------------------------------------------------------------------
@@ -425,13 +397,11 @@ def _patch_build_without_call():
     from keras.src.trainers import trainer as base_trainer
 
     def _symbolic_build(original, self, iterator=None, data_batch=None):
-        from prophet_tf.strategy import ProphetStrategy
-
-        if (isinstance(getattr(self, "_distribute_strategy", None), ProphetStrategy)
+        if (host_of(getattr(self, "_distribute_strategy", None)) is not None
                 and not _defines_call(self)):
             # Keras would trace call() on a symbolic batch; there is none. Without a strategy
             # Keras does not build here either: the first train step creates what is missing.
             return None
         return original(self, iterator=iterator, data_batch=data_batch)
 
-    _patch(base_trainer.Trainer, "_symbolic_build", _symbolic_build)
+    patch(base_trainer.Trainer, "_symbolic_build", _symbolic_build)

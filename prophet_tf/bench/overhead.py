@@ -156,7 +156,7 @@ def run_preemption_worker(config: dict) -> None:
     batch = np.random.default_rng(0).normal(size=(config["batch"], 8)).astype("float32")
     checked = model()
     checked.train_on_batch(batch, batch)  # traced with the check
-    preemption._reset()
+    preemption.reset()
     unchecked = model()
     unchecked.train_on_batch(batch, batch)  # traced without it
     for _ in range(config["warmup"]):
