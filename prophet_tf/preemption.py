@@ -51,6 +51,8 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence, Union
 
+from prophet_tf import runtime
+
 __all__ = ["EXIT_PREEMPTED", "DEFAULT_GRACE_S", "Preempted", "Report", "parse_report", "Failure",
            "parse_failure", "parse_received", "request", "requested", "SIGNALS_ENV", "GRACE_ENV",
            "CHECKPOINT_DIR_ENV", "FAST_EXIT_ENV"]
@@ -296,7 +298,6 @@ def _watchdog(state: _State, grace_s: float) -> None:
                  f"period ({grace_s:g} s after {_signal_name(state.requested_by)}): no "
                  "coordinated checkpoint; leaving as the signal would have ended this worker")
     try:
-        from prophet_tf import runtime
         runtime.timeline_flush()
     except Exception:  # noqa: BLE001 - leaving anyway
         pass

@@ -28,6 +28,7 @@ import re
 import sys
 from typing import Optional, Sequence
 
+from prophet_tf._library import runtime_constants
 from prophet_tf.predict.model import (SCHEDULES, IdealBound, PredictError, Prediction,
                                       PredictOptions, SimulatedDeadlock, ideal_bound, predict)
 from prophet_tf.predict.profile import Profile, ProfileError, load_profile
@@ -253,7 +254,6 @@ def main(argv: Sequence[str]) -> int:
         bad = [s for s in schedules if s not in SCHEDULES]
         if bad:
             raise ValueError(f"unknown schedule(s) {bad}; choose from {', '.join(SCHEDULES)} or all")
-        from prophet_tf._library import runtime_constants
         known = ("none",) + tuple(runtime_constants()["compressions"])
         if FLAGS.compression not in known:
             raise ValueError(f"--compression must be one of {', '.join(known)}, got "
