@@ -1,22 +1,6 @@
-"""Command line of the predictor.
-
-    python -m prophet_tf.predict PROFILE.json [--workers 2,4,8,16,64] [--bandwidth 1G,10G,25G]
-        [--schedule all] [--compression fp16|bf16] [--output predict.png] [--json results.json]
-        [--timeline trace.json] [--time_scale S|profile] [--workers_per_host K [--hierarchical]]
-
-PROFILE.json is a trace recorded by one worker with ``PROPHET_PROFILE=PROFILE.json`` (or worker
-0's ``PROPHET_TIMELINE`` trace of a multi-worker run), or a profile saved with ``--save_profile``.
-Prints a table of the predicted step time and the speed-up over one worker per schedule, number
-of workers and link rate, and draws it (step time and speed-up against workers, one line per
-schedule and link rate). ``--timeline`` writes the synthetic Chrome trace of one setting, drawable
-next to a real one with ``python -m prophet_tf.timeline``. ``--compression`` predicts
-``ProphetStrategy(compression=...)``: the gradients travel in half the bytes (``mwms`` stays
-uncompressed); the ideal column is then the bound of the compressed bytes. ``--time_scale``
-divides every time of the profile (an emulated benchmark run's, slowed S times, gives the modelled
-accelerator's; ``profile``: the S the run recorded). ``--workers_per_host K`` puts K workers on
-each host (they share its NIC, loopback between them); ``--hierarchical`` predicts the two-level
-path (sum on the host first; the runtime's ``hierarchical="on"``).
-"""
+"""The predictor's command line (``python -m prophet_tf.predict``, whose usage its
+``__main__`` states): the flags, :func:`main`, and the parsers and formatters of rates,
+durations and fusion settings that the benchmarks share."""
 
 from __future__ import annotations
 
