@@ -72,9 +72,8 @@ def refuse_collective(description: str) -> None:
         "(tf.function(jit_compile=True)). XLA cannot compile an exchange between workers (it "
         "waits for other processes). Fix: remove jit_compile=True from the tf.function that "
         "calls strategy.run (or that makes the collective) and compile only the computation: "
-        "either wrap the forward and backward pass in `with tf.xla.experimental.jit_scope():` "
-        "inside that tf.function, or put jit_compile=True on a function that only computes the "
-        "loss and gradients and call it inside strategy.run. With Keras, "
+        "put jit_compile=True on a tf.function that computes the loss and gradients, and call "
+        "it inside strategy.run before apply_gradients. With Keras, "
         "model.compile(jit_compile=True) does this split itself.")
 
 
