@@ -31,7 +31,7 @@ from keras import layers
 FEATURES, CLASSES = 6, 3
 GLOBAL_BATCH = 16  # each of 2 workers gets 8 rows of every global batch
 SAMPLES = 80       # 5 steps per epoch
-EPOCHS = 3
+EPOCHS = 2
 
 
 class Context:
@@ -89,44 +89,46 @@ def program(fn):
     return fn
 
 
+def fits_in_turn(ctx, inputs):
+    """One model fitted on each input in turn (as when training goes on with new data): every
+    fit reuses the traced step, so one launch covers several pipelines. The logs of each fit
+    are kept under ``<key>@<input>``, so a difference shows which input caused it."""
+    model = compiled_model(ctx)
+    logs = {}
+    for name, make_input, fit_kwargs in inputs:
+        history = model.fit(make_input(), verbose=0, **{"epochs": EPOCHS, **fit_kwargs})
+        logs.update({f"{k}@{name}": v for k, v in history_logs(history).items()})
+    return model, logs
+
+
 # ---- tf.data ----------------------------------------------------------------------------------
 
-@program
-def shuffle_with_seed(ctx):
+def shuffle_with_seed():
     """The tf.data guide's pipeline: a seeded shuffle buffer, reshuffled every epoch."""
     x, y = tabular()
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(200, seed=5).batch(GLOBAL_BATCH)
-    model = compiled_model(ctx)
-    return model, history_logs(model.fit(dataset, epochs=EPOCHS, verbose=0))
+    return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(200, seed=5).batch(GLOBAL_BATCH)
 
 
-@program
-def shuffle_with_seed_once(ctx):
+def shuffle_with_seed_once():
     """A seeded shuffle with reshuffle_each_iteration=False: one order for every epoch."""
-    x, y = tabular()
-    dataset = (tf.data.Dataset.from_tensor_slices((x, y))
-               .shuffle(SAMPLES, seed=8, reshuffle_each_iteration=False).batch(GLOBAL_BATCH))
-    model = compiled_model(ctx)
-    return model, history_logs(model.fit(dataset, epochs=EPOCHS, verbose=0))
+    x, y = tabular(seed=2)
+    return (tf.data.Dataset.from_tensor_slices((x, y))
+            .shuffle(SAMPLES, seed=8, reshuffle_each_iteration=False).batch(GLOBAL_BATCH))
 
 
-@program
-def shuffle_repeat_steps_per_epoch(ctx):
-    """An endless pipeline (shuffle, repeat, prefetch) with steps_per_epoch: epochs do not
-    line up with passes over the data."""
-    x, y = tabular()
-    dataset = (tf.data.Dataset.from_tensor_slices((x, y)).shuffle(64, seed=11).repeat()
-               .batch(GLOBAL_BATCH).prefetch(tf.data.AUTOTUNE))
-    model = compiled_model(ctx)
-    return model, history_logs(model.fit(dataset, epochs=EPOCHS, steps_per_epoch=3, verbose=0))
+def shuffle_repeat():
+    """An endless pipeline (shuffle, repeat, prefetch), fitted with steps_per_epoch: epochs do
+    not line up with passes over the data."""
+    x, y = tabular(seed=3)
+    return (tf.data.Dataset.from_tensor_slices((x, y)).shuffle(64, seed=11).repeat()
+            .batch(GLOBAL_BATCH).prefetch(tf.data.AUTOTUNE))
 
 
-@program
-def interleave_and_map_in_parallel(ctx):
+def interleave_and_map_in_parallel():
     """Records read by a parallel interleave over shards and a parallel map with a stateless
     augmentation, batched, then a parallel map over whole batches (TensorFlow cannot tell the
     batch size of such a dataset), all deterministic=True."""
-    x, y = tabular()
+    x, y = tabular(seed=4)
     shards = 4
 
     def shard(i):
@@ -140,14 +142,24 @@ def interleave_and_map_in_parallel(ctx):
         mean, variance = tf.nn.moments(features, axes=[0])
         return (features - mean) / tf.sqrt(variance + 1e-3), labels
 
-    dataset = (tf.data.Dataset.range(shards)
-               .interleave(shard, cycle_length=shards, num_parallel_calls=tf.data.AUTOTUNE,
-                           deterministic=True)
-               .map(augment, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-               .batch(GLOBAL_BATCH)
-               .map(standardize, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True))
-    model = compiled_model(ctx)
-    return model, history_logs(model.fit(dataset, epochs=EPOCHS, verbose=0))
+    return (tf.data.Dataset.range(shards)
+            .interleave(shard, cycle_length=shards, num_parallel_calls=tf.data.AUTOTUNE,
+                        deterministic=True)
+            .map(augment, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+            .batch(GLOBAL_BATCH)
+            .map(standardize, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True))
+
+
+@program
+def tf_data_pipelines(ctx):
+    """Seeded shuffles, repeat with steps_per_epoch, parallel deterministic interleave and map;
+    no global seed anywhere."""
+    return fits_in_turn(ctx, [
+        ("shuffle_with_seed", shuffle_with_seed, {}),
+        ("shuffle_with_seed_once", shuffle_with_seed_once, {}),
+        ("shuffle_repeat_steps_per_epoch", shuffle_repeat, {"steps_per_epoch": 3}),
+        ("interleave_and_map_in_parallel", interleave_and_map_in_parallel, {}),
+    ])
 
 
 @program
@@ -193,35 +205,30 @@ class Batches(keras.utils.PyDataset):
         return self.x[rows], self.y[rows]
 
 
-def _py_dataset_program(**kwargs):
-    def run(ctx):
-        """keras.io's PyDataset, shuffled by fit (the default), with Keras' reproducibility
-        recipe (keras.utils.set_random_seed); 78 rows: the last batch is short."""
-        keras.utils.set_random_seed(17)
-        x, y = tabular(samples=78)
-        model = compiled_model(ctx)
-        history = model.fit(Batches(x, y, GLOBAL_BATCH, **kwargs), epochs=EPOCHS, verbose=0)
-        return model, history_logs(history)
-    return run
-
-
-PROGRAMS["py_dataset"] = _py_dataset_program()
-PROGRAMS["py_dataset_worker_threads"] = _py_dataset_program(workers=2)
-PROGRAMS["py_dataset_worker_processes"] = _py_dataset_program(workers=2, use_multiprocessing=True)
+def batches_forever(seed):
+    """An endless Python generator of batches."""
+    x, y = tabular(seed=seed)
+    while True:
+        for start in range(0, SAMPLES, GLOBAL_BATCH):
+            yield x[start:start + GLOBAL_BATCH], y[start:start + GLOBAL_BATCH]
 
 
 @program
-def python_generator_with_steps_per_epoch(ctx):
-    """An endless Python generator of batches given to fit with steps_per_epoch."""
-    x, y = tabular()
+def keras_python_inputs(ctx):
+    """keras.io's PyDataset shuffled by fit (the default) with Keras' reproducibility recipe
+    (keras.utils.set_random_seed), 78 rows (the last batch is short): plain, with worker
+    threads, with worker processes; then a Python generator with steps_per_epoch."""
+    keras.utils.set_random_seed(17)
 
-    def batches():
-        while True:
-            for start in range(0, SAMPLES, GLOBAL_BATCH):
-                yield x[start:start + GLOBAL_BATCH], y[start:start + GLOBAL_BATCH]
+    def py_dataset(seed, **kwargs):
+        return lambda: Batches(*tabular(seed=seed, samples=78), GLOBAL_BATCH, **kwargs)
 
-    model = compiled_model(ctx)
-    return model, history_logs(model.fit(batches(), steps_per_epoch=4, epochs=EPOCHS, verbose=0))
+    return fits_in_turn(ctx, [
+        ("py_dataset", py_dataset(5), {}),
+        ("py_dataset_worker_threads", py_dataset(6, workers=2), {}),
+        ("py_dataset_worker_processes", py_dataset(7, workers=2, use_multiprocessing=True), {}),
+        ("python_generator", lambda: batches_forever(8), {"steps_per_epoch": 4}),
+    ])
 
 
 @program
