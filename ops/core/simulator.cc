@@ -9,6 +9,7 @@
 
 #include "ops/core/link_model.h"
 #include "ops/core/partition.h"
+#include "ops/core/policies.h"
 #include "ops/core/scheduler.h"
 #include "ops/core/small_allreduce.h"
 #include "ops/core/timeline.h"
