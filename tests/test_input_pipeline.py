@@ -38,7 +38,7 @@ def pipelines(tmp_path_factory):
     """Every program in one 2-worker launch and one reference process."""
     workdir = str(tmp_path_factory.mktemp("pipelines"))
     return run_programs_against_one_process("input_programs.py", workdir, list(PROGRAMS),
-                                            WORKERS_N)
+                                            WORKERS_N, timeout=900)
 
 
 def _max_diff(a_list, b_list) -> float:

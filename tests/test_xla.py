@@ -32,7 +32,7 @@ TRAINING = [p for p in PROGRAMS if p != REFUSED]
 def runs(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("xla"))
     return run_programs_against_one_process("xla_programs.py", workdir, list(PROGRAMS),
-                                            WORKERS_N)
+                                            WORKERS_N, timeout=1200)
 
 
 def _max_diff(a_list, b_list) -> float:
