@@ -11,14 +11,14 @@
 // (SimulationRequest::compression). The engine's options that the predictor models (kPredicted in
 // engine_options.def) are parsed and checked as the engine parses them; a request that leaves one
 // out predicts the engine's default.
-#ifndef PROPHET_OPS_CORE_SIMULATION_REQUEST_H_
-#define PROPHET_OPS_CORE_SIMULATION_REQUEST_H_
+#ifndef PROPHET_OPS_SIM_SIMULATION_REQUEST_H_
+#define PROPHET_OPS_SIM_SIMULATION_REQUEST_H_
 
 #include <string>
 
 #include "ops/core/common.h"
-#include "ops/core/ideal_bound.h"
-#include "ops/core/simulator.h"
+#include "ops/sim/ideal_bound.h"
+#include "ops/sim/simulator.h"
 
 namespace prophet {
 
@@ -43,4 +43,4 @@ std::string IdealBoundJson(const IdealBound& bound);
 
 }  // namespace prophet
 
-#endif  // PROPHET_OPS_CORE_SIMULATION_REQUEST_H_
+#endif  // PROPHET_OPS_SIM_SIMULATION_REQUEST_H_
