@@ -235,3 +235,49 @@ SLOW_FILES_FIRST = (
 def pytest_collection_modifyitems(config, items) -> None:
     rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
     items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(rank)))  # stable
+
+
+# Where the suite's time goes: CPU-seconds (the test process and every subprocess it waited for)
+# and wall seconds per test file, printed at the end. On 2 cores the CPU total, not the slowest
+# test, bounds the suite's wall time.
+def _cpu_seconds() -> float:
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
+        resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+_cpu_mark = [0.0]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_logstart(nodeid, location) -> None:
+    _cpu_mark[0] = _cpu_seconds()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    now = _cpu_seconds()
+    # Carried to the xdist controller with the report (pytest serializes a report's attributes).
+    outcome.get_result().cpu_seconds = now - _cpu_mark[0]
+    _cpu_mark[0] = now
+
+
+_file_costs: dict = {}
+
+
+def pytest_runtest_logreport(report) -> None:
+    cost = _file_costs.setdefault(report.nodeid.split("::")[0], [0.0, 0.0])
+    cost[0] += getattr(report, "cpu_seconds", 0.0)
+    cost[1] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not _file_costs:
+        return
+    total_cpu = sum(c for c, _ in _file_costs.values())
+    terminalreporter.section(f"cost per test file (CPU-s in all, {total_cpu:.0f})")
+    for path, (cpu, wall) in sorted(_file_costs.items(), key=lambda kv: -kv[1][0])[:20]:
+        terminalreporter.write_line(f"{cpu:8.1f} CPU-s {wall:8.1f} s  {path}")
