@@ -216,6 +216,7 @@ def run_programs_against_one_process(script: str, workdir: str, programs: list, 
 SLOW_FILES_FIRST = (
     "test_conformance.py",
     "test_unseen_programs.py",
+    "test_xla.py",
     "test_multinode.py",
     "test_saving.py",
     "test_netem.py",
