@@ -14,7 +14,7 @@ The pieces:
   (:func:`write_client`). Started like ``python [-u] script.py args`` or ``python [-u] -m module
   args``, it hands its standard streams, working directory, environment and arguments to a zygote
   and then mirrors the forked process: it forwards the signals it gets and exits with the forked
-  process's status (by the same signal, if that was how it ended). Anything else (``-c``, other
+  process's status (by the same signal, if that was how it ended). Anything else (other
   interpreter flags, an environment that changes what an import does, no zygote ready) it
   ``exec``s the real interpreter with the same arguments: a zygote only ever saves time.
 
@@ -196,7 +196,14 @@ def run(request: dict) -> None:
     sys.__stdout__, sys.__stderr__, sys.__stdin__ = sys.stdout, sys.stderr, sys.stdin
     sys.executable = request["client"]
     sys.argv = list(request["argv"])
-    if request["module"]:
+    if request["code"] is not None:
+        import types
+
+        sys.path[:] = [""] + request["sys_path"]
+        main = types.ModuleType("__main__")
+        sys.modules["__main__"] = main
+        exec(compile(request["code"], "<string>", "exec"), main.__dict__)
+    elif request["module"]:
         sys.path[:] = [os.getcwd()] + request["sys_path"]
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
     else:
@@ -219,8 +226,11 @@ def fresh():
 args, unbuffered, module = sys.argv[1:], False, None
 while args and args[0] == "-u":
     unbuffered, args = True, args[1:]
+code = None
 if args[:1] == ["-m"] and len(args) > 1:
     module, argv = args[1], [args[1]] + args[2:]
+elif args[:1] == ["-c"] and len(args) > 1:
+    code, argv = args[1], ["-c"] + args[2:]
 elif args and not args[0].startswith("-"):
     argv = args
 else:
@@ -239,7 +249,7 @@ try:
     conn.connect(path)
 except OSError:
     fresh()   # not ready yet (still importing) or gone
-request = dict(argv=argv, module=module, unbuffered=unbuffered, cwd=os.getcwd(), env=env,
+request = dict(argv=argv, module=module, code=code, unbuffered=unbuffered, cwd=os.getcwd(), env=env,
                client=sys.argv[0])
 conn.sendmsg([json.dumps(request).encode() + b"\n"],
              [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
