@@ -18,11 +18,12 @@ Protocol (TCP; each message is a 4-byte big-endian length and a JSON object):
   ``reject``;
 - once every node joined: master -> node ``plan`` (world size, every worker's address, the first
   rank of this node, a fresh nonce from which every node derives the same worker token);
-- while the workers run: ``ping`` both ways every second; node -> master ``outcome`` when its
-  workers ended; master -> node ``stop`` when another node failed (with the signal to forward to
-  the workers when a launcher was interrupted); master -> node ``verdict`` (status and the failure
-  named, the same for every node, and whether the job restarts) at the end of the attempt;
-  ``abort`` when the rendezvous itself failed;
+- node -> master ``ping`` every second once it joined; master -> node ``ping`` every second while
+  the workers run. Node -> master ``outcome`` when its workers ended; master -> node ``stop`` when
+  another node failed (with the signal to forward to the workers when a launcher was interrupted,
+  or, in an elastic job, the signal that asks them for the coordinated checkpoint); master ->
+  node ``verdict`` (status and the failure named, the same for every node, and whether the job
+  restarts) at the end of the attempt; ``abort`` when the rendezvous itself failed;
 - restarts (``--max-restarts``, decided by the master with ``restarts.RestartPolicy``): a verdict
   with ``restart`` names the next round; every node stops its workers, and joins that round over
   its open connection (a ``join`` with fresh ports, MAC'ed as the first); the master sends a new
@@ -34,6 +35,11 @@ it never travels), so a stranger cannot join. Before a connection has proven the
 sends ends or stalls the rendezvous: it is rejected with the reason (a misconfigured node fails
 at once), and the master keeps waiting for the real node, naming what it rejected if that node
 never comes. The workers get ``HMAC(token, nonce)`` as their job token: a fresh one per attempt.
+
+Elastic jobs (``--nnodes MIN:MAX``, ``prophet_tf.launch.elastic``): a node may join while the
+job runs (it waits for the next formation; its ``joined`` says so and may assign its node
+rank), and every formation plans the nodes present; a node lost or leaving is no failure of the
+job.
 
 The join and the plan carry the attempt's round number (0, then one more per restart); a
 launcher that is not part of the job cannot join a later round. The plan also carries the job's
@@ -58,7 +64,7 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 from prophet_tf.launch.restarts import RestartPolicy
-from prophet_tf.launch.workers import (CAUSE_INTERRUPTED, EXIT_JOB_FAILED, Failure,
+from prophet_tf.launch.workers import (CAUSE_INTERRUPTED, CAUSE_LOST, EXIT_JOB_FAILED, Failure,
                                        draw_job_seed, format_address)
 from prophet_tf.preemption import EXIT_PREEMPTED
 
@@ -163,6 +169,9 @@ class _Conn:
     last_heard: float = 0.0
     outcome: Optional[dict] = None
     closed: bool = False
+    #: In the attempt that runs (its plan was sent); elastic jobs also hold nodes waiting to join.
+    member: bool = False
+    lost_why: str = ""  # why the master gave it up
 
     def describe(self) -> str:
         host = self.fields.get("hostname") or ""
@@ -205,6 +214,7 @@ class Master:
         self._rejected_total = 0
         self._dropped = 0
         self._injected: list[Failure] = []
+        self._stopping_until: Optional[float] = None  # the attempt is ending: outcomes until then
         self._lock = threading.Lock()
         self._sel = selectors.DefaultSelector()
         self._listener = self._listen()
@@ -304,7 +314,7 @@ class Master:
         """The named failure's status, or 75 when a launcher was interrupted and every node's
         workers then stopped for the preemption (the job can be resumed)."""
         first = failures[0]
-        outcomes = [c.outcome for c in self._joined() if c.outcome is not None]
+        outcomes = [c.outcome for c in self._joined() if c.member and c.outcome is not None]
         if first.cause == CAUSE_INTERRUPTED and outcomes and all(
                 int(o.get("status", 1)) == EXIT_PREEMPTED for o in outcomes):
             return EXIT_PREEMPTED
@@ -329,10 +339,21 @@ class Master:
                                          at=time.time()), abort=True)
             self._poll(min(0.1, deadline - now), forming=True)
 
+    def _stop_message(self, first: Failure) -> tuple[dict, float]:
+        """What every node still running is told once the attempt fails (``first``: the failure
+        named), and how long to wait for their outcomes then."""
+        where = f" on node {first.node}" if first.rank is not None else ""
+        stop = {"t": "stop", "reason": first.description + where}
+        if first.cause == CAUSE_INTERRUPTED and first.status > 128:
+            # A launcher was interrupted (the -H launcher, say): every node forwards the
+            # signal, a preemption for the workers, so that they checkpoint.
+            stop["forward"] = first.status - 128
+        return stop, self.stop_wait
+
     def _supervise(self) -> list[Failure]:
         """Watches one attempt until every node's outcome came (or the wait after a failure
         ended); returns the failures, the first (the one named) first, none on success."""
-        stopping_until: Optional[float] = None
+        self._stopping_until = None
         failures: list[Failure] = []
         next_ping = 0.0
         while True:
@@ -344,34 +365,29 @@ class Master:
                 next_ping = now + HEARTBEAT_S
             self._poll(0.1, forming=False)
             new: list[Failure] = self._take_injected()
+            nodes = [c for c in self._conns if c.member]
             for c in self._conns:
                 if c.node is None or c.stage != "joined":
                     continue
                 if c.outcome is None and not c.closed and now - c.last_heard > self.node_timeout:
                     self._lose(c, f"nothing heard from its launcher for {self.node_timeout:g} s "
                                   "(its host hung or the network between them failed)")
-                if c.outcome is not None and c.outcome.get("counted") is None:
+                if c.member and c.outcome is not None and c.outcome.get("counted") is None:
                     c.outcome["counted"] = True
                     if c.outcome.get("failure"):
                         f = Failure.from_json(c.outcome["failure"])
                         f.node = c.node
                         new.append(f)
             failures.extend(new)
-            nodes = [c for c in self._conns if c.node is not None and c.stage == "joined"]
-            if failures and stopping_until is None:
-                first = min(failures, key=lambda f: f.at)
-                where = f" on node {first.node}" if first.rank is not None else ""
-                stop = {"t": "stop", "reason": first.description + where}
-                if first.cause == CAUSE_INTERRUPTED and first.status > 128:
-                    # A launcher was interrupted (the -H launcher, say): every node forwards the
-                    # signal, a preemption for the workers, so that they checkpoint.
-                    stop["forward"] = first.status - 128
+            if failures and self._stopping_until is None:
+                stop, wait = self._stop_message(min(failures, key=lambda f: f.at))
                 for c in nodes:
                     if not c.closed and c.outcome is None:
                         _send(c.sock, stop)
-                stopping_until = time.monotonic() + self.stop_wait
+                self._stopping_until = time.monotonic() + wait
             settled = all(c.outcome is not None or c.closed for c in nodes)
-            if settled or (stopping_until is not None and time.monotonic() >= stopping_until):
+            if settled or (self._stopping_until is not None
+                           and time.monotonic() >= self._stopping_until):
                 if not failures and all(c.outcome is not None and int(c.outcome.get("status", 1)) == 0
                                         for c in nodes):
                     return []
@@ -390,7 +406,7 @@ class Master:
             c.sock.close()
         if c.outcome is None:
             self.inject_failure(Failure(EXIT_JOB_FAILED, f"{c.describe()} was lost: {why}",
-                                        node=c.node, at=time.time()))
+                                        node=c.node, at=time.time(), cause=CAUSE_LOST))
 
     def _take_injected(self) -> list[Failure]:
         with self._lock:
@@ -398,9 +414,11 @@ class Master:
         return out
 
     def _end(self, failure: Optional[Failure], abort: bool = False, message: str = "",
-             status: Optional[int] = None, restart_round: Optional[int] = None) -> dict:
-        """Tells every node how the attempt ended (``abort``: the rendezvous failed;
-        ``restart_round``: the job goes on with that round; ``message``: the restart decision)."""
+             status: Optional[int] = None, restart_round: Optional[int] = None,
+             to: Optional[Sequence[_Conn]] = None) -> dict:
+        """Tells every node (or those in ``to``) how the attempt ended (``abort``: the
+        rendezvous failed; ``restart_round``: the job goes on with that round; ``message``: the
+        restart decision)."""
         if failure is None:
             verdict = {"t": "verdict", "status": 0, "failure": None}
         else:
@@ -411,7 +429,7 @@ class Master:
             verdict["message"] = message
         if restart_round is not None:
             verdict.update(restart=True, round=restart_round, backoff=self.policy.backoff_s)
-        for c in self._conns:
+        for c in (self._conns if to is None else to):
             if c.node is not None and c.stage == "joined" and not c.closed:
                 _send(c.sock, verdict)
         return verdict
@@ -432,6 +450,9 @@ class Master:
                 seen[address] = c.node
         return ""
 
+    def _formed_text(self, nodes: Sequence[dict]) -> str:
+        return "master: every node joined; "
+
     def _send_plans(self, joined: Sequence[_Conn], round_: int) -> None:
         addresses: list[str] = []
         first: dict[int, int] = {}
@@ -441,12 +462,16 @@ class Master:
         nonce = secrets.token_hex(16)
         nodes = [{"node": c.node, "host": c.fields["host"], "hostname": c.fields.get("hostname", ""),
                   "nproc": len(c.fields["ports"]), "first_rank": first[c.node]} for c in joined]
+        for c in self._conns:
+            c.member = False
         for c in joined:
+            c.member = True
+            c.outcome = None
             c.last_heard = time.monotonic()
             _send(c.sock, {"t": "plan", "round": round_, "world_size": len(addresses),
                            "addresses": addresses, "first_rank": first[c.node], "nonce": nonce,
                            "nodes": nodes, "job_seed": self.job_seed})
-        self.say("master: every node joined; " + ", ".join(
+        self.say(self._formed_text(nodes) + ", ".join(
             f"node {n['node']} ({n['host']}): ranks {n['first_rank']}..{n['first_rank'] + n['nproc'] - 1}"
             for n in nodes))
 
@@ -525,14 +550,7 @@ class Master:
             data = b""
         if not data:
             if c.stage == "joined":
-                if forming and self._round > 0:
-                    self._lose(c, "its launcher's connection closed while the job restarted")
-                elif forming:
-                    self.say(f"master: {c.describe()} left before every node joined")
-                    self._drop(c, counted=False)
-                    c.stage = "left"
-                else:
-                    self._lose(c, "its launcher's connection closed (it was killed or exited)")
+                self._connection_closed(c, forming)
             else:
                 self._drop(c, counted=c.stage == "hello")
             return
@@ -549,6 +567,28 @@ class Master:
                 return
             self._message(c, m, forming)
 
+    def _connection_closed(self, c: _Conn, forming: bool) -> None:
+        """The connection of a node that had joined closed (its launcher exited or was killed)."""
+        if forming and self._round > 0:
+            self._lose(c, "its launcher's connection closed while the job restarted")
+        elif forming:
+            self.say(f"master: {c.describe()} left before every node joined")
+            self._drop(c, counted=False)
+            c.stage = "left"
+        else:
+            self._lose(c, "its launcher's connection closed (it was killed or exited)")
+
+    def _admits_while_running(self) -> bool:
+        """Whether a launcher may join while the job runs (an elastic job's new node)."""
+        return False
+
+    def _admit(self, c: _Conn, fields: dict) -> dict:
+        """Makes an authenticated, accepted join a node of the rendezvous; returns what the
+        ``joined`` answer adds."""
+        c.node = fields["node_rank"]
+        c.round = fields["round"]
+        return {}
+
     def _message(self, c: _Conn, m: dict, forming: bool) -> None:
         kind = m.get("t")
         if c.stage == "hello":
@@ -558,7 +598,7 @@ class Master:
                 return self._reject(c, f"the master speaks rendezvous version {VERSION}, you "
                                     f"{m.get('version')}: install the same prophet_tf on every node",
                                     f"rendezvous version {m.get('version')}, expected {VERSION}")
-            if not forming:
+            if not forming and not self._admits_while_running():
                 return self._reject(c, "the job has already formed (every node joined): this "
                                     "launcher is not part of it", "the job had already formed")
             c.nonce_n = m["nonce"]
@@ -582,16 +622,11 @@ class Master:
             problem = self._join_problem(fields)
             if problem:
                 return self._reject(c, problem[0], problem[1])
-            c.node = fields["node_rank"]
+            extra = self._admit(c, fields)
             c.stage = "joined"
-            c.round = fields["round"]
             c.last_heard = time.monotonic()
             c.inbox.limit = _MAX_MESSAGE_BYTES
-            present = {x.node for x in self._joined()}
-            waiting = [r for r in range(self.nnodes) if r not in present]
-            _send(c.sock, {"t": "joined", "waiting_for": waiting})
-            self.say(f"master: {c.describe()} joined with {len(fields['ports'])} worker(s)"
-                     + (f"; waiting for node(s) {', '.join(map(str, waiting))}" if waiting else ""))
+            self._announce_join(c, fields, extra)
             return None
         # joined
         c.last_heard = time.monotonic()
@@ -600,6 +635,14 @@ class Master:
         elif kind == "join" and forming:
             self._rejoin(c, m)
         return None
+
+    def _announce_join(self, c: _Conn, fields: dict, extra: dict) -> None:
+        """Answers an accepted join and says so."""
+        present = {x.node for x in self._joined()}
+        waiting = [r for r in range(self.nnodes) if r not in present]
+        _send(c.sock, {"t": "joined", "waiting_for": waiting, **extra})
+        self.say(f"master: {c.describe()} joined with {len(fields['ports'])} worker(s)"
+                 + (f"; waiting for node(s) {', '.join(map(str, waiting))}" if waiting else ""))
 
     def _rejoin(self, c: _Conn, m: dict) -> None:
         """A node of the job joins the round of a restart (its new ports) over its connection."""
@@ -614,9 +657,12 @@ class Master:
             return self._lose(c, f"its join of the restarted round was refused: {problem[1]}")
         c.fields = fields
         c.round = fields["round"]
+        _send(c.sock, {"t": "joined", "waiting_for": self._waiting_for()})
+
+    def _waiting_for(self) -> list[int]:
+        """The nodes the rendezvous of this round still waits for."""
         present = {x.node for x in self._joined() if x.round == self._round}
-        waiting = [r for r in range(self.nnodes) if r not in present]
-        _send(c.sock, {"t": "joined", "waiting_for": waiting})
+        return [r for r in range(self.nnodes) if r not in present]
 
     def _join_problem(self, f: dict, rejoining: Optional[_Conn] = None) -> Optional[tuple[str, str]]:
         """(what the node is told, what the master remembers) when the join cannot be accepted
@@ -629,9 +675,7 @@ class Master:
         if not isinstance(node, int) or not 0 <= node < self.nnodes:
             return (f"--node-rank {node} is outside 0..{self.nnodes - 1}",
                     f"node rank {node}, expected 0..{self.nnodes - 1}")
-        ports = f.get("ports")
-        if (not isinstance(f.get("host"), str) or not f["host"] or not isinstance(ports, list)
-                or not ports or not all(isinstance(p, int) and 0 < p < 65536 for p in ports)):
+        if _malformed_join(f):
             return ("your join lacks its host or ports", "a malformed join")
         if f.get("round") != self._round:
             return (f"the master is at round {self._round} (restarts of the job), you at "
@@ -646,6 +690,12 @@ class Master:
             return (f"node rank {node} is already taken by {taken[0].peer}: did two nodes get the "
                     "same --node-rank?", f"node rank {node} already taken by {taken[0].peer}")
         return None
+
+
+def _malformed_join(f: dict) -> bool:
+    ports = f.get("ports")
+    return (not isinstance(f.get("host"), str) or not f["host"] or not isinstance(ports, list)
+            or not ports or not all(isinstance(p, int) and 0 < p < 65536 for p in ports))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -668,17 +718,21 @@ class Plan:
 class NodeLink:
     """One node launcher's connection to the master.
 
+    Once connected it pings the master every second (on a thread of its own, until closed), so
+    that the master tells a node that is alive from one that hung or was cut off at any time.
+
     Args:
       master: ``HOST:PORT`` of the master.
-      node_rank, nnodes: this node's place.
+      node_rank, nnodes: this node's place: its rank (None in an elastic job: the master assigns
+        one) and the job's number of nodes (``N``, or ``"MIN:MAX"`` for an elastic job).
       token: the job's shared secret.
       timeout: seconds to reach the master and for the rendezvous to complete.
       node_timeout: the master is lost when nothing is heard from it for this long.
       say: writes one launcher message.
     """
 
-    def __init__(self, master: str, node_rank: int, nnodes: int, token: str, *, timeout: float,
-                 node_timeout: float, say: Callable[[str], None]) -> None:
+    def __init__(self, master: str, node_rank: Optional[int], nnodes: Any, token: str, *,
+                 timeout: float, node_timeout: float, say: Callable[[str], None]) -> None:
         self.master = master
         self.host, self.port = parse_master(master)
         self.node_rank = node_rank
@@ -694,7 +748,12 @@ class NodeLink:
         self._queue: list[dict] = []
         self._thread: Optional[threading.Thread] = None
         self._closing = False
+        self._send_lock = threading.Lock()
+        self._broken = False  # a send failed: the connection is gone
+        self._pinger: Optional[threading.Thread] = None
         self.lost = ""
+        #: The master's answer to the last join: this node waits to enter a running job.
+        self.pending = False
         #: Returns a signal number when the launcher was interrupted (checked while waiting).
         self.interrupted: Callable[[], Optional[int]] = lambda: None
 
@@ -728,7 +787,7 @@ class NodeLink:
         sock.settimeout(_SEND_TIMEOUT_S)
         self.sock = sock
         nonce_n = secrets.token_hex(32)
-        _send(sock, {"t": "hello", "proto": PROTOCOL, "version": VERSION, "nonce": nonce_n})
+        self._post({"t": "hello", "proto": PROTOCOL, "version": VERSION, "nonce": nonce_n})
         reply = self._receive(min(deadline, time.monotonic() + HANDSHAKE_TIMEOUT_S), "its challenge")
         if reply.get("t") == "reject":
             raise _Failed(f"the master at {self.master} rejected this node: {reply.get('reason')}")
@@ -741,14 +800,36 @@ class NodeLink:
         self._master_proved = master_proved
         return sock.getsockname()[0], deadline
 
+    def _post(self, message: dict) -> bool:
+        """Sends one message (the pinger sends too: one message at a time)."""
+        if self.sock is None:
+            return False
+        with self._send_lock:
+            ok = _send(self.sock, message)
+        if not ok:
+            self._broken = True
+        return ok
+
+    def _start_pinger(self) -> None:
+        if self._pinger is not None:
+            return
+
+        def ping() -> None:
+            while not self._closing and not self._broken:
+                self._post({"t": "ping"})
+                time.sleep(HEARTBEAT_S)
+
+        self._pinger = threading.Thread(target=ping, name="prophet-node-ping", daemon=True)
+        self._pinger.start()
+
     def join(self, nproc_ports: Sequence[int], host: str, deadline: float, round_: int = 0) -> Plan:
         """Joins round ``round_`` (0, then the round a restart verdict names) with the given
         ports and waits until every node joined (or the rendezvous failed)."""
         assert self.sock is not None
         fields = {"node_rank": self.node_rank, "nnodes": self.nnodes, "round": round_, "host": host,
                   "ports": list(nproc_ports), "hostname": socket.gethostname(), "pid": os.getpid()}
-        _send(self.sock, {"t": "join", "fields": fields,
-                          "mac": _mac(self.token, "node", *self._nonces, _canonical(fields))})
+        self._post({"t": "join", "fields": fields,
+                    "mac": _mac(self.token, "node", *self._nonces, _canonical(fields))})
         reply = self._receive(min(deadline, time.monotonic() + HANDSHAKE_TIMEOUT_S),
                               "its answer to the join", allow_ping=True)
         if not self._master_proved:
@@ -759,8 +840,16 @@ class NodeLink:
             raise _Failed(f"the master at {self.master} rejected this node: {reply.get('reason')}")
         if reply.get("t") != "joined":
             raise _Failed(f"the master at {self.master} answered the join with {reply.get('t')!r}")
+        self._start_pinger()
+        if isinstance(reply.get("node_rank"), int):
+            self.node_rank = reply["node_rank"]  # assigned by an elastic job's master
+        self.pending = bool(reply.get("pending"))
         waiting = reply.get("waiting_for") or []
-        if waiting:
+        if self.pending:
+            self.say(f"joined the master at {self.master} as node {self.node_rank}; the job is "
+                     "running: this node enters it at its next checkpoint (every worker stops at "
+                     "one step and checkpoints, and the job forms again with this node)")
+        elif waiting:
             self.say(f"joined the master at {self.master}; waiting for node(s) "
                      f"{', '.join(map(str, waiting))}")
         while True:
@@ -775,6 +864,11 @@ class NodeLink:
                             token=worker_token(self.token, str(message["nonce"])),
                             nodes=list(message.get("nodes", [])),
                             job_seed=int(seed) if isinstance(seed, int) else None)
+            if message.get("t") == "verdict" and not message.get("failure"):
+                # An elastic job ended while this node waited to enter it.
+                raise _Failed(str(message.get("message") or "the job ended before this node "
+                                  "entered it"), Failure(int(message.get("status", 0)), "",
+                                                         node=self.node_rank))
             if message.get("t") in ("abort", "verdict"):
                 failure = message.get("failure") or {}
                 raise _Failed(f"the rendezvous failed at the master: {failure.get('description')}",
@@ -820,19 +914,25 @@ class NodeLink:
                 raise _Failed(f"the master at {self.master} sent a malformed message ({e})") from None
 
     # -- while the workers run ----------------------------------------------------------------
-    def watch(self, on_stop: Callable[[str, Optional[int]], None]) -> None:
-        """Pings the master and listens to it on a thread until the verdict of the attempt;
-        ``on_stop(reason, signal)`` when the job must stop here (another node failed, or the
-        master was lost; ``signal``: forward it to the workers, a launcher was interrupted)."""
+    def watch(self, on_stop: Callable[[str, Optional[int], Optional[int]], None]) -> None:
+        """Listens to the master on a thread until the verdict of the attempt;
+        ``on_stop(reason, forward, checkpoint)`` when the job must stop here (another node failed,
+        or the master was lost; ``forward``: a signal to forward to the workers, a launcher was
+        interrupted; ``checkpoint``: a signal that asks the workers for the coordinated checkpoint
+        at which an elastic job forms again with a node that arrived)."""
         assert self.sock is not None
+
+        def signal_number(value: Any) -> Optional[int]:
+            return int(value) if isinstance(value, int) and 0 < value < 65 else None
 
         def handle(messages: list[dict], state: dict) -> None:
             for m in messages:
                 if m.get("t") == "stop" and not state["stopped"]:
                     state["stopped"] = True
-                    forward = m.get("forward")
-                    on_stop(f"another node failed: {m.get('reason')}",
-                            int(forward) if isinstance(forward, int) and 0 < forward < 65 else None)
+                    checkpoint = signal_number(m.get("checkpoint"))
+                    reason = str(m.get("reason"))
+                    on_stop(reason if checkpoint is not None else f"another node failed: {reason}",
+                            signal_number(m.get("forward")), checkpoint)
                 elif m.get("t") in ("verdict", "abort"):
                     self.verdict = m
                     self.got_verdict.set()
@@ -840,17 +940,14 @@ class NodeLink:
         def loop() -> None:
             sock = self.sock
             last_heard = time.monotonic()
-            next_ping = 0.0
             state = {"stopped": False}
             queued, self._queue = self._queue, []
             handle(queued, state)
             while not self.got_verdict.is_set():
                 now = time.monotonic()
-                if now >= next_ping:
-                    if not _send(sock, {"t": "ping"}) and not self._closing:
-                        reason = f"lost the master at {self.master}: the connection broke"
-                        break
-                    next_ping = now + HEARTBEAT_S
+                if self._broken and not self._closing:
+                    reason = f"lost the master at {self.master}: the connection broke"
+                    break
                 if now - last_heard > self.node_timeout:
                     reason = (f"lost the master at {self.master}: nothing heard for "
                               f"{self.node_timeout:g} s")
@@ -877,7 +974,7 @@ class NodeLink:
                 return
             if not self._closing:
                 self.lost = reason
-                on_stop(reason, None)
+                on_stop(reason, None, None)
             self.got_verdict.set()
 
         self._thread = threading.Thread(target=loop, name="prophet-node-link", daemon=True)
@@ -885,9 +982,8 @@ class NodeLink:
 
     def report(self, status: int, failure: Optional[Failure]) -> None:
         """Tells the master how this node's workers ended."""
-        if self.sock is not None:
-            _send(self.sock, {"t": "outcome", "status": status,
-                              "failure": failure.to_json() if failure else None})
+        self._post({"t": "outcome", "status": status,
+                    "failure": failure.to_json() if failure else None})
 
     def wait_verdict(self, timeout: float) -> Optional[dict]:
         """The master's verdict (None if the master was lost or did not answer in time)."""

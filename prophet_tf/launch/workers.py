@@ -71,9 +71,10 @@ _PDEATHSIG_STUB = (
 
 #: What ended an attempt (``Failure.cause``): a worker exited non-zero (a restart may follow); a
 #: launcher got a signal; the job's --timeout passed; a worker could not be started; the job
-#: failed outside any worker (rendezvous, a node or the master lost).
-CAUSE_WORKER, CAUSE_INTERRUPTED, CAUSE_TIMEOUT, CAUSE_NO_START, CAUSE_JOB = (
-    "worker", "interrupted", "timeout", "no start", "job")
+#: failed outside any worker (rendezvous, the master lost); a node was lost (its launcher's
+#: connection closed or went silent: an elastic job goes on without it).
+CAUSE_WORKER, CAUSE_INTERRUPTED, CAUSE_TIMEOUT, CAUSE_NO_START, CAUSE_JOB, CAUSE_LOST = (
+    "worker", "interrupted", "timeout", "no start", "job", "node lost")
 
 
 @dataclasses.dataclass
@@ -195,6 +196,9 @@ class Controls:
         to every worker.
       deadline: ``time.monotonic()`` after which every worker is killed (status 124), or None.
       stop: set by another party (the rendezvous: another node failed); ``stop_reason`` says why.
+      checkpoint: a signal another party (an elastic job's master) asks to forward to every
+        worker once: the workers' preemption signal, so that they stop at one step and
+        checkpoint (they then exit by themselves); ``stop_reason`` says why.
       launcher: how messages name the launcher that got the signals.
     """
 
@@ -202,6 +206,7 @@ class Controls:
     deadline: Optional[float] = None
     stop: threading.Event = dataclasses.field(default_factory=threading.Event)
     stop_reason: str = ""
+    checkpoint: Optional[int] = None
     #: Who gets the signals, in messages ("the launcher of node 1").
     launcher: str = "the launcher"
 
@@ -623,9 +628,24 @@ def run_workers(spec: JobSpec, placement: Placement, controls: Controls, *,
 
 def _supervise(workers: Sequence[_Worker], spec: JobSpec, controls: Controls,
                say: Callable[[str], None]) -> Outcome:
+    checkpoint_until: Optional[float] = None
     while True:
         if controls.signals:
             return _interrupted(workers, spec, controls, say)
+        if controls.checkpoint is not None and checkpoint_until is None:
+            sig = controls.checkpoint
+            wait = preemption_wait(spec, sig) or spec.grace
+            say(f"{controls.stop_reason or 'asked for a checkpoint'}: forwarding "
+                f"{signal.Signals(sig).name} to the workers (SIGKILL after {wait:g} s)")
+            for w in workers:
+                if w.proc.poll() is None:
+                    w.signal_group(sig)
+            checkpoint_until = time.monotonic() + wait
+        if checkpoint_until is not None and time.monotonic() >= checkpoint_until:
+            running = [w.rank for w in workers if w.proc.poll() is None]
+            if running:
+                say(f"workers {running} did not stop for the checkpoint in time; killing them")
+                controls.stop.set()
         codes = [w.poll_exit() for w in workers]
         if any(code not in (None, 0) for code in codes):
             return _worker_failed(workers, codes, spec, say)

@@ -1,0 +1,224 @@
+"""Elastic jobs (prophetrun --nnodes MIN:MAX): the job forms again without a node that is lost or
+leaves, and with one that arrives; below MIN it ends with a status that says so. Node launchers
+on this machine (loopback) with a tiny worker program (no TensorFlow) that trains by counting
+steps and keeps its position in a checkpoint file."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from prophet_tf.launch.cli import main as cli_main
+from prophet_tf.launch.elastic import EXIT_TOO_FEW_NODES, NodeRange, parse_nnodes
+from test_multinode import Node, _env, _master, _wait_for
+
+# argv: OUT TOTAL_STEPS. Each start records (world size, rank, position it starts from, pids) in
+# OUT/start.<attempt token>.<rank>. A "step" takes 20 ms; rank 0 saves the position every 5 steps
+# (the last BackupAndRestore save). SIGTERM: the coordinated stop (rank 0 saves the position
+# where it is, every worker says where it stopped, exit 75). At the end rank 0 writes OUT/done.
+TRAIN = textwrap.dedent("""\
+    import json, os, signal, sys, time
+    cfg = json.loads(os.environ["TF_CONFIG"])
+    rank, world = cfg["task"]["index"], len(cfg["cluster"]["worker"])
+    out, total = sys.argv[1], int(sys.argv[2])
+    ckpt = os.path.join(out, "ckpt")
+    def save(step):
+        with open(ckpt + f".tmp{os.getpid()}", "w") as f:
+            f.write(str(step))
+        os.replace(ckpt + f".tmp{os.getpid()}", ckpt)
+    step = int(open(ckpt).read()) if os.path.exists(ckpt) else 0
+    def stop(signum, frame):
+        if rank == 0:
+            save(step)
+        print(f"prophet_tf: preempted: rank {rank}, 1 worker(s) asked to stop; stopped at epoch 0 "
+              f"step {step}; checkpoint: {ckpt}", file=sys.stderr, flush=True)
+        os._exit(75)
+    signal.signal(signal.SIGTERM, stop)
+    token = os.environ["PROPHET_JOB_TOKEN"][:12]
+    record = {"world": world, "rank": rank, "from": step, "pid": os.getpid(),
+              "launcher": os.getppid(), "t": time.time(), "seed": os.environ.get("PROPHET_JOB_SEED")}
+    with open(os.path.join(out, f"tmp.{token}.{rank}"), "w") as f:
+        json.dump(record, f)
+    os.rename(os.path.join(out, f"tmp.{token}.{rank}"), os.path.join(out, f"start.{token}.{rank}"))
+    while step < total:
+        time.sleep(0.02)
+        step += 1
+        if rank == 0 and step % 5 == 0:
+            save(step)
+    if rank == 0:
+        open(os.path.join(out, "done"), "w").write(str(world))
+    """)
+
+
+def _train(tmp: Path, total: int = 400) -> list[str]:
+    script = tmp / "train.py"
+    script.write_text(TRAIN)
+    (tmp / "out").mkdir(exist_ok=True)
+    return [str(script), str(tmp / "out"), str(total)]
+
+
+def _attempts(tmp: Path) -> list[dict[int, dict]]:
+    """Every attempt's workers, in the order the attempts started: [{rank: record}]."""
+    by_token: dict[str, dict[int, dict]] = {}
+    for p in (tmp / "out").glob("start.*.*"):
+        _, token, rank = p.name.split(".")
+        by_token.setdefault(token, {})[int(rank)] = json.loads(p.read_text())
+    return sorted(by_token.values(), key=lambda a: min(r["t"] for r in a.values()))
+
+
+def _complete(tmp: Path, world: int):
+    """The condition: an attempt of ``world`` workers has every worker started."""
+    def check() -> bool:
+        return any(len(a) == world and all(r["world"] == world for r in a.values())
+                   for a in _attempts(tmp))
+    return check
+
+
+@pytest.fixture
+def nodes():
+    started: list[Node] = []
+    yield started
+    for node in started:
+        node.kill()
+
+
+# MAX nodes start the job at once; fewer would wait 60 s for more.
+ELASTIC = ["--join-wait", "60", "--node-timeout", "5"]
+
+
+def test_a_killed_node_shrinks_the_job_and_an_arriving_one_grows_it(tmp_path: Path, nodes: list) -> None:
+    master, script = _master(), _train(tmp_path)
+    nodes += [Node(tmp_path, r, "2:3", master, 1, script, ELASTIC) for r in (0, 1, 2)]
+    _wait_for(_complete(tmp_path, 3))
+    os.killpg(nodes[2].proc.pid, signal.SIGKILL)  # the node dies: its launcher, its worker
+    nodes[2].proc.wait()
+    _wait_for(_complete(tmp_path, 2))
+    # A node arrives without a rank (the master assigns one); the job takes it in.
+    nodes.append(Node(tmp_path, None, "2:3", master, 1, script, ELASTIC))
+    codes = [n.wait(120) for n in (nodes[0], nodes[1], nodes[3])]
+    said = "\n".join(n.output for n in nodes)
+    assert codes == [0, 0, 0], said
+    attempts = _attempts(tmp_path)
+    assert [len(a) for a in attempts] == [3, 2, 3], said
+    assert [sorted(a) for a in attempts] == [[0, 1, 2], [0, 1], [0, 1, 2]]
+    for a in attempts:  # one job per attempt: its world size on every worker
+        assert {r["world"] for r in a.values()} == {len(a)}
+    # Every attempt continued from the checkpoint the last one left (never from the start).
+    assert attempts[1][0]["from"] > 0 and attempts[2][0]["from"] >= attempts[1][0]["from"]
+    assert len({r["seed"] for a in attempts for r in a.values()}) == 1  # one job seed
+    master_said = nodes[0].output
+    assert "node 2 (" in master_said and "was lost" in master_said, master_said
+    assert "arrived: every worker stops at one step and checkpoints" in master_said
+    assert "the job forms with 2 node(s), 2 worker(s)" in master_said
+    assert "the job forms with 3 node(s), 3 worker(s)" in master_said
+    assert (tmp_path / "out" / "done").read_text() == "3"
+    # It got the lowest node rank free (node 2's, lost).
+    assert "as node 2;" in nodes[3].output and "enters it at its next checkpoint" in nodes[3].output
+
+
+def test_a_node_preempted_with_sigterm_leaves_and_the_others_go_on_from_its_step(
+        tmp_path: Path, nodes: list) -> None:
+    master, script = _master(), _train(tmp_path)
+    nodes += [Node(tmp_path, r, "1:2", master, 1, script, ["--join-wait", "0"]) for r in (0, 1)]
+    _wait_for(_complete(tmp_path, 2))
+    time.sleep(0.3)
+    os.kill(nodes[1].proc.pid, signal.SIGTERM)  # the launcher of node 1: its machine goes away
+    assert nodes[1].wait(60) == 75, nodes[1].output
+    assert "node 1 left the job" in nodes[1].output, nodes[1].output
+    assert nodes[0].wait(120) == 0, nodes[0].output
+    attempts = _attempts(tmp_path)
+    assert [len(a) for a in attempts] == [2, 1], nodes[0].output
+    said = nodes[0].output
+    assert "node 1 left the job: the launcher of node 1 got SIGTERM" in said, said
+    assert "continues from the coordinated checkpoint (every worker stopped at epoch 0 step" in said
+    # The next attempt starts where the workers stopped (here rank 0's step: it saved it; these
+    # workers, without a runtime, do not agree on one).
+    stopped = int(said.split("[rank 0] prophet_tf: preempted: ")[1].split(" step ")[1].split(";")[0])
+    assert attempts[1][0]["from"] == stopped > 0
+
+
+def test_below_min_the_job_waits_a_bounded_time_then_exits_saying_why(tmp_path: Path, nodes: list) -> None:
+    master, script = _master(), _train(tmp_path, total=100000)
+    extra = ["--rdzv-timeout", "4", "--node-timeout", "5"]
+    nodes += [Node(tmp_path, r, "2:2", master, 1, script, extra) for r in (0, 1)]
+    _wait_for(_complete(tmp_path, 2))
+    os.killpg(nodes[1].proc.pid, signal.SIGKILL)
+    assert nodes[0].wait(60) == EXIT_TOO_FEW_NODES, nodes[0].output
+    said = nodes[0].output
+    assert "fewer than 2 node(s) (--nnodes 2:2) for 4 s (--rdzv-timeout) after the job lost nodes" in said
+    assert len(_attempts(tmp_path)) == 1
+    workers = [r["pid"] for a in _attempts(tmp_path) for r in a.values()]
+    _wait_for(lambda: not any(_alive(p) for p in workers), 10)
+
+
+def test_the_start_waits_for_min_then_join_wait_for_more(tmp_path: Path, nodes: list) -> None:
+    # Alone, below MIN: the same bound and status at the start.
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    nodes.append(Node(alone, 0, "2:3", _master(), 1, _train(alone), ["--rdzv-timeout", "2"]))
+    assert nodes[-1].wait(60) == EXIT_TOO_FEW_NODES and "at the start" in nodes[-1].output
+    # MIN = 1 present, a second node comes within --join-wait: the job starts with both.
+    master, script = _master(), _train(tmp_path, total=50)
+    nodes.append(Node(tmp_path, 0, "1:3", master, 1, script, ["--join-wait", "4"]))
+    time.sleep(1.0)
+    nodes.append(Node(tmp_path, None, "1:3", master, 1, script, ["--join-wait", "4"]))
+    assert [n.wait(120) for n in nodes[-2:]] == [0, 0], "\n".join(n.output for n in nodes)
+    assert [len(a) for a in _attempts(tmp_path)] == [2]
+
+
+def test_dash_H_elastic_goes_on_without_a_lost_host(tmp_path: Path) -> None:
+    script = _train(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "prophet_tf.launch", "-H", "localhost:1,127.0.0.1:1",
+                             "--nnodes", "1:2", "--join-wait", "0", "--host-retry", "0", "--grace", "2",
+                             "--", *script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=_env(None), cwd=tmp_path, start_new_session=True)
+    try:
+        _wait_for(_complete(tmp_path, 2))
+        (first,) = [a for a in _attempts(tmp_path) if len(a) == 2]
+        os.kill(first[1]["launcher"], signal.SIGKILL)  # node 1's launcher (its worker dies with it)
+        said, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, said
+    assert [len(a) for a in _attempts(tmp_path)] == [2, 1], said
+    assert "was lost" in said and "the job forms with 1 node(s), 1 worker(s)" in said
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_nnodes_is_a_number_or_a_range() -> None:
+    assert parse_nnodes("3") == NodeRange(3, 3, False) and parse_nnodes(2).spec == 2
+    assert parse_nnodes("2:4") == NodeRange(2, 4, True) and parse_nnodes("2:4").spec == "2:4"
+    assert parse_nnodes("2:2").elastic  # the range form: a lost node is waited for, not fatal
+    for bad in ("0", "3:2", "a", "1:x", "0:2"):
+        with pytest.raises(ValueError, match="--nnodes"):
+            parse_nnodes(bad)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--nnodes", "2:3", "-n", "1", "x.py"], "needs --master"),
+    (["--nnodes", "2:x", "--master", "127.0.0.1:1", "-n", "1", "x.py"], "is not N or MIN:MAX"),
+    (["-H", "a:1,b:1", "--nnodes", "2", "x.py"], "unless it is MIN:MAX"),
+    (["-H", "a:1,b:1", "--nnodes", "1:2", "-n", "2", "x.py"], "leave out -n"),
+])
+def test_elastic_usage_errors_say_what_to_change(argv: list, message: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
