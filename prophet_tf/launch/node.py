@@ -15,7 +15,7 @@ import signal
 import time
 from typing import Callable, Optional, TextIO, Union
 
-from prophet_tf.cluster import JOB_SEED_ENV
+from prophet_tf.cluster import ELASTIC_ENV, JOB_SEED_ENV
 from prophet_tf.launch.elastic import (DEFAULT_JOIN_WAIT_S, DEFAULT_REJOIN_WAIT_S, ElasticMaster,
                                        NodeRange, checkpoint_wait)
 from prophet_tf.launch.rendezvous import Master, NodeLink, _Failed
@@ -61,6 +61,8 @@ def run_node(spec: JobSpec, controls: Controls, *, master: str, nnodes: Union[in
         of one it lost (see ``prophet_tf.launch.elastic``).
     """
     nodes = nnodes if isinstance(nnodes, NodeRange) else NodeRange(nnodes, nnodes, False)
+    if nodes.elastic:  # an attempt of one worker must resume step-exactly too
+        spec = dataclasses.replace(spec, env={**spec.env, ELASTIC_ENV: "1"})
     server: Optional[Master] = None
     if run_master:
         if nodes.elastic:
