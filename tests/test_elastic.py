@@ -194,6 +194,22 @@ def test_dash_H_elastic_goes_on_without_a_lost_host(tmp_path: Path) -> None:
     assert "was lost" in said and "the job forms with 1 node(s), 1 worker(s)" in said
 
 
+def test_after_a_change_of_n_the_weights_are_those_of_a_fresh_job_of_the_new_n():
+    """TensorFlow: 2 nodes of one worker train; node 1's launcher gets SIGTERM; every worker stops
+    at one step and checkpoints, and node 0 goes on alone (one worker that coordinates as several
+    do) from that step. Its final weights equal, bitwise, those of a fresh one-worker job resumed
+    from a copy of the same checkpoint."""
+    from prophet_tf.bench import elastic_trials
+
+    said: list[str] = []
+    (trial,) = elastic_trials.run(1, seed=3, quick=True, deadline_s=400, kinds=["sigterm"],
+                                  emulated=False, nodes=2, log=said.append)
+    report = "\n".join(said)
+    assert trial.kept_training and (trial.workers_before, trial.workers_after) == (2, 1), report
+    assert trial.redone == 0, report  # continued at the step where every worker stopped
+    assert trial.bitwise, report
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -162,6 +162,9 @@ class Result:
     applied: Optional[int] = None
     resumed_from: Optional[int] = None
     bitwise: Optional[bool] = None     # None: not compared (see detail)
+    # A network cut: the cut-off node's launcher (which lost the master) stopped its worker and
+    # exited by itself this long after the fault (None: it had not within node timeout + 20 s).
+    victim_out_after_s: Optional[float] = None
     detail: str = ""
 
     @property
@@ -424,7 +427,8 @@ def run_trial(plan: TrialPlan, name: str, base_config: dict, job_seed: int, emul
             # itself (it then stops its worker); then its processes go and the link comes back.
             wait_until(lambda: first_line_after(job.snapshot()[1], result.fault_at, "was lost")
                        is not None or job.procs[0].poll() is not None, deadline_s)
-            wait_until(lambda: job.procs[plan.victim].poll() is not None, NODE_TIMEOUT_S + 20)
+            if wait_until(lambda: job.procs[plan.victim].poll() is not None, NODE_TIMEOUT_S + 20):
+                result.victim_out_after_s = time.time() - result.fault_at
             hosts.kill_node(plan.victim, job.procs[plan.victim])
             hosts.link(plan.victim, up=True)
         try:
@@ -483,6 +487,10 @@ def format_result(r: Result) -> str:
     if r.redone is not None:
         parts.append(f"stopped at step {r.applied}, resumed from step {r.resumed_from}: "
                      f"{r.redone} step(s) redone" + (" [SKIPPED STEPS]" if r.redone < 0 else ""))
+    if r.kind == "netcut":
+        parts.append(f"the cut-off node stopped its worker and exited {r.victim_out_after_s:.1f} s "
+                     "after the cut" if r.victim_out_after_s is not None else
+                     "the cut-off node was STILL RUNNING (killed)")
     if r.bitwise is not None:
         parts.append("weights bitwise equal to the fresh job of that N from the same checkpoint"
                      if r.bitwise else "WEIGHTS DIFFER from the fresh job of that N")

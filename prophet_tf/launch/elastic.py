@@ -37,7 +37,7 @@ import signal
 import time
 from typing import Optional, Sequence, Union
 
-from prophet_tf.launch.rendezvous import Master, _Conn, _send
+from prophet_tf.launch.rendezvous import HEARTBEAT_S, Master, _Conn, _send
 from prophet_tf.launch.restarts import RestartPolicy, describe
 from prophet_tf.launch.workers import (CAUSE_INTERRUPTED, CAUSE_LOST, CAUSE_WORKER,
                                        EXIT_JOB_FAILED, Failure, JobSpec, preemption_wait)
@@ -243,11 +243,16 @@ class ElasticMaster(Master):
         start = time.monotonic()
         deadline = start + self.rdzv_timeout + (self.policy.backoff_s if round_ else 0.0)
         enough_since: Optional[float] = None
+        next_ping = 0.0
         while True:
             for f in self._take_injected():
                 if f.cause != CAUSE_LOST:
                     return self._end(f, abort=True)
             now = time.monotonic()
+            if now >= next_ping:  # a node waiting for a place waits as long as it hears the master
+                for c in self._joined():
+                    _send(c.sock, {"t": "ping"})
+                next_ping = now + HEARTBEAT_S
             for c in self._joined():
                 if now - c.last_heard > self.node_timeout:
                     self._lose(c, f"nothing heard from its launcher for {self.node_timeout:g} s")

@@ -855,7 +855,12 @@ class NodeLink:
         while True:
             # A little past our own deadline: a master that started before us gives up first, and
             # its message (naming the missing nodes and what it rejected) says more than ours.
-            message = self._receive(deadline + HANDSHAKE_TIMEOUT_S, "the other nodes", allow_ping=True)
+            if self.pending:  # waits for a place in the running job, as long as the master is there
+                message = self._receive(time.monotonic() + self.node_timeout, "a place in the job",
+                                        allow_ping=True, idle_timeout=self.node_timeout)
+            else:
+                message = self._receive(deadline + HANDSHAKE_TIMEOUT_S, "the other nodes",
+                                        allow_ping=True)
             if message.get("t") == "plan":
                 seed = message.get("job_seed")
                 return Plan(round=int(message["round"]), world_size=int(message["world_size"]),
@@ -882,17 +887,26 @@ class NodeLink:
                           Failure(128 + sig, f"the launcher of node {self.node_rank} got {name}",
                                   node=self.node_rank, at=time.time(), cause=CAUSE_INTERRUPTED))
 
-    def _receive(self, deadline: float, what: str, allow_ping: bool = False) -> dict:
+    def _receive(self, deadline: float, what: str, allow_ping: bool = False,
+                 idle_timeout: Optional[float] = None) -> dict:
+        """The next message (pings skipped with ``allow_ping``) before ``deadline``; with
+        ``idle_timeout``, the deadline is instead that long after the last message (a node that
+        waits to enter a running job waits as long as the master is there)."""
         assert self.sock is not None
         while True:
             while self._queue:
                 m = self._queue.pop(0)
+                if idle_timeout is not None:
+                    deadline = time.monotonic() + idle_timeout
                 if allow_ping and m.get("t") == "ping":
                     continue
                 return m
             self._check_interrupted()
             left = deadline - time.monotonic()
             if left <= 0:
+                if idle_timeout is not None:
+                    raise _Failed(f"lost the master at {self.master} while this node waited to "
+                                  f"enter the job: nothing heard for {idle_timeout:g} s")
                 raise _Failed(f"the rendezvous did not complete within {self.timeout:g} s: waited "
                               f"for {what} from the master at {self.master}")
             self.sock.settimeout(min(left, 1.0))
