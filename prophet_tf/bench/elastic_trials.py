@@ -165,6 +165,7 @@ class Result:
     # A network cut: the cut-off node's launcher (which lost the master) stopped its worker and
     # exited by itself this long after the fault (None: it had not within node timeout + 20 s).
     victim_out_after_s: Optional[float] = None
+    load: Optional[float] = None       # the machine's 1-minute load average at the fault
     detail: str = ""
 
     @property
@@ -414,6 +415,7 @@ def run_trial(plan: TrialPlan, name: str, base_config: dict, job_seed: int, emul
         time.sleep(plan.delay * min(max(step_s, 0.0), 1.0))
         result.at_step = max(position(e, spe) for e in job.attempts()[-1].steps)
         result.fault_at = time.time()
+        result.load = os.getloadavg()[0]
         if plan.kind == "kill":
             hosts.kill_node(plan.victim, job.procs[plan.victim])
         elif plan.kind == "sigterm":
@@ -467,7 +469,8 @@ def run_trial(plan: TrialPlan, name: str, base_config: dict, job_seed: int, emul
 def format_result(r: Result) -> str:
     what = {"kill": f"kill -9 of node {r.victim}", "sigterm": f"SIGTERM to node {r.victim}'s launcher",
             "netcut": f"network of node {r.victim} cut", "grow": f"node {r.victim} added"}[r.kind]
-    head = (f"{r.name}: {what} after step {r.at_step}, {r.workers_before} -> "
+    head = (f"{r.name}: {what} after step {r.at_step}"
+            + (f" (load {r.load:.1f})" if r.load is not None else "") + f", {r.workers_before} -> "
             f"{r.workers_after if r.workers_after is not None else '?'} workers: ")
     if r.hang:
         head += "HANG (the master node's launcher still running; killed)"
@@ -562,6 +565,10 @@ def run(per_kind: int, seed: int, quick: bool, deadline_s: float, kinds: Sequenc
                       indent=1, default=str)
     for line in summary_lines(results, config["save_freq"]):
         log(line)
+    loads = [r.load for r in results if r.load is not None]
+    if loads:
+        log(f"  load average (1 min) at the faults: median {statistics.median(loads):.1f}, "
+            f"max {max(loads):.1f} on {os.cpu_count()} CPUs")
     return results
 
 
