@@ -21,7 +21,7 @@ from prophet_tf.launch.elastic import EXIT_TOO_FEW_NODES, NodeRange, parse_nnode
 from test_multinode import Node, _env, _master, _wait_for
 
 # argv: OUT TOTAL_STEPS. Each start records (world size, rank, position it starts from, pids) in
-# OUT/start.<attempt token>.<rank>. A "step" takes 20 ms; rank 0 saves the position every 5 steps
+# OUT/start.<attempt token>.<rank>. A "step" takes 10 ms; rank 0 saves the position every 5 steps
 # (the last BackupAndRestore save). SIGTERM: the coordinated stop (rank 0 saves the position
 # where it is, every worker says where it stopped, exit 75). At the end rank 0 writes OUT/done.
 TRAIN = textwrap.dedent("""\
@@ -49,7 +49,7 @@ TRAIN = textwrap.dedent("""\
         json.dump(record, f)
     os.rename(os.path.join(out, f"tmp.{token}.{rank}"), os.path.join(out, f"start.{token}.{rank}"))
     while step < total:
-        time.sleep(0.02)
+        time.sleep(0.01)
         step += 1
         if rank == 0 and step % 5 == 0:
             save(step)
@@ -58,7 +58,7 @@ TRAIN = textwrap.dedent("""\
     """)
 
 
-def _train(tmp: Path, total: int = 400) -> list[str]:
+def _train(tmp: Path, total: int = 800) -> list[str]:
     script = tmp / "train.py"
     script.write_text(TRAIN)
     (tmp / "out").mkdir(exist_ok=True)
@@ -174,10 +174,10 @@ def test_the_start_waits_for_min_then_join_wait_for_more(tmp_path: Path, nodes: 
     assert [len(a) for a in _attempts(tmp_path)] == [2]
 
 
-def test_dash_H_elastic_goes_on_without_a_lost_host(tmp_path: Path) -> None:
-    script = _train(tmp_path)
+def test_dash_H_elastic_goes_on_without_a_lost_host_and_takes_it_back(tmp_path: Path) -> None:
+    script = _train(tmp_path, total=1000)
     proc = subprocess.Popen([sys.executable, "-m", "prophet_tf.launch", "-H", "localhost:1,127.0.0.1:1",
-                             "--nnodes", "1:2", "--join-wait", "0", "--host-retry", "0", "--grace", "2",
+                             "--nnodes", "1:2", "--join-wait", "0", "--host-retry", "8", "--grace", "2",
                              "--", *script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=_env(None), cwd=tmp_path, start_new_session=True)
     try:
@@ -190,8 +190,10 @@ def test_dash_H_elastic_goes_on_without_a_lost_host(tmp_path: Path) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == 0, said
-    assert [len(a) for a in _attempts(tmp_path)] == [2, 1], said
+    # Without node 1, then with it again: the -H launcher started a node on its host 8 s later.
+    assert [len(a) for a in _attempts(tmp_path)] == [2, 1, 2], said
     assert "was lost" in said and "the job forms with 1 node(s), 1 worker(s)" in said
+    assert "starting a node there again in 8 s" in said and "node(s) 1 arrived" in said
 
 
 def test_after_a_change_of_n_the_weights_are_those_of_a_fresh_job_of_the_new_n():
