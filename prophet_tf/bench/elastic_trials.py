@@ -46,7 +46,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 from prophet_tf import preemption
 from prophet_tf.bench import restart_trials

@@ -33,14 +33,14 @@ position in the data is exact in global batches (see docs/multi-machine.md, "Ela
 from __future__ import annotations
 
 import dataclasses
-import signal
 import time
 from typing import Optional, Sequence, Union
 
 from prophet_tf.launch.rendezvous import HEARTBEAT_S, Master, _Conn, _send
 from prophet_tf.launch.restarts import RestartPolicy, describe
 from prophet_tf.launch.workers import (CAUSE_INTERRUPTED, CAUSE_LOST, CAUSE_WORKER,
-                                       EXIT_JOB_FAILED, Failure, JobSpec, preemption_wait)
+                                       EXIT_JOB_FAILED, Failure, JobSpec, preemption_signal,
+                                       preemption_wait)
 
 __all__ = ["NodeRange", "parse_nnodes", "ElasticMaster", "EXIT_TOO_FEW_NODES",
            "DEFAULT_JOIN_WAIT_S", "DEFAULT_REJOIN_WAIT_S", "checkpoint_wait"]
@@ -91,7 +91,9 @@ def parse_nnodes(text: Union[str, int]) -> NodeRange:
 def checkpoint_wait(spec: JobSpec, node_timeout: float) -> float:
     """How long an elastic master waits for every node's workers to stop at the coordinated
     checkpoint: their preemption grace period (from the environment they get), then more."""
-    return (preemption_wait(spec, signal.SIGTERM) or spec.grace) + node_timeout + 10.0
+    sig = preemption_signal(spec)
+    wait = preemption_wait(spec, sig) if sig is not None else None
+    return (wait if wait is not None else spec.grace) + node_timeout + 10.0
 
 
 @dataclasses.dataclass
@@ -338,7 +340,7 @@ class ElasticMaster(Master):
         self.say(f"master: {reason}")
         for x in members:
             if x.outcome is None:
-                _send(x.sock, {"t": "stop", "reason": reason, "checkpoint": int(signal.SIGTERM)})
+                _send(x.sock, {"t": "stop", "reason": reason, "checkpoint": True})
         self._stopping_until = time.monotonic() + self.checkpoint_wait
 
     def _join_problem(self, f: dict, rejoining: Optional[_Conn] = None) -> Optional[tuple[str, str]]:
@@ -385,6 +387,6 @@ class ElasticMaster(Master):
             # every worker for the coordinated checkpoint; the others' are asked as well, and the
             # job forms again without it from that step.
             reason = f"{first.description}: that node leaves the job"
-            return ({"t": "stop", "reason": reason, "checkpoint": int(signal.SIGTERM)},
+            return ({"t": "stop", "reason": reason, "checkpoint": True},
                     self.checkpoint_wait)
         return super()._stop_message(first)

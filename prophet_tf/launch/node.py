@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import signal
 import time
 from typing import Callable, Optional, TextIO, Union
 
@@ -21,7 +20,8 @@ from prophet_tf.launch.elastic import (DEFAULT_JOIN_WAIT_S, DEFAULT_REJOIN_WAIT_
 from prophet_tf.launch.rendezvous import Master, NodeLink, _Failed
 from prophet_tf.launch.restarts import RestartPolicy
 from prophet_tf.launch.workers import (EXIT_JOB_FAILED, Controls, Failure, JobSpec, Placement,
-                                       preemption_wait, reserve_ports, run_workers, with_job_seed)
+                                       preemption_signal, reserve_ports, run_workers,
+                                       with_job_seed)
 from prophet_tf.preemption import EXIT_PREEMPTED
 
 __all__ = ["run_node"]
@@ -84,7 +84,7 @@ def run_node(spec: JobSpec, controls: Controls, *, master: str, nnodes: Union[in
     # may still be writing the coordinated checkpoint (a master that is lost is noticed sooner).
     verdict_wait = spec.grace + node_timeout + 10.0
     if nodes.elastic:
-        verdict_wait += preemption_wait(spec, signal.SIGTERM) or 0.0
+        verdict_wait = checkpoint_wait(spec, node_timeout) + spec.grace + 10.0
     try:
         round_, header = 0, None
         try:
@@ -109,10 +109,13 @@ def run_node(spec: JobSpec, controls: Controls, *, master: str, nnodes: Union[in
             if plan.job_seed is not None:
                 attempt_spec = dataclasses.replace(spec, env=with_job_seed(spec.env, plan.job_seed)[0])
 
-            def on_stop(reason: str, forward: Optional[int], checkpoint: Optional[int]) -> None:
+            def on_stop(reason: str, forward: Optional[int], checkpoint: bool) -> None:
                 controls.stop_reason = reason
-                if checkpoint is not None:
-                    controls.checkpoint = checkpoint  # the workers stop by themselves
+                # The master asks for the coordinated checkpoint: this node's workers get their
+                # own preemption signal (without one they cannot checkpoint: they are stopped).
+                ask = preemption_signal(attempt_spec) if checkpoint else None
+                if ask is not None:
+                    controls.checkpoint = ask  # the workers stop by themselves
                     return
                 if forward is not None:
                     controls.signals.append(forward)  # forwarded as if this launcher got it

@@ -928,12 +928,12 @@ class NodeLink:
                 raise _Failed(f"the master at {self.master} sent a malformed message ({e})") from None
 
     # -- while the workers run ----------------------------------------------------------------
-    def watch(self, on_stop: Callable[[str, Optional[int], Optional[int]], None]) -> None:
+    def watch(self, on_stop: Callable[[str, Optional[int], bool], None]) -> None:
         """Listens to the master on a thread until the verdict of the attempt;
         ``on_stop(reason, forward, checkpoint)`` when the job must stop here (another node failed,
         or the master was lost; ``forward``: a signal to forward to the workers, a launcher was
-        interrupted; ``checkpoint``: a signal that asks the workers for the coordinated checkpoint
-        at which an elastic job forms again with a node that arrived)."""
+        interrupted; ``checkpoint``: the workers are to stop at the coordinated checkpoint, at
+        which an elastic job forms again without a node that leaves or with one that arrived)."""
         assert self.sock is not None
 
         def signal_number(value: Any) -> Optional[int]:
@@ -943,9 +943,9 @@ class NodeLink:
             for m in messages:
                 if m.get("t") == "stop" and not state["stopped"]:
                     state["stopped"] = True
-                    checkpoint = signal_number(m.get("checkpoint"))
+                    checkpoint = m.get("checkpoint") is True
                     reason = str(m.get("reason"))
-                    on_stop(reason if checkpoint is not None else f"another node failed: {reason}",
+                    on_stop(reason if checkpoint else f"another node failed: {reason}",
                             signal_number(m.get("forward")), checkpoint)
                 elif m.get("t") in ("verdict", "abort"):
                     self.verdict = m
@@ -988,7 +988,7 @@ class NodeLink:
                 return
             if not self._closing:
                 self.lost = reason
-                on_stop(reason, None, None)
+                on_stop(reason, None, False)
             self.got_verdict.set()
 
         self._thread = threading.Thread(target=loop, name="prophet-node-link", daemon=True)

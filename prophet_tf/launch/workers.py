@@ -31,7 +31,7 @@ from prophet_tf.cluster import JOB_SEED_ENV
 __all__ = ["EXIT_TIMEOUT", "EXIT_JOB_FAILED", "EXIT_NO_START", "Failure", "Outcome", "JobSpec",
            "Placement", "Controls", "run_workers", "free_ports", "reserve_ports", "format_address",
            "worker_envs", "package_root", "command", "describe_status", "status_of", "draw_job_seed",
-           "with_job_seed", "preemption_wait"]
+           "with_job_seed", "preemption_wait", "preemption_signal"]
 
 EXIT_TIMEOUT = 124
 #: The job failed outside any worker: a rendezvous that did not complete, a node or the master
@@ -196,9 +196,10 @@ class Controls:
         to every worker.
       deadline: ``time.monotonic()`` after which every worker is killed (status 124), or None.
       stop: set by another party (the rendezvous: another node failed); ``stop_reason`` says why.
-      checkpoint: a signal another party (an elastic job's master) asks to forward to every
-        worker once: the workers' preemption signal, so that they stop at one step and
-        checkpoint (they then exit by themselves); ``stop_reason`` says why.
+      checkpoint: a signal to forward to every worker once, at another party's request (an
+        elastic job's master): the workers' preemption signal (:func:`preemption_signal`), so
+        that they stop at one step and checkpoint (they then exit by themselves); ``stop_reason``
+        says why.
       launcher: how messages name the launcher that got the signals.
     """
 
@@ -670,17 +671,29 @@ def _supervise(workers: Sequence[_Worker], spec: JobSpec, controls: Controls,
         time.sleep(_POLL_S)
 
 
+def _preemption_setting(spec: JobSpec, name: str, default: str) -> str:
+    return str(spec.env.get(name, os.environ.get(name, default)))
+
+
+def preemption_signal(spec: JobSpec) -> Optional[int]:
+    """The signal that asks the workers for the coordinated preemption checkpoint: the first of
+    their preemption signals (``$PROPHET_PREEMPTION_SIGNALS``, SIGTERM by default); None when
+    they have none."""
+    try:
+        signals = preemption.signals_from(_preemption_setting(spec, preemption.SIGNALS_ENV, "SIGTERM"))
+    except ValueError:
+        return None  # the workers will say what is wrong with this setting
+    return signals[0] if signals else None
+
+
 def preemption_wait(spec: JobSpec, sig: int) -> Optional[float]:
     """How long the workers may take to stop after ``sig`` when it asks them for the coordinated
     preemption checkpoint (one of their preemption signals, ``$PROPHET_PREEMPTION_SIGNALS``,
     SIGTERM by default): their grace period (``$PROPHET_PREEMPTION_GRACE_S``, 30 s by default;
     a worker leaves by itself then) plus ``spec.grace``. None when ``sig`` is not one of them."""
-    def setting(name: str, default: str) -> str:
-        return str(spec.env.get(name, os.environ.get(name, default)))
-
     try:
-        signals = preemption.signals_from(setting(preemption.SIGNALS_ENV, "SIGTERM"))
-        grace = float(setting(preemption.GRACE_ENV, str(preemption.DEFAULT_GRACE_S)))
+        signals = preemption.signals_from(_preemption_setting(spec, preemption.SIGNALS_ENV, "SIGTERM"))
+        grace = float(_preemption_setting(spec, preemption.GRACE_ENV, str(preemption.DEFAULT_GRACE_S)))
     except ValueError:
         return None  # the workers will say what is wrong with these settings
     if sig not in signals:
