@@ -36,7 +36,7 @@ import dataclasses
 import time
 from typing import Optional, Sequence, Union
 
-from prophet_tf.launch.rendezvous import HEARTBEAT_S, Master, _Conn, _send
+from prophet_tf.launch.rendezvous import HEARTBEAT_S, Connection, Master
 from prophet_tf.launch.restarts import RestartPolicy, describe
 from prophet_tf.launch.workers import (CAUSE_INTERRUPTED, CAUSE_LOST, CAUSE_WORKER,
                                        EXIT_JOB_FAILED, Failure, JobSpec, preemption_signal,
@@ -168,16 +168,16 @@ class ElasticMaster(Master):
             message = self._change_message(change, failures, survivors)
             self.say(f"master: {message}")
             for c, failure in change.leaving:
-                _send(c.sock, {"t": "verdict", "status": failure.status, "failure": None,
+                self._tell(c, {"t": "verdict", "status": failure.status, "failure": None,
                                "left": True, "message": f"node {c.node} left the job ({failure.description}); "
                                           "the other nodes go on without it"})
                 c.stage = "left"  # its connection closing next is no loss
             for c in survivors:
-                _send(c.sock, {"t": "verdict", "status": 0, "failure": None, "restart": True,
+                self._tell(c, {"t": "verdict", "status": 0, "failure": None, "restart": True,
                                "round": round_, "backoff": 0.0, "message": message})
             expected, departed = survivors, len(change.lost) + len(change.leaving)
 
-    def _change(self, members: Sequence[_Conn]) -> _Change:
+    def _change(self, members: Sequence[Connection]) -> _Change:
         lost, leaving = [], []
         for c in members:
             if not c.closed and c.outcome is None:
@@ -204,7 +204,7 @@ class ElasticMaster(Master):
         return None
 
     def _change_message(self, change: _Change, failures: Sequence[Failure],
-                        survivors: Sequence[_Conn]) -> str:
+                        survivors: Sequence[Connection]) -> str:
         parts = [f"{c.describe()} was lost: {why}" for c, why in change.lost]
         stopped = next((f for f in failures if f.preempted), None)
         for c, failure in change.leaving:
@@ -219,7 +219,7 @@ class ElasticMaster(Master):
         return ("; ".join(parts) + f". The job forms again (nodes {left} and any that arrive; "
                 f"--nnodes {self.nodes}) and continues from {where}")
 
-    def _finish(self, failure: Optional[Failure], members: Sequence[_Conn], status: int,
+    def _finish(self, failure: Optional[Failure], members: Sequence[Connection], status: int,
                 message: str = "") -> dict:
         """The job ends: its verdict to the nodes of the attempt, and to the nodes that waited
         to enter it."""
@@ -231,11 +231,11 @@ class ElasticMaster(Master):
         note = ("the job ended before this node entered it" if status == 0 else
                 f"the job ended (status {status}) before this node entered it")
         for c in waiting:
-            _send(c.sock, {"t": "verdict", "status": status, "failure": None, "message": note})
+            self._tell(c, {"t": "verdict", "status": status, "failure": None, "message": note})
         return verdict
 
     # -- forming --------------------------------------------------------------------------------
-    def _form(self, round_: int, expected: Sequence[_Conn], departed: int) -> dict:
+    def _form(self, round_: int, expected: Sequence[Connection], departed: int) -> dict:
         """Forms round ``round_`` from the nodes present: ``expected`` are the nodes of the last
         attempt that go on; ``departed`` nodes left it."""
         self._round = round_
@@ -253,7 +253,7 @@ class ElasticMaster(Master):
             now = time.monotonic()
             if now >= next_ping:  # a node waiting for a place waits as long as it hears the master
                 for c in self._joined():
-                    _send(c.sock, {"t": "ping"})
+                    self._tell(c, {"t": "ping"})
                 next_ping = now + HEARTBEAT_S
             for c in self._joined():
                 if now - c.last_heard > self.node_timeout:
@@ -285,7 +285,7 @@ class ElasticMaster(Master):
                 return {"t": "formed"}
             self._poll(min(0.1, max(0.0, deadline - now)), forming=True)
 
-    def _too_few(self, present: Sequence[_Conn], round_: int) -> str:
+    def _too_few(self, present: Sequence[Connection], round_: int) -> str:
         had = ", ".join(c.describe() for c in present) or "none"
         text = (f"fewer than {self.nodes.min} node(s) (--nnodes {self.nodes}) for "
                 f"{self.rdzv_timeout:g} s (--rdzv-timeout) "
@@ -307,7 +307,7 @@ class ElasticMaster(Master):
     def _admits_while_running(self) -> bool:
         return True
 
-    def _admit(self, c: _Conn, fields: dict) -> dict:
+    def _admit(self, c: Connection, fields: dict) -> dict:
         node = fields.get("node_rank")
         if node is None:
             taken = {x.node for x in self._joined()}
@@ -319,12 +319,12 @@ class ElasticMaster(Master):
             self._grow(c)
         return {"node_rank": node, "pending": running}
 
-    def _announce_join(self, c: _Conn, fields: dict, extra: dict) -> None:
-        _send(c.sock, {"t": "joined", "waiting_for": [], **extra})
+    def _announce_join(self, c: Connection, fields: dict, extra: dict) -> None:
+        self._tell(c, {"t": "joined", "waiting_for": [], **extra})
         state = ("; it enters the job at the next checkpoint" if extra.get("pending") else "")
         self.say(f"master: {c.describe()} joined with {len(fields['ports'])} worker(s){state}")
 
-    def _grow(self, c: _Conn) -> None:
+    def _grow(self, c: Connection) -> None:
         """A node arrived while the job runs: every worker stops at one step and checkpoints,
         and the job forms again with it (unless the job has MAX nodes: it waits for a place)."""
         members = [x for x in self._conns if x.member and not x.closed]
@@ -340,12 +340,10 @@ class ElasticMaster(Master):
         self.say(f"master: {reason}")
         for x in members:
             if x.outcome is None:
-                _send(x.sock, {"t": "stop", "reason": reason, "checkpoint": True})
+                self._tell(x, {"t": "stop", "reason": reason, "checkpoint": True})
         self._stopping_until = time.monotonic() + self.checkpoint_wait
 
-    def _join_problem(self, f: dict, rejoining: Optional[_Conn] = None) -> Optional[tuple[str, str]]:
-        from prophet_tf.launch.rendezvous import _malformed_join
-
+    def _join_problem(self, f: dict, rejoining: Optional[Connection] = None) -> Optional[tuple[str, str]]:
         node = f.get("node_rank")
         if f.get("nnodes") != self.nodes.spec:
             return (f"you were started with --nnodes {f.get('nnodes')}, the master with "
@@ -353,7 +351,7 @@ class ElasticMaster(Master):
                     f"--nnodes {f.get('nnodes')}, expected {self.nodes}")
         if node is not None and (not isinstance(node, int) or node < 0):
             return (f"--node-rank {node} is not a number >= 0", f"node rank {node}")
-        if _malformed_join(f):
+        if self._malformed_join(f):
             return ("your join lacks its host or ports", "a malformed join")
         if rejoining is not None:
             if f.get("round") != self._round:
@@ -371,7 +369,7 @@ class ElasticMaster(Master):
         return None
 
     # -- losing nodes -------------------------------------------------------------------------
-    def _lose(self, c: _Conn, why: str) -> None:
+    def _lose(self, c: Connection, why: str) -> None:
         if c.closed:
             return
         c.lost_why = why

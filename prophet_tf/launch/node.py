@@ -17,7 +17,7 @@ from typing import Callable, Optional, TextIO, Union
 from prophet_tf.cluster import ELASTIC_ENV, JOB_SEED_ENV
 from prophet_tf.launch.elastic import (DEFAULT_JOIN_WAIT_S, DEFAULT_REJOIN_WAIT_S, ElasticMaster,
                                        NodeRange, checkpoint_wait)
-from prophet_tf.launch.rendezvous import Master, NodeLink, _Failed
+from prophet_tf.launch.rendezvous import Master, NodeLink, JoinFailed
 from prophet_tf.launch.restarts import RestartPolicy
 from prophet_tf.launch.workers import (EXIT_JOB_FAILED, Controls, Failure, JobSpec, Placement,
                                        preemption_signal, reserve_ports, run_workers,
@@ -89,7 +89,7 @@ def run_node(spec: JobSpec, controls: Controls, *, master: str, nnodes: Union[in
         round_, header = 0, None
         try:
             own_address, deadline = link.connect()
-        except _Failed as e:
+        except JoinFailed as e:
             return _rendezvous_failed(e, link.node_rank, server, say)
         host = host or own_address
         while True:
@@ -98,7 +98,7 @@ def run_node(spec: JobSpec, controls: Controls, *, master: str, nnodes: Union[in
                          if base_port is not None else reserve_ports(nproc, host))
                 with ports as chosen:
                     plan = link.join(chosen, host, deadline, round_)
-            except _Failed as e:
+            except JoinFailed as e:
                 return _rendezvous_failed(e, link.node_rank, server, say)
             node_rank = link.node_rank
             controls.launcher = f"the launcher of node {node_rank}"
@@ -181,7 +181,7 @@ def run_node(spec: JobSpec, controls: Controls, *, master: str, nnodes: Union[in
         link.close()
 
 
-def _rendezvous_failed(e: _Failed, node_rank: int, server: Optional[Master],
+def _rendezvous_failed(e: JoinFailed, node_rank: int, server: Optional[Master],
                        say: Callable[[str], None]) -> int:
     say(f"node {node_rank}: {e}")
     failure = e.failure or Failure(EXIT_JOB_FAILED, f"node {node_rank}: {e}",

@@ -155,7 +155,10 @@ def _is_hex(value: Any, chars: int) -> bool:
 
 
 @dataclasses.dataclass
-class _Conn:
+class Connection:
+    """The master's record of one connection: a launcher that says hello, joins, and is a node of
+    the job (or waits to enter an elastic one)."""
+
     sock: socket.socket
     peer: str
     opened: float
@@ -209,7 +212,7 @@ class Master:
         self._round = 0
         self.verdict: Optional[dict] = None
         self.done = threading.Event()
-        self._conns: list[_Conn] = []
+        self._conns: list[Connection] = []
         self._rejected: list[str] = []
         self._rejected_total = 0
         self._dropped = 0
@@ -396,7 +399,7 @@ class Master:
                                             "outcome", at=time.time()))
                 return sorted(failures, key=lambda f: f.at)
 
-    def _lose(self, c: _Conn, why: str) -> None:
+    def _lose(self, c: Connection, why: str) -> None:
         if c.closed:
             return
         c.closed = True
@@ -415,7 +418,7 @@ class Master:
 
     def _end(self, failure: Optional[Failure], abort: bool = False, message: str = "",
              status: Optional[int] = None, restart_round: Optional[int] = None,
-             to: Optional[Sequence[_Conn]] = None) -> dict:
+             to: Optional[Sequence[Connection]] = None) -> dict:
         """Tells every node (or those in ``to``) how the attempt ended (``abort``: the
         rendezvous failed; ``restart_round``: the job goes on with that round; ``message``: the
         restart decision)."""
@@ -434,11 +437,11 @@ class Master:
                 _send(c.sock, verdict)
         return verdict
 
-    def _joined(self) -> list[_Conn]:
+    def _joined(self) -> list[Connection]:
         return sorted((c for c in self._conns if c.stage == "joined" and not c.closed),
                       key=lambda c: c.node)
 
-    def _address_clash(self, joined: Sequence[_Conn]) -> str:
+    def _address_clash(self, joined: Sequence[Connection]) -> str:
         seen: dict[str, int] = {}
         for c in joined:
             for port in c.fields["ports"]:
@@ -453,7 +456,7 @@ class Master:
     def _formed_text(self, nodes: Sequence[dict]) -> str:
         return "master: every node joined; "
 
-    def _send_plans(self, joined: Sequence[_Conn], round_: int) -> None:
+    def _send_plans(self, joined: Sequence[Connection], round_: int) -> None:
         addresses: list[str] = []
         first: dict[int, int] = {}
         for c in joined:
@@ -475,7 +478,7 @@ class Master:
             f"node {n['node']} ({n['host']}): ranks {n['first_rank']}..{n['first_rank'] + n['nproc'] - 1}"
             for n in nodes))
 
-    def _missing_message(self, joined: Sequence[_Conn]) -> str:
+    def _missing_message(self, joined: Sequence[Connection]) -> str:
         present = {c.node for c in joined}
         missing = [r for r in range(self.nnodes) if r not in present]
         text = (f"node(s) {', '.join(map(str, missing))} never joined the rendezvous at "
@@ -518,11 +521,11 @@ class Master:
                 self._drop(min(pending, key=lambda c: c.opened), counted=True)
             sock.settimeout(_SEND_TIMEOUT_S)
             peer = format_address(addr[0], addr[1])
-            c = _Conn(sock, peer, time.monotonic(), _Inbox(_MAX_UNAUTHENTICATED_BYTES))
+            c = Connection(sock, peer, time.monotonic(), _Inbox(_MAX_UNAUTHENTICATED_BYTES))
             self._conns.append(c)
             self._sel.register(sock, selectors.EVENT_READ, c)
 
-    def _drop(self, c: _Conn, counted: bool) -> None:
+    def _drop(self, c: Connection, counted: bool) -> None:
         if counted:
             self._dropped += 1
         c.closed = True
@@ -531,7 +534,7 @@ class Master:
         with contextlib.suppress(OSError):
             c.sock.close()
 
-    def _reject(self, c: _Conn, to_node: str, what: str) -> None:
+    def _reject(self, c: Connection, to_node: str, what: str) -> None:
         """Tells a connection that cannot join why, and remembers it for the timeout message."""
         _send(c.sock, {"t": "reject", "reason": to_node})
         claimed = f" (claiming node {c.fields.get('node_rank')})" if c.fields.get("node_rank") is not None else ""
@@ -541,7 +544,7 @@ class Master:
         self._rejected_total += 1
         self._drop(c, counted=False)
 
-    def _readable(self, c: _Conn, forming: bool) -> None:
+    def _readable(self, c: Connection, forming: bool) -> None:
         try:
             data = c.sock.recv(65536)
         except (BlockingIOError, InterruptedError, socket.timeout):
@@ -567,7 +570,7 @@ class Master:
                 return
             self._message(c, m, forming)
 
-    def _connection_closed(self, c: _Conn, forming: bool) -> None:
+    def _connection_closed(self, c: Connection, forming: bool) -> None:
         """The connection of a node that had joined closed (its launcher exited or was killed)."""
         if forming and self._round > 0:
             self._lose(c, "its launcher's connection closed while the job restarted")
@@ -582,14 +585,14 @@ class Master:
         """Whether a launcher may join while the job runs (an elastic job's new node)."""
         return False
 
-    def _admit(self, c: _Conn, fields: dict) -> dict:
+    def _admit(self, c: Connection, fields: dict) -> dict:
         """Makes an authenticated, accepted join a node of the rendezvous; returns what the
         ``joined`` answer adds."""
         c.node = fields["node_rank"]
         c.round = fields["round"]
         return {}
 
-    def _message(self, c: _Conn, m: dict, forming: bool) -> None:
+    def _message(self, c: Connection, m: dict, forming: bool) -> None:
         kind = m.get("t")
         if c.stage == "hello":
             if kind != "hello" or m.get("proto") != PROTOCOL or not _is_hex(m.get("nonce"), 64):
@@ -636,7 +639,7 @@ class Master:
             self._rejoin(c, m)
         return None
 
-    def _announce_join(self, c: _Conn, fields: dict, extra: dict) -> None:
+    def _announce_join(self, c: Connection, fields: dict, extra: dict) -> None:
         """Answers an accepted join and says so."""
         present = {x.node for x in self._joined()}
         waiting = [r for r in range(self.nnodes) if r not in present]
@@ -644,7 +647,7 @@ class Master:
         self.say(f"master: {c.describe()} joined with {len(fields['ports'])} worker(s)"
                  + (f"; waiting for node(s) {', '.join(map(str, waiting))}" if waiting else ""))
 
-    def _rejoin(self, c: _Conn, m: dict) -> None:
+    def _rejoin(self, c: Connection, m: dict) -> None:
         """A node of the job joins the round of a restart (its new ports) over its connection."""
         fields = m.get("fields")
         if not isinstance(fields, dict) or not isinstance(m.get("mac"), str) or \
@@ -664,7 +667,17 @@ class Master:
         present = {x.node for x in self._joined() if x.round == self._round}
         return [r for r in range(self.nnodes) if r not in present]
 
-    def _join_problem(self, f: dict, rejoining: Optional[_Conn] = None) -> Optional[tuple[str, str]]:
+    @staticmethod
+    def _malformed_join(f: dict) -> bool:
+        ports = f.get("ports")
+        return (not isinstance(f.get("host"), str) or not f["host"] or not isinstance(ports, list)
+                or not ports or not all(isinstance(p, int) and 0 < p < 65536 for p in ports))
+
+    def _tell(self, c: Connection, message: dict) -> bool:
+        """Sends one message to a node."""
+        return _send(c.sock, message)
+
+    def _join_problem(self, f: dict, rejoining: Optional[Connection] = None) -> Optional[tuple[str, str]]:
         """(what the node is told, what the master remembers) when the join cannot be accepted
         (``rejoining``: the connection of a node of the job joining a restarted round)."""
         node = f.get("node_rank")
@@ -675,7 +688,7 @@ class Master:
         if not isinstance(node, int) or not 0 <= node < self.nnodes:
             return (f"--node-rank {node} is outside 0..{self.nnodes - 1}",
                     f"node rank {node}, expected 0..{self.nnodes - 1}")
-        if _malformed_join(f):
+        if self._malformed_join(f):
             return ("your join lacks its host or ports", "a malformed join")
         if f.get("round") != self._round:
             return (f"the master is at round {self._round} (restarts of the job), you at "
@@ -690,12 +703,6 @@ class Master:
             return (f"node rank {node} is already taken by {taken[0].peer}: did two nodes get the "
                     "same --node-rank?", f"node rank {node} already taken by {taken[0].peer}")
         return None
-
-
-def _malformed_join(f: dict) -> bool:
-    ports = f.get("ports")
-    return (not isinstance(f.get("host"), str) or not f["host"] or not isinstance(ports, list)
-            or not ports or not all(isinstance(p, int) and 0 < p < 65536 for p in ports))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -779,10 +786,10 @@ class NodeLink:
                 problem, pause = str(e), 0.5
             self._check_interrupted()
             if time.monotonic() + pause >= deadline:
-                raise _Failed(f"could not reach the master at {self.master} within "
-                              f"{self.timeout:g} s ({attempts} attempt(s); last problem: {problem}): "
-                              "is node 0's launcher started with the same --master, and is that "
-                              "port reachable from here?")
+                raise JoinFailed(f"could not reach the master at {self.master} within "
+                                 f"{self.timeout:g} s ({attempts} attempt(s); last problem: {problem}): "
+                                 "is node 0's launcher started with the same --master, and is that "
+                                 "port reachable from here?")
             time.sleep(pause)
         sock.settimeout(_SEND_TIMEOUT_S)
         self.sock = sock
@@ -790,10 +797,10 @@ class NodeLink:
         self._post({"t": "hello", "proto": PROTOCOL, "version": VERSION, "nonce": nonce_n})
         reply = self._receive(min(deadline, time.monotonic() + HANDSHAKE_TIMEOUT_S), "its challenge")
         if reply.get("t") == "reject":
-            raise _Failed(f"the master at {self.master} rejected this node: {reply.get('reason')}")
+            raise JoinFailed(f"the master at {self.master} rejected this node: {reply.get('reason')}")
         if reply.get("t") != "challenge" or not _is_hex(reply.get("nonce"), 64):
-            raise _Failed(f"{self.master} did not answer as a prophet_tf master: is --master the "
-                          "address of node 0's launcher?")
+            raise JoinFailed(f"{self.master} did not answer as a prophet_tf master: is --master the "
+                             "address of node 0's launcher?")
         master_proved = hmac.compare_digest(
             _mac(self.token, "master", nonce_n, reply["nonce"]), str(reply.get("mac", "")))
         self._nonces = (nonce_n, reply["nonce"])
@@ -833,13 +840,13 @@ class NodeLink:
         reply = self._receive(min(deadline, time.monotonic() + HANDSHAKE_TIMEOUT_S),
                               "its answer to the join", allow_ping=True)
         if not self._master_proved:
-            raise _Failed(f"job token mismatch: the master at {self.master} could not prove that it "
-                          "holds this job's token: PROPHET_JOB_TOKEN must be identical on every node"
-                          + (f" (it says: {reply.get('reason')})" if reply.get("t") == "reject" else ""))
+            raise JoinFailed(f"job token mismatch: the master at {self.master} could not prove that it "
+                             "holds this job's token: PROPHET_JOB_TOKEN must be identical on every node"
+                             + (f" (it says: {reply.get('reason')})" if reply.get("t") == "reject" else ""))
         if reply.get("t") == "reject":
-            raise _Failed(f"the master at {self.master} rejected this node: {reply.get('reason')}")
+            raise JoinFailed(f"the master at {self.master} rejected this node: {reply.get('reason')}")
         if reply.get("t") != "joined":
-            raise _Failed(f"the master at {self.master} answered the join with {reply.get('t')!r}")
+            raise JoinFailed(f"the master at {self.master} answered the join with {reply.get('t')!r}")
         self._start_pinger()
         if isinstance(reply.get("node_rank"), int):
             self.node_rank = reply["node_rank"]  # assigned by an elastic job's master
@@ -871,21 +878,21 @@ class NodeLink:
                             job_seed=int(seed) if isinstance(seed, int) else None)
             if message.get("t") == "verdict" and not message.get("failure"):
                 # An elastic job ended while this node waited to enter it.
-                raise _Failed(str(message.get("message") or "the job ended before this node "
+                raise JoinFailed(str(message.get("message") or "the job ended before this node "
                                   "entered it"), Failure(int(message.get("status", 0)), "",
                                                          node=self.node_rank))
             if message.get("t") in ("abort", "verdict"):
                 failure = message.get("failure") or {}
-                raise _Failed(f"the rendezvous failed at the master: {failure.get('description')}",
-                              Failure.from_json(failure) if failure else None)
+                raise JoinFailed(f"the rendezvous failed at the master: {failure.get('description')}",
+                                 Failure.from_json(failure) if failure else None)
 
     def _check_interrupted(self) -> None:
         sig = self.interrupted()
         if sig is not None:
             name = signal.Signals(sig).name
-            raise _Failed(f"the launcher got {name} during the rendezvous",
-                          Failure(128 + sig, f"the launcher of node {self.node_rank} got {name}",
-                                  node=self.node_rank, at=time.time(), cause=CAUSE_INTERRUPTED))
+            raise JoinFailed(f"the launcher got {name} during the rendezvous",
+                             Failure(128 + sig, f"the launcher of node {self.node_rank} got {name}",
+                                     node=self.node_rank, at=time.time(), cause=CAUSE_INTERRUPTED))
 
     def _receive(self, deadline: float, what: str, allow_ping: bool = False,
                  idle_timeout: Optional[float] = None) -> dict:
@@ -905,9 +912,9 @@ class NodeLink:
             left = deadline - time.monotonic()
             if left <= 0:
                 if idle_timeout is not None:
-                    raise _Failed(f"lost the master at {self.master} while this node waited to "
+                    raise JoinFailed(f"lost the master at {self.master} while this node waited to "
                                   f"enter the job: nothing heard for {idle_timeout:g} s")
-                raise _Failed(f"the rendezvous did not complete within {self.timeout:g} s: waited "
+                raise JoinFailed(f"the rendezvous did not complete within {self.timeout:g} s: waited "
                               f"for {what} from the master at {self.master}")
             self.sock.settimeout(min(left, 1.0))
             try:
@@ -919,13 +926,13 @@ class NodeLink:
             else:
                 error = None
             if not data:
-                raise _Failed(f"the master at {self.master} closed the connection while this node "
-                              f"waited for {what}" + (f" ({error})" if error else "")
-                              + ": node 0's launcher exited or gave up; see its output")
+                raise JoinFailed(f"the master at {self.master} closed the connection while this node "
+                                 f"waited for {what}" + (f" ({error})" if error else "")
+                                 + ": node 0's launcher exited or gave up; see its output")
             try:
                 self._queue.extend(self._inbox.feed(data))
             except (ValueError, UnicodeDecodeError) as e:
-                raise _Failed(f"the master at {self.master} sent a malformed message ({e})") from None
+                raise JoinFailed(f"the master at {self.master} sent a malformed message ({e})") from None
 
     # -- while the workers run ----------------------------------------------------------------
     def watch(self, on_stop: Callable[[str, Optional[int], bool], None]) -> None:
@@ -1020,7 +1027,7 @@ class NodeLink:
                 self.sock.close()
 
 
-class _Failed(Exception):
+class JoinFailed(Exception):
     """A node's rendezvous failed; the message says why (and ``failure`` is the master's)."""
 
     def __init__(self, message: str, failure: Optional[Failure] = None) -> None:
