@@ -375,14 +375,23 @@ def fresh_weights(workers: int, config: dict, job_seed: int, deadline_s: float) 
     cmd = [sys.executable, "-u", "-m", "prophet_tf.launch", "-n", str(workers), "--threads", "1",
            "--timeout", f"{deadline_s:g}", "--env", f"PROPHET_JOB_SEED={job_seed}", "--",
            "-m", "prophet_tf.bench.faults", f"--elastic_worker={json.dumps(config)}"]
-    r = subprocess.run(cmd, env=env, cwd=os.path.dirname(config["backup_dir"]), capture_output=True,
-                       text=True, timeout=deadline_s + 60)
-    events = [e for e in (parse_event(t) for t in r.stdout.splitlines()) if e is not None]
+    proc = subprocess.Popen(cmd, env=env, cwd=os.path.dirname(config["backup_dir"]),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=deadline_s + 60)
+    except subprocess.TimeoutExpired:
+        out = ""
+    finally:
+        if proc.poll() is None:  # also when this bench is interrupted: its workers die with it
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    events = [e for e in (parse_event(t) for t in out.splitlines()) if e is not None]
     weights = {e["weights"] for e in events if e["event"] == "done"}
     done = sum(1 for e in events if e["event"] == "done")
-    if r.returncode == 0 and done == workers and len(weights) == 1:
+    if proc.returncode == 0 and done == workers and len(weights) == 1:
         return weights.pop(), ""
-    return None, f"the fresh job failed (exit {r.returncode}): {(r.stdout + r.stderr)[-1500:]}"
+    return None, f"the fresh job failed (exit {proc.returncode}): {out[-1500:]}"
 
 
 def run_trial(plan: TrialPlan, name: str, base_config: dict, job_seed: int, emulated: bool,
@@ -539,6 +548,10 @@ def passed(results: Sequence[Result], save_freq: int) -> bool:
         and 0 <= r.redone <= goal_of(r.kind, save_freq) for r in results)
 
 
+def _terminate(signum: int, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run(per_kind: int, seed: int, quick: bool, deadline_s: float, kinds: Sequence[str] = KINDS,
         emulated: bool = True, json_path: Optional[str] = None, log=print,
         nodes: int = NODES) -> list[Result]:
@@ -554,11 +567,18 @@ def run(per_kind: int, seed: int, quick: bool, deadline_s: float, kinds: Sequenc
         f"x {config['steps_per_epoch']} steps (global batch {config['batch']}) with "
         f"BackupAndRestore(save_freq={config['save_freq']}), PROPHET_JOB_SEED={job_seed}")
     results = []
-    for index, plan in enumerate(plans, 1):
-        result = run_trial(plan, f"elastic trial {index}/{len(plans)}", config, job_seed, emulated,
-                           deadline_s, prefix, nodes)
-        results.append(result)
-        log(format_result(result))
+    # A SIGTERM to the bench ends it through its clean-up (every job and namespace it started).
+    previous = (signal.signal(signal.SIGTERM, _terminate)
+                if threading.current_thread() is threading.main_thread() else None)
+    try:
+        for index, plan in enumerate(plans, 1):
+            result = run_trial(plan, f"elastic trial {index}/{len(plans)}", config, job_seed,
+                               emulated, deadline_s, prefix, nodes)
+            results.append(result)
+            log(format_result(result))
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     if json_path:
         with open(json_path, "w") as f:
             json.dump([dict(dataclasses.asdict(r), redone=r.redone, hang=r.hang) for r in results], f,
