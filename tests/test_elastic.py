@@ -18,6 +18,7 @@ import pytest
 
 from prophet_tf.launch.cli import main as cli_main
 from prophet_tf.launch.elastic import EXIT_TOO_FEW_NODES, NodeRange, parse_nnodes
+from prophet_tf.launch.standby import DELAY_ENV, parse_preload
 from test_multinode import Node, _env, _master, _wait_for
 
 # argv: OUT TOTAL_STEPS. Each start records (world size, rank, position it starts from, pids) in
@@ -90,19 +91,41 @@ def nodes():
         node.kill()
 
 
+# These workers do not use TensorFlow: no standbys importing it.
+NO_STANDBY = ["--preload", "none"]
 # MAX nodes start the job at once; fewer would wait 60 s for more.
-ELASTIC = ["--join-wait", "60", "--node-timeout", "5"]
+ELASTIC = ["--join-wait", "60", "--node-timeout", "5", *NO_STANDBY]
 
 
-def test_a_killed_node_shrinks_the_job_and_an_arriving_one_grows_it(tmp_path: Path, nodes: list) -> None:
+def _standbys(launcher: int) -> list[int]:
+    """The pids of the standby workers a node's launcher started."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == launcher and b"prophet_tf._standby" in cmdline:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_a_killed_node_shrinks_the_job_and_an_arriving_one_grows_it(
+        tmp_path: Path, nodes: list, monkeypatch) -> None:
+    # Standbys importing a light module, soon after each attempt starts.
+    monkeypatch.setenv(DELAY_ENV, "0.2")
+    extra = ["--join-wait", "60", "--node-timeout", "5", "--preload", "json"]
     master, script = _master(), _train(tmp_path)
-    nodes += [Node(tmp_path, r, "2:3", master, 1, script, ELASTIC) for r in (0, 1, 2)]
+    nodes += [Node(tmp_path, r, "2:3", master, 1, script, extra) for r in (0, 1, 2)]
     _wait_for(_complete(tmp_path, 3))
+    _wait_for(lambda: all(_standbys(n.proc.pid) for n in nodes[:2]))
+    ahead = {r: _standbys(nodes[r].proc.pid) for r in (0, 1)}
     os.killpg(nodes[2].proc.pid, signal.SIGKILL)  # the node dies: its launcher, its worker
     nodes[2].proc.wait()
     _wait_for(_complete(tmp_path, 2))
     # A node arrives without a rank (the master assigns one); the job takes it in.
-    nodes.append(Node(tmp_path, None, "2:3", master, 1, script, ELASTIC))
+    nodes.append(Node(tmp_path, None, "2:3", master, 1, script, extra))
     codes = [n.wait(120) for n in (nodes[0], nodes[1], nodes[3])]
     said = "\n".join(n.output for n in nodes)
     assert codes == [0, 0, 0], said
@@ -120,6 +143,10 @@ def test_a_killed_node_shrinks_the_job_and_an_arriving_one_grows_it(tmp_path: Pa
     assert "the job forms with 2 node(s), 2 worker(s)" in master_said
     assert "the job forms with 3 node(s), 3 worker(s)" in master_said
     assert (tmp_path / "out" / "done").read_text() == "3"
+    # The job without node 2 ran in the standbys its nodes had started before the loss (with the
+    # new TF_CONFIG: the world sizes above); the arriving node's first worker started afresh.
+    assert {r: [attempts[1][r]["pid"]] for r in (0, 1)} == ahead
+    assert attempts[2][2]["pid"] not in ahead.values()
     # It got the lowest node rank free (node 2's, lost).
     assert "as node 2;" in nodes[3].output and "enters it at its next checkpoint" in nodes[3].output
 
@@ -127,7 +154,8 @@ def test_a_killed_node_shrinks_the_job_and_an_arriving_one_grows_it(tmp_path: Pa
 def test_a_node_preempted_with_sigterm_leaves_and_the_others_go_on_from_its_step(
         tmp_path: Path, nodes: list) -> None:
     master, script = _master(), _train(tmp_path)
-    nodes += [Node(tmp_path, r, "1:2", master, 1, script, ["--join-wait", "0"]) for r in (0, 1)]
+    nodes += [Node(tmp_path, r, "1:2", master, 1, script, ["--join-wait", "0", *NO_STANDBY])
+              for r in (0, 1)]
     _wait_for(_complete(tmp_path, 2))
     time.sleep(0.3)
     os.kill(nodes[1].proc.pid, signal.SIGTERM)  # the launcher of node 1: its machine goes away
@@ -147,7 +175,7 @@ def test_a_node_preempted_with_sigterm_leaves_and_the_others_go_on_from_its_step
 
 def test_below_min_the_job_waits_a_bounded_time_then_exits_saying_why(tmp_path: Path, nodes: list) -> None:
     master, script = _master(), _train(tmp_path, total=100000)
-    extra = ["--rdzv-timeout", "4", "--node-timeout", "5"]
+    extra = ["--rdzv-timeout", "4", "--node-timeout", "5", *NO_STANDBY]
     nodes += [Node(tmp_path, r, "2:2", master, 1, script, extra) for r in (0, 1)]
     _wait_for(_complete(tmp_path, 2))
     os.killpg(nodes[1].proc.pid, signal.SIGKILL)
@@ -163,13 +191,13 @@ def test_the_start_waits_for_min_then_join_wait_for_more(tmp_path: Path, nodes: 
     # Alone, below MIN: the same bound and status at the start.
     alone = tmp_path / "alone"
     alone.mkdir()
-    nodes.append(Node(alone, 0, "2:3", _master(), 1, _train(alone), ["--rdzv-timeout", "2"]))
+    nodes.append(Node(alone, 0, "2:3", _master(), 1, _train(alone), ["--rdzv-timeout", "2", *NO_STANDBY]))
     assert nodes[-1].wait(60) == EXIT_TOO_FEW_NODES and "at the start" in nodes[-1].output
     # MIN = 1 present, a second node comes within --join-wait: the job starts with both.
     master, script = _master(), _train(tmp_path, total=50)
-    nodes.append(Node(tmp_path, 0, "1:3", master, 1, script, ["--join-wait", "4"]))
+    nodes.append(Node(tmp_path, 0, "1:3", master, 1, script, ["--join-wait", "4", *NO_STANDBY]))
     time.sleep(1.0)
-    nodes.append(Node(tmp_path, None, "1:3", master, 1, script, ["--join-wait", "4"]))
+    nodes.append(Node(tmp_path, None, "1:3", master, 1, script, ["--join-wait", "4", *NO_STANDBY]))
     assert [n.wait(120) for n in nodes[-2:]] == [0, 0], "\n".join(n.output for n in nodes)
     assert [len(a) for a in _attempts(tmp_path)] == [2]
 
@@ -178,6 +206,7 @@ def test_dash_H_elastic_goes_on_without_a_lost_host_and_takes_it_back(tmp_path: 
     script = _train(tmp_path, total=1000)
     proc = subprocess.Popen([sys.executable, "-m", "prophet_tf.launch", "-H", "localhost:1,127.0.0.1:1",
                              "--nnodes", "1:2", "--join-wait", "0", "--host-retry", "8", "--grace", "2",
+                             *NO_STANDBY,
                              "--", *script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=_env(None), cwd=tmp_path, start_new_session=True)
     try:
@@ -218,6 +247,14 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_preload_is_module_names_or_none() -> None:
+    assert parse_preload("prophet_tf.strategy") == ("prophet_tf.strategy",)
+    assert parse_preload("numpy, json") == ("numpy", "json")
+    assert parse_preload("none") == () and parse_preload("") == ()
+    with pytest.raises(ValueError, match="--preload"):
+        parse_preload("train-data")
 
 
 def test_nnodes_is_a_number_or_a_range() -> None:

@@ -14,6 +14,7 @@ from typing import Callable, Iterator, Mapping, Optional, Sequence, TextIO
 
 from prophet_tf.cluster import JOB_SEED_ENV, TOKEN_ENV
 from prophet_tf.launch import hosts as hosts_mod
+from prophet_tf.launch import standby as standby_mod
 from prophet_tf.launch.elastic import (DEFAULT_JOIN_WAIT_S, DEFAULT_REJOIN_WAIT_S,
                                        checkpoint_wait, parse_nnodes)
 from prophet_tf.launch.node import run_node
@@ -274,6 +275,11 @@ def parser() -> argparse.ArgumentParser:
                    metavar="SECONDS",
                    help="-H: start a node again on a host whose node ended this long ago (0: "
                         f"never; default {hosts_mod.DEFAULT_HOST_RETRY_S:g})")
+    e.add_argument("--preload", default=",".join(standby_mod.DEFAULT_PRELOAD), metavar="MODULES",
+                   help="each node keeps one interpreter per worker started ahead, with these "
+                        "modules imported, and the next attempt's workers run in them: a job that "
+                        "forms again skips starting Python and TensorFlow (comma-separated; 'none': "
+                        f"no standbys; default {','.join(standby_mod.DEFAULT_PRELOAD)})")
     p.add_argument("script", nargs=argparse.REMAINDER,
                    help="script.py [args], -m module [args], or a command")
     return p
@@ -304,7 +310,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error(str(e))
     if args.checkpoint_dir:
         env[CHECKPOINT_DIR_ENV] = os.path.abspath(args.checkpoint_dir)
-    spec = JobSpec(list(script), env, args.threads, args.grace, args.log_dir)
+    try:
+        preload = standby_mod.parse_preload(args.preload)
+    except ValueError as e:
+        p.error(str(e))
+    spec = JobSpec(list(script), env, args.threads, args.grace, args.log_dir, preload=preload)
     controls = Controls(deadline=None if args.timeout is None else time.monotonic() + args.timeout)
 
     if args.hosts is not None:
@@ -382,7 +392,8 @@ def _forwarded_flags(args: argparse.Namespace) -> list[str]:
                         ("--checkpoint-dir", args.checkpoint_dir),
                         ("--base-port", args.base_port),
                         ("--rdzv-timeout", args.rdzv_timeout),
-                        ("--node-timeout", args.node_timeout)):
+                        ("--node-timeout", args.node_timeout),
+                        ("--preload", args.preload)):
         if value is not None:
             out += [flag, str(value)]
     for item in args.env:

@@ -19,9 +19,10 @@ from prophet_tf.launch.elastic import (DEFAULT_JOIN_WAIT_S, DEFAULT_REJOIN_WAIT_
                                        NodeRange, checkpoint_wait)
 from prophet_tf.launch.rendezvous import Master, NodeLink, JoinFailed
 from prophet_tf.launch.restarts import RestartPolicy
+from prophet_tf.launch.standby import StandbyPool
 from prophet_tf.launch.workers import (EXIT_JOB_FAILED, Controls, Failure, JobSpec, Placement,
                                        preemption_signal, reserve_ports, run_workers,
-                                       with_job_seed)
+                                       with_death_stub, with_job_seed)
 from prophet_tf.preemption import EXIT_PREEMPTED
 
 __all__ = ["run_node"]
@@ -85,6 +86,8 @@ def run_node(spec: JobSpec, controls: Controls, *, master: str, nnodes: Union[in
     verdict_wait = spec.grace + node_timeout + 10.0
     if nodes.elastic:
         verdict_wait = checkpoint_wait(spec, node_timeout) + spec.grace + 10.0
+    # An elastic job forms again with new workers at any time: they start ahead, imports done.
+    standby = StandbyPool(spec.preload, with_death_stub) if nodes.elastic and spec.preload else None
     try:
         round_, header = 0, None
         try:
@@ -124,7 +127,7 @@ def run_node(spec: JobSpec, controls: Controls, *, master: str, nnodes: Union[in
             link.watch(on_stop)
             outcome = run_workers(attempt_spec, Placement(plan.addresses, ranks, plan.token),
                                   controls, stdout=stdout, stderr=stderr, say=say,
-                                  log_header=header)
+                                  log_header=header, standby=standby)
             if outcome.failure is not None and outcome.failure.node is None:
                 outcome.failure.node = node_rank
             link.report(outcome.status, outcome.failure)
@@ -171,6 +174,8 @@ def run_node(spec: JobSpec, controls: Controls, *, master: str, nnodes: Union[in
                 time.sleep(min(0.05, paused_until - time.monotonic()))
             deadline = time.monotonic() + rdzv_timeout
     finally:
+        if standby is not None:
+            standby.close()
         if server is not None:
             # The master tells every node how the job ended before this launcher may exit.
             server.done.wait(rdzv_timeout if not server.done.is_set() and link.verdict is None

@@ -23,15 +23,18 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Deque, Mapping, Optional, Sequence, TextIO
+from typing import TYPE_CHECKING, Callable, Deque, Mapping, Optional, Sequence, TextIO
 
 from prophet_tf import preemption
 from prophet_tf.cluster import JOB_SEED_ENV
 
+if TYPE_CHECKING:
+    from prophet_tf.launch.standby import StandbyPool
+
 __all__ = ["EXIT_TIMEOUT", "EXIT_JOB_FAILED", "EXIT_NO_START", "Failure", "Outcome", "JobSpec",
            "Placement", "Controls", "run_workers", "free_ports", "reserve_ports", "format_address",
            "worker_envs", "package_root", "command", "describe_status", "status_of", "draw_job_seed",
-           "with_job_seed", "preemption_wait", "preemption_signal"]
+           "with_job_seed", "preemption_wait", "preemption_signal", "with_death_stub"]
 
 EXIT_TIMEOUT = 124
 #: The job failed outside any worker: a rendezvous that did not complete, a node or the master
@@ -63,6 +66,12 @@ _PDEATHSIG_STUB = (
     "except Exception: pass\n"
     "if os.getppid()!=int(sys.argv[1]): os._exit(137)\n"
     "os.execvp(sys.argv[2],sys.argv[2:])\n")
+
+
+def with_death_stub(argv: Sequence[str]) -> list[str]:
+    """``argv`` started through the stub that kills it when this launcher dies (the stub must be
+    started by a thread that lives as long as the launcher: the signal follows the thread)."""
+    return [sys.executable, "-S", "-c", _PDEATHSIG_STUB, str(os.getpid()), *argv]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -161,6 +170,8 @@ class JobSpec:
       log_dir: if set, worker rank i's output also goes to ``LOG_DIR/rank.i.log`` (appended).
       wrap_argv: ``f(local_index, argv) -> argv`` applied to each worker's command line (e.g. to
         start it in a network namespace).
+      preload: an elastic job's standby workers import these modules ahead of the next attempt
+        (``prophet_tf.launch.standby``); empty: no standbys.
     """
 
     argv: Sequence[str]
@@ -169,6 +180,7 @@ class JobSpec:
     grace: float = 5.0
     log_dir: Optional[str] = None
     wrap_argv: Optional[Callable[[int, list[str]], list[str]]] = None
+    preload: Sequence[str] = ()
 
 
 @dataclasses.dataclass
@@ -549,7 +561,8 @@ def run_workers(spec: JobSpec, placement: Placement, controls: Controls, *,
                 stdout: Optional[TextIO] = None, stderr: Optional[TextIO] = None,
                 say: Optional[Callable[[str], None]] = None,
                 on_start: Optional[Callable[[], None]] = None,
-                log_header: Optional[str] = None) -> Outcome:
+                log_header: Optional[str] = None,
+                standby: Optional["StandbyPool"] = None) -> Outcome:
     """Runs this node's workers of one attempt until it ends; returns how it ended.
 
     Every worker is started in its own session (its process group gets the signals) through a
@@ -574,6 +587,9 @@ def run_workers(spec: JobSpec, placement: Placement, controls: Controls, *,
       on_start: called once every worker is started.
       log_header: a line written to each ``--log-dir`` file before the worker's output (the
         restart loop names the attempt there: the files are appended to).
+      standby: the node's standby workers (``prophet_tf.launch.standby``): a worker runs in its
+        slot's standby when there is one that fits, and the standbys for the next attempt are
+        started once these workers are.
     """
     out = stdout if stdout is not None else sys.stdout
     err = stderr if stderr is not None else sys.stderr
@@ -590,22 +606,26 @@ def run_workers(spec: JobSpec, placement: Placement, controls: Controls, *,
                        ranks=placement.ranks)
     if spec.log_dir:
         os.makedirs(spec.log_dir, exist_ok=True)
+    if standby is not None and (spec.wrap_argv is not None or not standby.command_fits(cmd)):
+        standby = None
     workers: list[_Worker] = []
     try:
         for i, rank in enumerate(placement.ranks):
             argv = list(cmd)
             if spec.wrap_argv is not None:
                 argv = list(spec.wrap_argv(i, argv))
-            argv = [sys.executable, "-S", "-c", _PDEATHSIG_STUB, str(os.getpid()), *argv]
+            argv = with_death_stub(argv)
             log = (open(os.path.join(spec.log_dir, f"rank.{rank}.log"), "a", encoding="utf-8")
                    if spec.log_dir else None)
             if log is not None and log_header:
                 log.write(log_header + "\n")
                 log.flush()
             try:
-                proc = subprocess.Popen(argv, env=envs[i], stdin=subprocess.DEVNULL,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        start_new_session=True)
+                proc = standby.take(i, envs[i], cmd) if standby is not None else None
+                if proc is None:
+                    proc = subprocess.Popen(argv, env=envs[i], stdin=subprocess.DEVNULL,
+                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                            start_new_session=True)
             except OSError as e:
                 if log is not None:
                     log.close()
@@ -616,6 +636,8 @@ def run_workers(spec: JobSpec, placement: Placement, controls: Controls, *,
                 say(failure.description)
                 return Outcome(EXIT_NO_START, failure)
             workers.append(_Worker(rank, proc, out, err, lock, workers, log))
+        if standby is not None:
+            standby.fill(envs)
         if on_start is not None:
             on_start()
         return _supervise(workers, spec, controls, say)

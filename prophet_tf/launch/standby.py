@@ -1,0 +1,184 @@
+"""Standby workers: an elastic job's next workers start before they are needed.
+
+When an elastic job forms again, its new workers spend most of the time before their first step
+starting Python and importing TensorFlow and Keras: 4-10 s of CPU each, over a minute on a busy
+machine, against 1-3 s for the runtime, the restore and the first step together. So a node's
+launcher keeps, for each of its worker slots, one interpreter that already imported the modules
+the workers will need (``--preload``; ``prophet_tf.strategy`` by default: TensorFlow, Keras and
+the runtime) and waits. When the job forms again the launcher hands the slot's standby the new
+attempt's environment and command, and the worker's program runs in it from its first line, as
+``python -u script.py`` or ``python -u -m module`` would run it; a standby for the attempt after
+that starts a little later (:data:`STANDBY_DELAY_S`), so that it does not compete for the CPU
+with the workers it follows.
+
+A standby is used only when its environment equals the new worker's apart from what each attempt
+changes (:data:`PER_ATTEMPT_ENV`): what a module may read while it is imported (thread counts,
+``CUDA_VISIBLE_DEVICES``, log levels) is then what the worker would have seen. Otherwise, and
+when it died, the worker starts afresh as without standbys.
+
+The standby process itself is ``python -m prophet_tf._standby MODULES`` (outside this package,
+whose import it does not need).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Callable, Mapping, Optional, Sequence
+
+from prophet_tf.cluster import JOB_SEED_ENV
+
+__all__ = ["StandbyPool", "DEFAULT_PRELOAD", "PER_ATTEMPT_ENV", "STANDBY_DELAY_S", "DELAY_ENV",
+           "parse_preload"]
+
+#: What a standby imports unless ``--preload`` says otherwise: the strategy's module, which
+#: imports TensorFlow, Keras and the runtime's op library.
+DEFAULT_PRELOAD = ("prophet_tf.strategy",)
+#: The variables every attempt sets anew.
+PER_ATTEMPT_ENV = ("TF_CONFIG", "PROPHET_JOB_TOKEN", JOB_SEED_ENV)
+#: A standby starts without these: nothing it imports may see a cluster or a token that is not
+#: decided yet.
+_UNDECIDED_ENV = ("TF_CONFIG", "PROPHET_JOB_TOKEN")
+#: Seconds after an attempt's workers started before the standbys for the next attempt start
+#: (``$PROPHET_STANDBY_DELAY_S`` of the launcher): the workers of the attempt get the CPU for
+#: their own start first (6-12 s of it on a loaded 2-core machine once their imports were done
+#: ahead).
+STANDBY_DELAY_S = 15.0
+DELAY_ENV = "PROPHET_STANDBY_DELAY_S"
+
+
+def parse_preload(text: str) -> tuple[str, ...]:
+    """``--preload``: comma-separated module names; ``none`` (or nothing): no standbys."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if names in ((), ("none",)):
+        return ()
+    for name in names:
+        if not all(part.isidentifier() for part in name.split(".")):
+            raise ValueError(f"--preload: {name!r} is not a module name (give MODULE[,MODULE...] "
+                             "or none)")
+    return names
+
+
+def _stable(env: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k not in PER_ATTEMPT_ENV}
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(OSError, ValueError):
+        proc.stdin.close()
+    proc.wait()
+    for pipe in (proc.stdout, proc.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            pipe.close()
+
+
+class StandbyPool:
+    """One standby per local worker slot of a node, for the attempts of an elastic job.
+
+    Args:
+      modules: what each standby imports.
+      wrap: ``f(argv) -> argv`` that starts a process as the launcher starts its workers (the
+        stub that kills it when the launcher dies).
+      delay_s: seconds between an attempt's start and its standbys' start (default
+        ``$PROPHET_STANDBY_DELAY_S``, else :data:`STANDBY_DELAY_S`).
+    """
+
+    def __init__(self, modules: Sequence[str], wrap: Callable[[list[str]], list[str]],
+                 delay_s: Optional[float] = None) -> None:
+        self.modules = tuple(modules)
+        self.delay_s = float(os.environ.get(DELAY_ENV, STANDBY_DELAY_S)) if delay_s is None else delay_s
+        self._wrap = wrap
+        self._lock = threading.Lock()
+        self._ready: dict[int, tuple[subprocess.Popen, dict[str, str]]] = {}
+        self._requests: "queue.Queue[Optional[tuple[float, int, list[dict[str, str]]]]]" = queue.Queue()
+        self._generation = 0
+        self._closed = False
+        # Every standby is started by this one thread, which lives as long as the launcher: the
+        # stub's PR_SET_PDEATHSIG fires when the thread that started the process ends.
+        self._thread = threading.Thread(target=self._run, name="prophet-standby", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def command_fits(cmd: Sequence[str]) -> bool:
+        """Whether a standby can run this worker command (this interpreter, ``-u``)."""
+        return len(cmd) >= 3 and cmd[0] == sys.executable and cmd[1] == "-u"
+
+    def take(self, index: int, env: Mapping[str, str], cmd: Sequence[str]) -> Optional[subprocess.Popen]:
+        """The standby of slot ``index``, handed ``env`` and ``cmd`` (a command that
+        :meth:`command_fits`) and running it; None when there is none that fits (start the
+        worker afresh)."""
+        with self._lock:
+            self._generation += 1  # a refill still waiting is for an attempt that is over
+            entry = self._ready.pop(index, None)
+        if entry is None:
+            return None
+        proc, started_env = entry
+        if proc.poll() is not None or _stable(started_env) != _stable(env):
+            _kill(proc)
+            return None
+        order = json.dumps({"env": dict(env), "argv": list(cmd[2:])}) + "\n"
+        try:
+            proc.stdin.write(order.encode())
+            proc.stdin.close()
+        except (OSError, ValueError):
+            _kill(proc)
+            return None
+        return proc
+
+    def fill(self, envs: Sequence[Mapping[str, str]]) -> None:
+        """Starts, ``delay_s`` from now, a standby for every slot (``envs[i]``: slot i's worker
+        environment of this attempt) that has none."""
+        with self._lock:
+            if self._closed:
+                return
+            self._generation += 1
+            generation = self._generation
+        self._requests.put((time.monotonic() + self.delay_s, generation, [dict(e) for e in envs]))
+
+    def close(self) -> None:
+        """Kills every standby; nothing starts any more."""
+        with self._lock:
+            self._closed = True
+            ready, self._ready = self._ready, {}
+        self._requests.put(None)
+        for proc, _ in ready.values():
+            _kill(proc)
+
+    def _run(self) -> None:
+        while True:
+            request = self._requests.get()
+            if request is None:
+                return
+            at, generation, envs = request
+            while time.monotonic() < at:
+                with self._lock:
+                    if self._closed or generation != self._generation:
+                        break
+                time.sleep(min(0.1, max(0.0, at - time.monotonic())))
+            for index, env in enumerate(envs):
+                with self._lock:
+                    if self._closed or generation != self._generation or index in self._ready:
+                        continue
+                start_env = {k: v for k, v in env.items() if k not in _UNDECIDED_ENV}
+                argv = self._wrap([sys.executable, "-u", "-m", "prophet_tf._standby", ",".join(self.modules)])
+                try:
+                    proc = subprocess.Popen(argv, env=start_env, stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                            start_new_session=True)
+                except OSError:
+                    return  # the workers start afresh, as without standbys
+                with self._lock:
+                    keep = not self._closed and generation == self._generation and index not in self._ready
+                    if keep:
+                        self._ready[index] = (proc, env)
+                if not keep:
+                    _kill(proc)
