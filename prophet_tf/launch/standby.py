@@ -1,8 +1,9 @@
 """Standby workers: an elastic job's next workers start before they are needed.
 
 When an elastic job forms again, its new workers spend most of the time before their first step
-starting Python and importing TensorFlow and Keras: 4-10 s of CPU each, over a minute on a busy
-machine, against 1-3 s for the runtime, the restore and the first step together. So a node's
+starting Python and importing TensorFlow and Keras: about 10 s of CPU each, 45 s of a worker's 55 s
+to its first step at a load of 10 on 2 cores (the strategy, the model, the restore and the traced
+first step took the other 10 s). So a node's
 launcher keeps, for each of its worker slots, one interpreter that already imported the modules
 the workers will need (``--preload``; ``prophet_tf.strategy`` by default: TensorFlow, Keras and
 the runtime) and waits. When the job forms again the launcher hands the slot's standby the new
