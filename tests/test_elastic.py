@@ -18,7 +18,8 @@ import pytest
 
 from prophet_tf.launch.cli import main as cli_main
 from prophet_tf.launch.elastic import EXIT_TOO_FEW_NODES, NodeRange, parse_nnodes
-from prophet_tf.launch.standby import DELAY_ENV, parse_preload
+from prophet_tf.launch.standby import DELAY_ENV, StandbyPool, parse_preload
+from prophet_tf.launch.workers import with_death_stub
 from test_multinode import Node, _env, _master, _wait_for
 
 # argv: OUT TOTAL_STEPS. Each start records (world size, rank, position it starts from, pids) in
@@ -247,6 +248,49 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+SHOW = textwrap.dedent("""\
+    import json, os, sys
+    print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "name": __name__,
+                      "env": dict(os.environ), "stdin": sys.stdin.read(),
+                      "preloaded": "json" in sys.modules}))
+    sys.exit(int(sys.argv[1]))
+    """)
+
+
+def test_a_standby_runs_the_program_as_python_would_with_the_new_environment(
+        tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "show.py").write_text(SHOW)
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "show.py").write_text(SHOW)
+    pool = StandbyPool(["json"], with_death_stub, delay_s=0.0)
+    started = dict(_env(None), KEPT="1", PYTHONUNBUFFERED="1")
+    try:
+        def run(cmd: list, env: dict) -> tuple[int, dict]:
+            pool.fill([started])
+            _wait_for(lambda: 0 in pool._ready)
+            proc = pool.take(0, env, cmd)
+            assert proc is not None
+            out, _ = proc.communicate(timeout=60)
+            return proc.returncode, json.loads(out.decode().splitlines()[-1])
+
+        env = dict(started, TF_CONFIG='{"cluster": {}}', PROPHET_JOB_TOKEN="t2")
+        code, seen = run([sys.executable, "-u", str(tmp_path / "show.py"), "3", "b"], env)
+        assert code == 3 and seen["env"] == env  # exactly the new environment
+        assert seen["argv"] == [str(tmp_path / "show.py"), "3", "b"] and seen["name"] == "__main__"
+        assert seen["path0"] == str(tmp_path.resolve()) and seen["stdin"] == "" and seen["preloaded"]
+        monkeypatch.chdir(tmp_path)
+        code, seen = run([sys.executable, "-u", "-m", "pkg.show", "0"], env)
+        assert code == 0 and seen["argv"] == [str(tmp_path / "pkg" / "show.py"), "0"]
+        assert seen["path0"] == str(tmp_path) and seen["name"] == "__main__"
+        # Another environment than the one it imported with (here KEPT): not used.
+        pool.fill([started])
+        _wait_for(lambda: 0 in pool._ready)
+        assert pool.take(0, dict(env, KEPT="2"), [sys.executable, "-u", "x.py"]) is None
+    finally:
+        pool.close()
 
 
 def test_preload_is_module_names_or_none() -> None:

@@ -74,7 +74,7 @@ def _stable(env: Mapping[str, str]) -> dict[str, str]:
 def _kill(proc: subprocess.Popen) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(OSError, ValueError):
+    with contextlib.suppress(OSError, ValueError, AttributeError):
         proc.stdin.close()
     proc.wait()
     for pipe in (proc.stdout, proc.stderr):
@@ -133,6 +133,7 @@ class StandbyPool:
         except (OSError, ValueError):
             _kill(proc)
             return None
+        proc.stdin = None  # as a worker started afresh: nothing to write to
         return proc
 
     def fill(self, envs: Sequence[Mapping[str, str]]) -> None:
