@@ -1,6 +1,7 @@
 """A standby worker of an elastic job (``prophet_tf.launch.standby``): ``python -m
-prophet_tf._standby MODULES`` imports ``MODULES`` (comma-separated; one that fails to import is
-left to the program, which then fails on it with its own traceback), reads one JSON line from
+prophet_tf._standby MODULES [FD]`` imports ``MODULES`` (comma-separated; one that fails to import
+is left to the program, which then fails on it with its own traceback), writes a byte to the
+file descriptor FD and closes it (the launcher waits for that), reads one JSON line from
 standard input (``{"env": {...}, "argv": ["script.py", ...] or ["-m", "module", ...]}``; at the
 end of its input it exits 0, unused), and runs that program in this process as ``python -u``
 would have run it, with exactly that environment."""
@@ -27,13 +28,20 @@ def _run_program(argv: Sequence[str]) -> None:
         runpy.run_path(argv[0], run_name="__main__")
 
 
-def main(modules: str) -> None:
-    """Imports ``modules``, waits for the program, runs it."""
+def main(modules: str, ready_fd: int = -1) -> None:
+    """Imports ``modules``, says so on ``ready_fd``, waits for the program, runs it."""
     for name in filter(None, modules.split(",")):
         try:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - the program imports it again and fails with the reason
             pass
+    if ready_fd >= 0:
+        try:
+            os.write(ready_fd, b"1")
+        except OSError:
+            pass  # handed its program before it was ready: nobody waits for the byte
+        finally:
+            os.close(ready_fd)
     line = sys.stdin.buffer.readline()
     if not line:
         return  # the launcher no longer needs this standby
@@ -48,4 +56,4 @@ def main(modules: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "")
+    main(sys.argv[1] if len(sys.argv) > 1 else "", int(sys.argv[2]) if len(sys.argv) > 2 else -1)

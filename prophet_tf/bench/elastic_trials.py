@@ -14,7 +14,9 @@ random fraction of it:
 - ``sigterm``: SIGTERM to that node's launcher (the machine is preempted);
 - ``netcut``: that host's network interface goes down (its launcher and worker stay; after the
   master gave it up, its processes are killed and the link goes up again);
-- ``grow``: the job starts with 2 nodes (``--join-wait 0``) and a third node is started.
+- ``grow``: the job starts with 2 nodes (``--join-wait 0``) and a third node is started; it joins
+  once its standby workers imported TensorFlow, and until then every step of the job waits for
+  it a few seconds (the job must still be training when it comes).
 
 Per trial:
 
@@ -58,6 +60,7 @@ KIND_NAMES = {"kill": "kill -9", "sigterm": "SIGTERM", "netcut": "network cut", 
 GOAL_S = 30.0
 NODES = 3  # nodes of a trial (--nnodes NODES-1:NODES)
 NODE_TIMEOUT_S = 5.0
+HOLD_STEP_S = 5.0
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # ------------------------------------------------------------------------------------------------
@@ -402,6 +405,12 @@ def run_trial(plan: TrialPlan, name: str, base_config: dict, job_seed: int, emul
                   snapshot_dir=os.path.join(workdir, "snapshots"))
     spe = config["steps_per_epoch"]
     grow = plan.kind == "grow"
+    hold = os.path.join(workdir, "hold")
+    if grow:
+        # The node added joins once its workers' interpreters have imported TensorFlow (a minute
+        # on a loaded machine): until the master says it arrived, the job's steps wait for it
+        # (HOLD_STEP_S each at most), so that it is still training then.
+        config.update(hold_file=hold, hold_step_s=HOLD_STEP_S)
     result = Result(name, plan.kind, plan.victim, plan.at_step, workers_before=nodes - 1 if grow else nodes)
     hosts = _Hosts(emulated, prefix, nodes)
     job = ElasticJob(hosts, config, workdir, job_seed, f"{nodes - 1}:{nodes}",
@@ -432,7 +441,11 @@ def run_trial(plan: TrialPlan, name: str, base_config: dict, job_seed: int, emul
         elif plan.kind == "netcut":
             hosts.link(plan.victim, up=False)
         else:
+            open(hold, "w").close()
             job.start(plan.victim)
+            wait_until(lambda: first_line_after(job.snapshot()[1], result.fault_at, "master: ", "arrived")
+                       is not None or job.procs[0].poll() is not None, deadline_s)
+            os.unlink(hold)
         if plan.kind == "netcut":
             # Once the master gave the node up: the node's launcher notices the lost master by
             # itself (it then stops its worker); then its processes go and the link comes back.

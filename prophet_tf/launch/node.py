@@ -22,7 +22,7 @@ from prophet_tf.launch.restarts import RestartPolicy
 from prophet_tf.launch.standby import StandbyPool
 from prophet_tf.launch.workers import (EXIT_JOB_FAILED, Controls, Failure, JobSpec, Placement,
                                        preemption_signal, reserve_ports, run_workers,
-                                       with_death_stub, with_job_seed)
+                                       with_death_stub, with_job_seed, worker_envs)
 from prophet_tf.preemption import EXIT_PREEMPTED
 
 __all__ = ["run_node"]
@@ -90,6 +90,17 @@ def run_node(spec: JobSpec, controls: Controls, *, master: str, nnodes: Union[in
     standby = StandbyPool(spec.preload, with_death_stub) if nodes.elastic and spec.preload else None
     try:
         round_, header = 0, None
+        if standby is not None:
+            # This node joins once its workers could start training: a node that arrives while
+            # the job trains stops it only when its own workers are ready.
+            standby.fill(worker_envs(nproc, ["127.0.0.1:0"] * nproc, "", spec.env, spec.threads),
+                         delay_s=0.0)
+            began = time.monotonic()
+            say(f"{_named(node_rank)}: starting {nproc} worker interpreter(s) with "
+                f"{','.join(spec.preload)} imported (--preload); joining the job once they are ready")
+            if standby.wait_ready(nproc, rdzv_timeout, cancelled=lambda: bool(controls.signals)):
+                say(f"{_named(node_rank)}: worker interpreter(s) ready after "
+                    f"{time.monotonic() - began:.1f} s; joining the job")
         try:
             own_address, deadline = link.connect()
         except JoinFailed as e:
@@ -184,6 +195,10 @@ def run_node(spec: JobSpec, controls: Controls, *, master: str, nnodes: Union[in
             time.sleep(0.1)  # let the last verdicts leave the socket buffers
             server.close()
         link.close()
+
+
+def _named(node_rank: Optional[int]) -> str:
+    return f"node {node_rank}" if node_rank is not None else "this node"
 
 
 def _rendezvous_failed(e: JoinFailed, node_rank: int, server: Optional[Master],

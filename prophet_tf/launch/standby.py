@@ -24,9 +24,11 @@ whose import it does not need).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import queue
+import select
 import signal
 import subprocess
 import sys
@@ -71,15 +73,29 @@ def _stable(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in PER_ATTEMPT_ENV}
 
 
-def _kill(proc: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        proc.stdin.close()
-    proc.wait()
-    for pipe in (proc.stdout, proc.stderr):
-        with contextlib.suppress(OSError, ValueError):
-            pipe.close()
+@dataclasses.dataclass
+class _Standby:
+    proc: subprocess.Popen
+    env: dict  # the worker environment it was started for
+    ready_fd: int  # readable (a byte, or end of file) once its imports are done or it died
+
+    def ready(self, timeout: float = 0.0) -> bool:
+        return bool(select.select([self.ready_fd], [], [], max(0.0, timeout))[0])
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            self.proc.stdin.close()
+        self.proc.wait()
+        for pipe in (self.proc.stdout, self.proc.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                pipe.close()
+        self.close_fd()
+
+    def close_fd(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.ready_fd)
 
 
 class StandbyPool:
@@ -99,7 +115,7 @@ class StandbyPool:
         self.delay_s = float(os.environ.get(DELAY_ENV, STANDBY_DELAY_S)) if delay_s is None else delay_s
         self._wrap = wrap
         self._lock = threading.Lock()
-        self._ready: dict[int, tuple[subprocess.Popen, dict[str, str]]] = {}
+        self._ready: dict[int, _Standby] = {}
         self._requests: "queue.Queue[Optional[tuple[float, int, list[dict[str, str]]]]]" = queue.Queue()
         self._generation = 0
         self._closed = False
@@ -119,32 +135,54 @@ class StandbyPool:
         worker afresh)."""
         with self._lock:
             self._generation += 1  # a refill still waiting is for an attempt that is over
-            entry = self._ready.pop(index, None)
-        if entry is None:
+            standby = self._ready.pop(index, None)
+        if standby is None:
             return None
-        proc, started_env = entry
-        if proc.poll() is not None or _stable(started_env) != _stable(env):
-            _kill(proc)
+        proc = standby.proc
+        if proc.poll() is not None or _stable(standby.env) != _stable(env):
+            standby.kill()
             return None
         order = json.dumps({"env": dict(env), "argv": list(cmd[2:])}) + "\n"
         try:
             proc.stdin.write(order.encode())
             proc.stdin.close()
         except (OSError, ValueError):
-            _kill(proc)
+            standby.kill()
             return None
         proc.stdin = None  # as a worker started afresh: nothing to write to
+        standby.close_fd()
         return proc
 
-    def fill(self, envs: Sequence[Mapping[str, str]]) -> None:
-        """Starts, ``delay_s`` from now, a standby for every slot (``envs[i]``: slot i's worker
-        environment of this attempt) that has none."""
+    def fill(self, envs: Sequence[Mapping[str, str]], delay_s: Optional[float] = None) -> None:
+        """Starts, ``delay_s`` (default: the pool's) from now, a standby for every slot
+        (``envs[i]``: slot i's worker environment of this attempt) that has none."""
         with self._lock:
             if self._closed:
                 return
             self._generation += 1
             generation = self._generation
-        self._requests.put((time.monotonic() + self.delay_s, generation, [dict(e) for e in envs]))
+        wait = self.delay_s if delay_s is None else delay_s
+        self._requests.put((time.monotonic() + wait, generation, [dict(e) for e in envs]))
+
+    def wait_ready(self, slots: int, timeout: float, cancelled: Callable[[], bool] = lambda: False) -> bool:
+        """Waits until slots 0..``slots``-1 have a standby that finished its imports (or died:
+        its worker then starts afresh), at most ``timeout`` seconds or until ``cancelled()``;
+        whether they all did."""
+        deadline = time.monotonic() + timeout
+        while not cancelled():
+            with self._lock:
+                standbys = [self._ready.get(i) for i in range(slots)]
+            if all(s is not None and s.ready() for s in standbys):
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            waiting = next((s for s in standbys if s is not None and not s.ready()), None)
+            if waiting is not None:
+                waiting.ready(min(0.2, left))
+            else:
+                time.sleep(min(0.05, left))
+        return False
 
     def close(self) -> None:
         """Kills every standby; nothing starts any more."""
@@ -152,8 +190,8 @@ class StandbyPool:
             self._closed = True
             ready, self._ready = self._ready, {}
         self._requests.put(None)
-        for proc, _ in ready.values():
-            _kill(proc)
+        for standby in ready.values():
+            standby.kill()
 
     def _run(self) -> None:
         while True:
@@ -170,17 +208,27 @@ class StandbyPool:
                 with self._lock:
                     if self._closed or generation != self._generation or index in self._ready:
                         continue
-                start_env = {k: v for k, v in env.items() if k not in _UNDECIDED_ENV}
-                argv = self._wrap([sys.executable, "-u", "-m", "prophet_tf._standby", ",".join(self.modules)])
-                try:
-                    proc = subprocess.Popen(argv, env=start_env, stdin=subprocess.PIPE,
-                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                            start_new_session=True)
-                except OSError:
+                standby = self._start(env)
+                if standby is None:
                     return  # the workers start afresh, as without standbys
                 with self._lock:
                     keep = not self._closed and generation == self._generation and index not in self._ready
                     if keep:
-                        self._ready[index] = (proc, env)
+                        self._ready[index] = standby
                 if not keep:
-                    _kill(proc)
+                    standby.kill()
+
+    def _start(self, env: dict) -> Optional[_Standby]:
+        start_env = {k: v for k, v in env.items() if k not in _UNDECIDED_ENV}
+        ready_fd, write_fd = os.pipe()
+        argv = self._wrap([sys.executable, "-u", "-m", "prophet_tf._standby", ",".join(self.modules),
+                           str(write_fd)])
+        try:
+            proc = subprocess.Popen(argv, env=start_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, start_new_session=True, pass_fds=(write_fd,))
+        except OSError:
+            os.close(ready_fd)
+            return None
+        finally:
+            os.close(write_fd)
+        return _Standby(proc, env, ready_fd)
