@@ -18,7 +18,7 @@ import pytest
 
 from prophet_tf.launch.cli import main as cli_main
 from prophet_tf.launch.elastic import EXIT_TOO_FEW_NODES, NodeRange, parse_nnodes
-from prophet_tf.launch.standby import DELAY_ENV, StandbyPool, parse_preload
+from prophet_tf.launch.standby import DEFAULT_PRELOAD, DELAY_ENV, StandbyPool, parse_preload
 from prophet_tf.launch.workers import with_death_stub
 from test_multinode import Node, _env, _master, _wait_for
 
@@ -311,6 +311,17 @@ def test_a_standby_runs_the_program_as_python_would_with_the_new_environment(
         assert proc.returncode == 0 and json.loads(out.decode().splitlines()[-1])["env"]["TF_CONFIG"] == "{}"
     finally:
         pool.close()
+
+
+def test_the_default_preload_creates_no_tensorflow_context() -> None:
+    # A standby waits beside the running worker: a context would take memory on its GPU.
+    code = ("import prophet_tf.strategy\n"
+            "from tensorflow.python.eager import context\n"
+            "assert not context.context()._initialized\n")
+    run = subprocess.run([sys.executable, "-c", code], env=dict(_env(None), TF_CPP_MIN_LOG_LEVEL="3"),
+                         capture_output=True, text=True, timeout=1800)  # a hang, not a slow start
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert DEFAULT_PRELOAD == ("prophet_tf.strategy",)
 
 
 def test_preload_is_module_names_or_none() -> None:

@@ -1,24 +1,28 @@
 """Standby workers: an elastic job's next workers start before they are needed.
 
 When an elastic job forms again, its new workers spend most of the time before their first step
-starting Python and importing TensorFlow and Keras: about 10 s of CPU each, 45 s of a worker's 55 s
-to its first step at a load of 10 on 2 cores (the strategy, the model, the restore and the traced
-first step took the other 10 s). So a node's
-launcher keeps, for each of its worker slots, one interpreter that already imported the modules
-the workers will need (``--preload``; ``prophet_tf.strategy`` by default: TensorFlow, Keras and
-the runtime) and waits. When the job forms again the launcher hands the slot's standby the new
-attempt's environment and command, and the worker's program runs in it from its first line, as
-``python -u script.py`` or ``python -u -m module`` would run it; a standby for the attempt after
-that starts a little later (:data:`STANDBY_DELAY_S`), so that it does not compete for the CPU
-with the workers it follows.
+starting Python and importing TensorFlow and Keras: about 10 s of CPU each, 45 s of a worker's
+55 s to its first step at a load of 10 on 2 cores (the strategy, the model, the restore and the
+traced first step took the other 10 s). So a node's launcher keeps, for each of its worker slots,
+one interpreter that already imported the modules the workers will need (``--preload``;
+``prophet_tf.strategy`` by default: TensorFlow, Keras and the runtime) and waits:
+
+- a node starts its standbys first and joins the job once they are ready, so that a node that
+  arrives while the job trains stops it only when its own workers can start at once;
+- when the job forms, the launcher hands each slot's standby the attempt's environment and
+  command, and the worker's program runs in it from its first line, as ``python -u script.py``
+  or ``python -u -m module`` would run it;
+- the standbys for the next attempt start :data:`STANDBY_DELAY_S` after the attempt's workers,
+  so that they do not compete for the CPU with the workers' own start.
 
 A standby is used only when its environment equals the new worker's apart from what each attempt
 changes (:data:`PER_ATTEMPT_ENV`): what a module may read while it is imported (thread counts,
 ``CUDA_VISIBLE_DEVICES``, log levels) is then what the worker would have seen. Otherwise, and
-when it died, the worker starts afresh as without standbys.
+when it died, the worker starts afresh as without standbys. Standbys import modules only; they
+create no TensorFlow context (which would take memory on the GPU the running worker uses).
 
-The standby process itself is ``python -m prophet_tf._standby MODULES`` (outside this package,
-whose import it does not need).
+The standby process itself is ``python -m prophet_tf._standby MODULES FD`` (outside this
+package, whose import it does not need).
 """
 
 from __future__ import annotations
@@ -51,8 +55,8 @@ PER_ATTEMPT_ENV = ("TF_CONFIG", "PROPHET_JOB_TOKEN", JOB_SEED_ENV)
 _UNDECIDED_ENV = ("TF_CONFIG", "PROPHET_JOB_TOKEN")
 #: Seconds after an attempt's workers started before the standbys for the next attempt start
 #: (``$PROPHET_STANDBY_DELAY_S`` of the launcher): the workers of the attempt get the CPU for
-#: their own start first (6-12 s of it on a loaded 2-core machine once their imports were done
-#: ahead).
+#: their own start first (10-13 s from their start to their first step at a load of 15 on 2
+#: cores, once their imports were done ahead).
 STANDBY_DELAY_S = 15.0
 DELAY_ENV = "PROPHET_STANDBY_DELAY_S"
 
