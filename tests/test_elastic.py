@@ -23,7 +23,8 @@ from prophet_tf.launch.workers import with_death_stub
 from test_multinode import Node, _env, _master, _wait_for
 
 # argv: OUT TOTAL_STEPS. Each start records (world size, rank, position it starts from, pids) in
-# OUT/start.<attempt token>.<rank>. A "step" takes 10 ms; rank 0 saves the position every 5 steps
+# OUT/start.<attempt token>.<rank>. A "step" takes 10 ms (and waits while OUT/hold exists: the job
+# trains on until a test lets it); rank 0 saves the position every 5 steps
 # (the last BackupAndRestore save). SIGTERM: the coordinated stop (rank 0 saves the position
 # where it is, every worker says where it stopped, exit 75). At the end rank 0 writes OUT/done.
 TRAIN = textwrap.dedent("""\
@@ -52,6 +53,8 @@ TRAIN = textwrap.dedent("""\
     os.rename(os.path.join(out, f"tmp.{token}.{rank}"), os.path.join(out, f"start.{token}.{rank}"))
     while step < total:
         time.sleep(0.01)
+        while os.path.exists(os.path.join(out, "hold")):
+            time.sleep(0.01)
         step += 1
         if rank == 0 and step % 5 == 0:
             save(step)
@@ -131,8 +134,13 @@ def test_a_killed_node_shrinks_the_job_and_an_arriving_one_grows_it(
     os.killpg(nodes[2].proc.pid, signal.SIGKILL)  # the node dies: its launcher, its worker
     nodes[2].proc.wait()
     _wait_for(_complete(tmp_path, 2))
-    # A node arrives without a rank (the master assigns one); the job takes it in.
+    # A node arrives without a rank (the master assigns one); the job takes it in (it is still
+    # training when the node, which joins once its standby is ready, comes).
+    hold = tmp_path / "out" / "hold"
+    hold.write_text("")
     nodes.append(Node(tmp_path, None, "2:3", master, 1, script, extra))
+    _wait_for(lambda: "arrived: every worker stops" in nodes[0].output, 120)
+    hold.unlink()
     codes = [n.wait(120) for n in (nodes[0], nodes[1], nodes[3])]
     said = "\n".join(n.output for n in nodes)
     assert codes == [0, 0, 0], said
@@ -160,7 +168,7 @@ def test_a_killed_node_shrinks_the_job_and_an_arriving_one_grows_it(
 def test_a_node_preempted_with_sigterm_leaves_and_the_others_go_on_from_its_step(
         tmp_path: Path, nodes: list) -> None:
     master, script = _master(), _train(tmp_path)
-    nodes += [Node(tmp_path, r, "1:2", master, 1, script, ["--join-wait", "0", *NO_STANDBY])
+    nodes += [Node(tmp_path, r, "1:2", master, 1, script, ["--join-wait", "60", *NO_STANDBY])
               for r in (0, 1)]
     _wait_for(_complete(tmp_path, 2))
     time.sleep(0.3)

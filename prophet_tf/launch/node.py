@@ -91,16 +91,19 @@ def run_node(spec: JobSpec, controls: Controls, *, master: str, nnodes: Union[in
     try:
         round_, header = 0, None
         if standby is not None:
-            # This node joins once its workers could start training: a node that arrives while
-            # the job trains stops it only when its own workers are ready.
             standby.fill(worker_envs(nproc, ["127.0.0.1:0"] * nproc, "", spec.env, spec.threads),
                          delay_s=0.0)
+        if standby is not None and not run_master:
+            # This node joins once its workers could start training: a node that arrives while
+            # the job trains stops it only when its own workers are ready. At most half the
+            # rendezvous timeout, which the master counts from its own start (the node running
+            # the master joins at once: the master waits anyway).
             began = time.monotonic()
             say(f"{_named(node_rank)}: starting {nproc} worker interpreter(s) with "
                 f"{','.join(spec.preload)} imported (--preload); joining the job once they are ready")
-            if standby.wait_ready(nproc, rdzv_timeout, cancelled=lambda: bool(controls.signals)):
-                say(f"{_named(node_rank)}: worker interpreter(s) ready after "
-                    f"{time.monotonic() - began:.1f} s; joining the job")
+            ready = standby.wait_ready(nproc, rdzv_timeout / 2, cancelled=lambda: bool(controls.signals))
+            say(f"{_named(node_rank)}: worker interpreter(s) {'ready' if ready else 'still starting'} "
+                f"after {time.monotonic() - began:.1f} s; joining the job")
         try:
             own_address, deadline = link.connect()
         except JoinFailed as e:

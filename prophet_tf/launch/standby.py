@@ -7,8 +7,9 @@ traced first step took the other 10 s). So a node's launcher keeps, for each of 
 one interpreter that already imported the modules the workers will need (``--preload``;
 ``prophet_tf.strategy`` by default: TensorFlow, Keras and the runtime) and waits:
 
-- a node starts its standbys first and joins the job once they are ready, so that a node that
-  arrives while the job trains stops it only when its own workers can start at once;
+- a node starts its standbys first and (unless it runs the master) joins the job once they are
+  ready, so that a node that arrives while the job trains stops it only when its own workers can
+  start at once;
 - when the job forms, the launcher hands each slot's standby the attempt's environment and
   command, and the worker's program runs in it from its first line, as ``python -u script.py``
   or ``python -u -m module`` would run it;
