@@ -69,7 +69,7 @@ from prophet_tf import (_auto_schedule, _crossing, _devices, _gradients, _link_p
 from prophet_tf._keras import patches, saving
 from prophet_tf._keras.host import KerasHost
 from prophet_tf._keras.step_report import StepReport, StepReporter, report_every_epoch_default
-from prophet_tf.cluster import JOB_SEED_ENV, resolve_cluster
+from prophet_tf.cluster import ELASTIC_ENV, JOB_SEED_ENV, resolve_cluster
 
 __all__ = ["ProphetStrategy", "SCHEDULES"]
 
@@ -175,8 +175,13 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended, KerasHost):
     def __init__(self, container_strategy, device: str, rank: int, world_size: int,
                  sparse_as_dense_bytes: int = _DEFAULT_SPARSE_AS_DENSE_BYTES,
                  cross_barrier: bool = False, recording: bool = False,
-                 compression: Optional[str] = None, fusion_bytes: Optional[int] = None):
+                 compression: Optional[str] = None, fusion_bytes: Optional[int] = None,
+                 coordinated: bool = False):
         super().__init__(container_strategy, device)
+        # One worker of an elastic job: it runs as a job of several workers does (its collectives
+        # go through the runtime, which returns them at once), so that a resumed attempt of one
+        # worker continues step-exactly, and stops for a preemption with a checkpoint.
+        self._coordinated = bool(coordinated)
         # Fusion of the optimizer's dense gradients (docs/design.md, "Fusion"): None: off; else the
         # bucket size given to runtime.declare_fusion (-1: automatic).
         self._fusion_bytes = fusion_bytes
@@ -244,7 +249,7 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended, KerasHost):
 
     @property
     def _multi(self) -> bool:
-        return self._world_size > 1
+        return self._world_size > 1 or self._coordinated
 
     @property
     def _communicates(self) -> bool:
@@ -1012,13 +1017,14 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
                                  "timeline_path: a profile is the run's timeline")
             runtime_options["timeline_path"] = profile_path
         recording = bool(profile_path) and info.world_size == 1
+        coordinated = info.world_size > 1 or os.environ.get(ELASTIC_ENV, "").strip() == "1"
         runtime.init(info.rank, info.world_size, list(info.addresses), info.token, **runtime_options)
         self._schedule = _auto_schedule.AUTO if auto else runtime.config()["schedule"]
         extended = ProphetExtended(self, device or _devices.default_device(), info.rank, info.world_size,
                                    sparse_as_dense_bytes=sparse_as_dense_bytes,
-                                   cross_barrier=cross_barrier and (info.world_size > 1 or recording),
+                                   cross_barrier=cross_barrier and (coordinated or recording),
                                    recording=recording, compression=compression,
-                                   fusion_bytes=fusion_bytes)
+                                   fusion_bytes=fusion_bytes, coordinated=coordinated)
         extended._cluster_resolver = cluster_resolver or _resolver_for(info)
         if step_report:
             extended._step_reporter = StepReporter(
@@ -1030,10 +1036,10 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
                 runtime_options=runtime.config())
         distribute_lib.Strategy.__init__(self, extended)
         distribute_lib.distribution_strategy_gauge.get_cell("V2").set("ProphetStrategy")
-        if info.world_size > 1 and sync_random_seed:
+        if coordinated and sync_random_seed:
             _sync_global_seed(extended)
             _sync_host_random_states(extended)
-        if info.world_size > 1:
+        if coordinated:
             if preemption_signals is None:
                 preemption_signals = os.environ.get(preemption.SIGNALS_ENV, "SIGTERM")
             preemption.arm(preemption_signals, preemption_grace_s, info.rank)
