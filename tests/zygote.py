@@ -10,13 +10,14 @@ The pieces:
 
 * ``serve(socket_path)`` (``python tests/zygote.py SOCKET``): the zygote. It preloads, listens on
   a Unix socket and, per request, forks. It reaps its children and reports each exit status back.
-* ``client_source(...)``: the text of an executable that stands in for ``python``
-  (:func:`write_client`). Started like ``python [-u] script.py args`` or ``python [-u] -m module
-  args``, it hands its standard streams, working directory, environment and arguments to a zygote
-  and then mirrors the forked process: it forwards the signals it gets and exits with the forked
-  process's status (by the same signal, if that was how it ended). Anything else (other
-  interpreter flags, an environment that changes what an import does, no zygote ready) it
-  ``exec``s the real interpreter with the same arguments: a zygote only ever saves time.
+* :func:`write_client`: the executable that stands in for ``python``. Started like ``python [-u]
+  script.py args``, ``python [-u] -m module args`` or ``python [-u] -c code args``, it hands its
+  standard streams, working directory, environment and arguments to a zygote and then mirrors the
+  forked process: it forwards the signals it gets and exits with the forked process's status (by
+  the same signal, if that was how it ended). Anything else (other interpreter flags, descriptors
+  beyond the standard streams handed down, an environment that changes what an import does, no
+  zygote ready) it ``exec``s the real interpreter with the same arguments: a zygote only ever
+  saves time.
 
 What a forked worker shares with its siblings and what it does not:
 
@@ -86,10 +87,12 @@ def _preload() -> None:
     import keras  # noqa: F401
 
 
-def serve(socket_path: str) -> dict:
-    """Preloads, then serves forks until stdin closes (the test process that started it ended).
-    Returns in a forked child only: the request it is to run."""
-    _preload()
+def serve(socket_path: str, preload: bool = True) -> dict:
+    """Preloads (unless ``preload`` is false: tests of the zygote itself), then serves forks until
+    stdin closes (the test process that started it ended). Returns in a forked child only: the
+    request it is to run."""
+    if preload:
+        _preload()
     base_path = [p for p in sys.path[1:]
                  if p not in os.environ.get("PYTHONPATH", "").split(os.pathsep)]
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -240,6 +243,13 @@ if any(env.get(k) != ZYGOTE_VALUES.get(k) for k in IMPORT_TIME_ENV):
     fresh()
 if os.readlink("/proc/self/ns/net") != NETWORK_NAMESPACE:
     fresh()   # an emulated host (ip netns exec): a forked process would stay in the zygote's
+own_fd_dir = f"/proc/{{os.getpid()}}/fd"
+for name in os.listdir("/proc/self/fd"):
+    try:
+        if int(name) > 2 and os.readlink(f"/proc/self/fd/{{name}}") != own_fd_dir:
+            fresh()   # descriptors handed down (pass_fds: multiprocessing, ...) reach no fork
+    except OSError:
+        pass
 paths = [p for p in env.get(ZYGOTE_ENV, "").split(os.pathsep) if p]
 if not paths:
     fresh()
@@ -290,6 +300,6 @@ def write_client(path: str, zygote_env: dict) -> str:
 
 
 if __name__ == "__main__":
-    request = serve(sys.argv[1])
+    request = serve(sys.argv[1], preload="--no-preload" not in sys.argv[2:])
     del serve
     run(request)
