@@ -72,10 +72,12 @@ def _zygotes() -> list:
         paths, procs = [], []
         for i in range(2):
             path = os.path.join(folder, f"zygote{i}.sock")
-            procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests" / "zygote.py"),
-                                           path], stdin=subprocess.PIPE,
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                          env=env, cwd=ROOT))
+            # Its own output (a zygote that failed to start says why there; workers then start
+            # fresh) goes to a log beside its socket.
+            with open(os.path.join(folder, f"zygote{i}.log"), "wb") as log:
+                procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests" / "zygote.py"),
+                                               path], stdin=subprocess.PIPE, stdout=log,
+                                              stderr=subprocess.STDOUT, env=env, cwd=ROOT))
             paths.append(path)
         _zygote_state["paths"], _zygote_state["procs"] = paths, procs
         _zygote_state["python"] = zygote.write_client(os.path.join(folder, "python"), env)
@@ -88,6 +90,10 @@ def _zygotes() -> list:
                     proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+            if all(proc.returncode == 0 for proc in procs):   # else its log says why
+                import shutil
+
+                shutil.rmtree(folder, ignore_errors=True)
 
         atexit.register(stop)
     return _zygote_state["paths"]
