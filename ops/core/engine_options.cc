@@ -74,12 +74,15 @@ Status ParseEngineOptions(const std::string& text, EngineOptions* o) {
                       "print(secrets.token_hex(16))'); python -m prophet_tf.launch sets one for you), or opt out "
                       "explicitly with allow_no_token=True (or PROPHET_ALLOW_NO_TOKEN=1), which lets any process "
                       "that can reach the workers' ports join the job");
-  if (o->partition_bytes < 64) return Status(Code::kInvalidArgument, "partition_bytes must be at least 64");
+  if (o->partition_bytes != kPartitionAuto && o->partition_bytes < 64)
+    return Status(Code::kInvalidArgument, "partition_bytes must be 0 (the schedule's) or at least 64, got " +
+                                              std::to_string(o->partition_bytes));
   if (o->timeout_s <= 0) return Status(Code::kInvalidArgument, "timeout_s must be positive");
-  if (o->max_early_bytes < o->partition_bytes)
+  const uint64_t partition_bytes = ResolvePartitionBytes(o->partition_bytes, o->schedule);
+  if (o->max_early_bytes < partition_bytes)
     return Status(Code::kInvalidArgument, "max_early_bytes (" + std::to_string(o->max_early_bytes) +
                                               ") must be at least partition_bytes (" +
-                                              std::to_string(o->partition_bytes) + ")");
+                                              std::to_string(partition_bytes) + ")");
   if (o->socket_buffer_bytes < kSocketBufferAuto ||
       (o->socket_buffer_bytes > 0 && o->socket_buffer_bytes < kMinSocketBufferBytes))
     return Status(Code::kInvalidArgument,
@@ -128,7 +131,7 @@ std::string RuntimeConstantsJson() {
      << ", \"connect_timeout_s\": " << Number(d.connect_timeout_s) << ", \"heartbeat_s\": " << Number(d.heartbeat_s)
      << ", \"socket_buffer_bytes\": " << d.socket_buffer_bytes << ", \"socket_unsent_bytes\": "
      << d.socket_unsent_bytes << ", \"max_early_bytes\": " << d.max_early_bytes << ", \"hierarchical\": \""
-     << HierarchyName(d.hierarchical) << "\"}}";
+     << HierarchyName(d.hierarchical) << "\"}, \"schedule_traits\": " << ScheduleTraitsJson() << "}";
   return os.str();
 }
 

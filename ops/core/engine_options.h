@@ -9,6 +9,7 @@
 
 #include "ops/core/common.h"
 #include "ops/core/hosts.h"
+#include "ops/core/schedule_traits.h"
 #include "ops/core/scheduler.h"
 
 namespace prophet {
@@ -60,9 +61,12 @@ struct EngineOptions {
   bool allow_no_token = false;      // a multi-worker job without a token only if the user said so
   std::string bind_host;            // see BootstrapOptions::bind_host
   std::string schedule = kDefaultSchedule;  // one of kScheduleNames
-  uint64_t partition_bytes = 4u << 20;
+  // Tensors are cut into partitions of at most this size. kPartitionAuto: the schedule's
+  // (schedule_traits.h: 4 MiB for prophet, priority and fifo; ByteScheduler's and P3's own).
+  uint64_t partition_bytes = kPartitionAuto;
   // Bytes of released pushes that have not left this worker yet (their last byte is not in the
-  // socket). kCreditAuto: ResolveCreditBytes from N and partition_bytes.
+  // socket). kCreditAuto: the schedule's (bytescheduler: its credit on sums), else ResolveCreditBytes
+  // from N and partition_bytes (ResolveScheduleCreditBytes).
   uint64_t credit_bytes = kCreditAuto;
   double replan_threshold = kDefaultReplanThreshold;  // prophet policy
   double timeout_s = 60.0;          // an operation not finished by then fails on this worker

@@ -4,6 +4,7 @@
 
 #include <string>
 
+#include "ops/core/partition.h"
 #include "ops/core/testing.h"
 
 namespace prophet {
@@ -96,6 +97,25 @@ TEST(SendBuffersShareTheBudgetFromThreeWorkersOn) {
   EXPECT_EQ(SendBufferRequest(0, 16, wmem_max), 0);
 }
 
+TEST(PartitionsAndCreditLeftToTheScheduleResolveByIt) {
+  EngineOptions o;
+  EXPECT_TRUE(ParseEngineOptions("partition_bytes=0\nschedule=p3\nmax_early_bytes=200000", &o).ok());
+  EXPECT_EQ(o.partition_bytes, kPartitionAuto);
+  Status s = ParseEngineOptions("partition_bytes=32", &o);
+  EXPECT_TRUE(!s.ok() && Contains(s.message(), "0 (the schedule's) or at least 64, got 32"));
+  // max_early_bytes is checked against the schedule's partitions: P3's 160,000 bytes fit in
+  // 200,000, the runtime's 4 MiB do not.
+  o = EngineOptions();
+  s = ParseEngineOptions("schedule=prophet\nmax_early_bytes=200000", &o);
+  EXPECT_TRUE(!s.ok() && Contains(s.message(), "must be at least partition_bytes (4194304)"));
+  EXPECT_EQ(ResolvePartitionBytes(kPartitionAuto, "fifo"), kRuntimePartitionBytes);
+  EXPECT_EQ(ResolveScheduleCreditBytes(kCreditAuto, "prophet", 8, kRuntimePartitionBytes),
+            ResolveCreditBytes(kCreditAuto, 8, kRuntimePartitionBytes));
+  EXPECT_EQ(ResolveScheduleCreditBytes(kCreditAuto, "p3", 8, 160'000), ResolveCreditBytes(kCreditAuto, 8, 160'000));
+  EXPECT_EQ(PartitionMinSplitBytes("priority"), kDefaultMinSplitBytes);
+  EXPECT_EQ(PartitionMinSplitBytes("bytescheduler"), kNoExtraSplit);
+}
+
 TEST(ConstantsForPythonComeFromTheCore) {
   const std::string json = RuntimeConstantsJson();
   for (const char* name : kScheduleNames) EXPECT_TRUE(Contains(json, std::string("\"") + name + "\""));
@@ -104,6 +124,8 @@ TEST(ConstantsForPythonComeFromTheCore) {
   EXPECT_TRUE(Contains(json, "\"compressions\": [\"fp16\", \"bf16\"]"));
   EXPECT_TRUE(Contains(json, "\"schedule\": \"" + std::string(kDefaultSchedule) + "\""));
   EXPECT_TRUE(Contains(json, "\"credit_bytes\": " + std::to_string(EngineOptions().credit_bytes)));
+  EXPECT_TRUE(Contains(json, "\"p3\": {\"partition_bytes\": 160000, \"exact_partitions\": true, "
+                             "\"credit_bytes\": 0, \"automatic_fusion\": false}"));
   EXPECT_TRUE(Contains(json, "\"replan_threshold\": 0.2,"));  // shortest form, reads back exactly
   EXPECT_TRUE(Contains(json, "\"max_early_bytes\": " + std::to_string(EngineOptions().max_early_bytes)));
   EXPECT_TRUE(Contains(json, "\"socket_buffer_bytes\": -1, \"socket_unsent_bytes\": " +
