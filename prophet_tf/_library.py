@@ -119,7 +119,9 @@ def runtime_constants() -> dict[str, Any]:
 
     ``{"schedules": [...], "control_priority": int, "defaults": {"schedule": ..., "partition_bytes":
     ..., "credit_bytes": ..., "replan_threshold": ..., "timeout_s": ..., "connect_timeout_s": ...,
-    "socket_buffer_bytes": ..., "socket_unsent_bytes": ..., "max_early_bytes": ...}}``
+    "socket_buffer_bytes": ..., "socket_unsent_bytes": ..., "max_early_bytes": ...},
+    "schedule_traits": {schedule: {"partition_bytes": ..., "exact_partitions": ...,
+    "credit_bytes": ..., "automatic_fusion": ...}}}``
     """
     lib = predict_api()
     buf = ctypes.create_string_buffer(1024)

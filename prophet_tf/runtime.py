@@ -30,8 +30,16 @@ class RuntimeInitError(ProphetError):
 
 
 def schedules() -> tuple[str, ...]:
-    """The scheduling policies the runtime knows (``prophet``, ``priority``, ``fifo``)."""
+    """The scheduling policies the runtime knows (``prophet``, ``priority``, ``fifo``, and the
+    published ``bytescheduler`` and ``p3`` for comparison)."""
     return tuple(runtime_constants()["schedules"])
+
+
+def schedule_traits() -> dict[str, dict[str, Any]]:
+    """What each schedule asks of the runtime where the options leave it to the schedule
+    (ops/core/schedule_traits.h): ``{name: {"partition_bytes", "exact_partitions", "credit_bytes",
+    "automatic_fusion"}}``; ``credit_bytes`` 0 is the runtime's rule."""
+    return {k: dict(v) for k, v in runtime_constants()["schedule_traits"].items()}
 
 
 def defaults() -> dict[str, Any]:
@@ -88,9 +96,12 @@ def init(
       token: job token every worker must share (default: ``$PROPHET_JOB_TOKEN``). Workers prove
         to each other that they hold it (HMAC-SHA256 over fresh nonces; it never travels).
       schedule: one of :func:`schedules`.
-      partition_bytes: tensors are cut into partitions of at most this size.
+      partition_bytes: tensors are cut into partitions of at most this size (0, the default:
+        the schedule's, :func:`schedule_traits`: 4 MiB; ByteScheduler's 4,000,000 bytes and P3's
+        160,000, which alone cut a tensor).
       credit_bytes: bytes of released partitions that may wait to leave this worker at once
-        (0, the default: max(16 MiB, (world_size - 1) x partition_bytes)).
+        (0, the default: max(16 MiB, (world_size - 1) x partition_bytes); ``bytescheduler``:
+        16,000,000, which also bound its partitions whose sums have not come back).
       replan_threshold: the ``prophet`` policy re-plans when the measured bandwidth or a stage
         interval moves by more than this fraction.
       timeout_s: an operation not completed within this time fails instead of hanging

@@ -887,7 +887,12 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
       schedule: communication scheduling policy, one of ``"prophet"`` (the default),
         ``"priority"``, ``"fifo"``, or ``"auto"``: after a few steps of ``fit``, the one the
         predictor (``prophet_tf.predict``) expects to be fastest for the measured bandwidth,
-        chosen on rank 0 for every worker and revisited when the bandwidth changes.
+        chosen on rank 0 for every worker and revisited when the bandwidth changes; or, for
+        comparison, the published schedulers as their code defines them: ``"bytescheduler"``
+        (partitions of 1M parameters, a credit of 4M parameters that returns when a partition's
+        sum is back) and ``"p3"`` (slices of 40,000 parameters, one slice per peer waiting to
+        leave); these two cut the gradients themselves, so ``fusion="auto"`` fuses nothing
+        under them (docs/design.md, "The published schedulers").
       cluster_resolver: a ``tf.distribute.cluster_resolver.ClusterResolver``; default: read
         ``TF_CONFIG`` (set by ``python -m prophet_tf.launch``); no ``TF_CONFIG`` = one worker.
       device: the device of this worker's replica. Default: its GPU when the process sees one
@@ -991,6 +996,8 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
         if not auto and schedule is not None and schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         policy = "prophet" if auto else runtime.check_schedule(schedule)
+        if fusion_bytes == _AUTOMATIC_FUSION and not runtime.schedule_traits()[policy]["automatic_fusion"]:
+            fusion_bytes = None  # the schedule's own partitions are what travels
         info = resolve_cluster(cluster_resolver)
         self._cluster_info = info
         self._schedule = _auto_schedule.AUTO if auto else policy
