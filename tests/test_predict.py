@@ -19,7 +19,7 @@ from prophet_tf import timeline
 from prophet_tf.predict import (SCHEDULES, PredictError, PredictOptions, Profile, ProfiledLayer,
                                 ProfiledTensor, ProfileError, ideal_bound, load_profile, predict,
                                 profile_from_trace)
-from prophet_tf.predict.__main__ import parse_duration, parse_rate
+from prophet_tf.predict.cli import parse_duration, parse_rate
 
 REPO = Path(__file__).resolve().parents[1]
 CONTROL = 1 << 40
