@@ -71,7 +71,7 @@ def compressions() -> tuple[str, ...]:
 #: Modifier -> the ProphetStrategy options it stands for (see the module docstring).
 MODIFIERS: dict[str, dict[str, Any]] = {c: {COMPRESSION_OPTION: c} for c in compressions()}
 
-_NAME = re.compile(r"^([a-z_]+)((?:\+[A-Za-z0-9_]+)*)(?:\[(.*)\])?$")
+_NAME = re.compile(r"^([a-z_][a-z0-9_]*)((?:\+[A-Za-z0-9_]+)*)(?:\[(.*)\])?$")
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
