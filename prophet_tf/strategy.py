@@ -912,7 +912,7 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
         float64 ones travel exactly; metrics, loss-scale flags, ``strategy.reduce`` and every
         other collective are never compressed. fp16 scales each partition by a power of two, so
         no finite value becomes infinite. The difference from exact summation is bounded per
-        element (README, "Gradient compression"; docs/design.md).
+        element (docs/compression.md; docs/design.md, "Compression").
       fusion: ``"auto"`` (the default): the optimizer's small dense gradients travel fused into
         buckets of consecutive priorities sized for the number of workers and the link rate, so
         each bucket is summed by every worker instead of a few; a bucket size in bytes; or

@@ -1,4 +1,4 @@
-"""The predictor at scale (issue 19): time scale conversion of emulated profiles, workers per
+"""The predictor at scale: time scale conversion of emulated profiles, workers per
 host and the two-level path through the Python API and the command line, and the scaling
 table's arithmetic. Each test takes about a second."""
 
@@ -68,7 +68,7 @@ def test_emulated_profile_scaled_back_is_the_accelerators():
 
 
 def test_workers_per_host_and_the_two_level_path():
-    # The cases ops/core/simulator_test.cc computes by hand, through the Python API.
+    # The cases ops/sim/simulator_test.cc computes by hand, through the Python API.
     profile = one_tensor_profile()
     local = dataclasses.replace(EXACT, workers_per_host=2, loopback_bytes_per_s=1e9)
     p = predict(profile, workers=2, bandwidth_bps=8e6, schedule="priority", options=local)

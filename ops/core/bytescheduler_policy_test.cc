@@ -9,6 +9,7 @@
 
 #include "ops/core/engine_options.h"
 #include "ops/core/partition.h"
+#include "ops/core/policies.h"
 #include "ops/core/policy_testing.h"
 #include "ops/core/schedule_traits.h"
 #include "ops/core/scheduler.h"
