@@ -23,7 +23,7 @@ def _import_prophet_tf(tmp_path, *, tensorflow=None, keras=None, env=None):
     run_env = _worker_env(env)
     run_env["PYTHONPATH"] = f"{tmp_path}:{run_env['PYTHONPATH']}"
     return subprocess.run([sys.executable, "-c", "import prophet_tf"], cwd=ROOT, env=run_env,
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("tensorflow, keras, found", [
