@@ -105,6 +105,15 @@ def worker_python() -> str:
     return _zygote_state["python"] if _zygotes() else sys.executable
 
 
+def alive(pid: int) -> bool:
+    """Whether a process with this pid still exists (a zombie counts: its parent has not waited)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def parse_results(text: str, default_rank: Optional[int] = None) -> dict[int, list[dict]]:
     """``{rank: [result, ...]}`` from ``[rank i] RESULT {...}`` lines, in order."""
     out: dict[int, list[dict]] = {}

@@ -20,7 +20,8 @@ from prophet_tf.launch.cli import main as cli_main
 from prophet_tf.launch.elastic import EXIT_TOO_FEW_NODES, NodeRange, parse_nnodes
 from prophet_tf.launch.standby import DEFAULT_PRELOAD, DELAY_ENV, StandbyPool, parse_preload
 from prophet_tf.launch.workers import with_death_stub
-from test_multinode import Node, _env, _master, _wait_for
+from conftest import alive
+from test_multinode import Node, _env, _master, _wait_for, nodes  # noqa: F401 (nodes: a fixture)
 
 # argv: OUT TOTAL_STEPS. Each start records (world size, rank, position it starts from, pids) in
 # OUT/start.<attempt token>.<rank>. A "step" takes 10 ms (and waits while OUT/hold exists: the job
@@ -85,14 +86,6 @@ def _complete(tmp: Path, world: int):
         return any(len(a) == world and all(r["world"] == world for r in a.values())
                    for a in _attempts(tmp))
     return check
-
-
-@pytest.fixture
-def nodes():
-    started: list[Node] = []
-    yield started
-    for node in started:
-        node.kill()
 
 
 # These workers do not use TensorFlow: no standbys importing it.
@@ -198,7 +191,7 @@ def test_below_min_the_job_waits_a_bounded_time_then_exits_saying_why(tmp_path: 
     assert "fewer than 2 node(s) (--nnodes 2:2) for 4 s (--rdzv-timeout) after the job lost nodes" in said
     assert len(_attempts(tmp_path)) == 1
     workers = [r["pid"] for a in _attempts(tmp_path) for r in a.values()]
-    _wait_for(lambda: not any(_alive(p) for p in workers), 10)
+    _wait_for(lambda: not any(alive(p) for p in workers), 10)
 
 
 def test_the_start_waits_for_min_then_join_wait_for_more(tmp_path: Path, nodes: list) -> None:
@@ -253,14 +246,6 @@ def test_after_a_change_of_n_the_weights_are_those_of_a_fresh_job_of_the_new_n()
     assert trial.kept_training and (trial.workers_before, trial.workers_after) == (2, 1), report
     assert trial.redone == 0, report  # continued at the step where every worker stopped
     assert trial.bitwise, report
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 SHOW = textwrap.dedent("""\

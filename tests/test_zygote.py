@@ -24,17 +24,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SHOW = """
 import json, os, signal, sys, time
+mode = sys.argv[1] if len(sys.argv) > 1 else ""
+if mode == "wait":   # before it says it is up: a test signals it as soon as it is
+    signal.signal(signal.SIGTERM, lambda *_: (print("SIGTERM handled", flush=True), sys.exit(7)))
 print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "pid": os.getpid(), "ppid": os.getppid(),
                   "kept": os.environ.get("KEPT"), "hash": hash("prophet"),
                   "executable": sys.executable, "path0": sys.path[0]}), flush=True)
 print("on stderr", file=sys.stderr, flush=True)
-mode = sys.argv[1] if len(sys.argv) > 1 else ""
 if mode == "exit":
     sys.exit(int(sys.argv[2]))
 if mode == "raise":
     raise RuntimeError("raised in the worker")
 if mode == "wait":
-    signal.signal(signal.SIGTERM, lambda *_: (print("SIGTERM handled", flush=True), sys.exit(7)))
     time.sleep(60)
 """
 

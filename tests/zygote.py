@@ -261,20 +261,29 @@ except OSError:
     fresh()   # not ready yet (still importing) or gone
 request = dict(argv=argv, module=module, code=code, unbuffered=unbuffered, cwd=os.getcwd(), env=env,
                client=sys.argv[0])
-conn.sendmsg([json.dumps(request).encode() + b"\n"],
-             [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
-reader = conn.makefile("rb")
-pid = json.loads(reader.readline())["pid"]
+worker, early = [], []   # a signal that comes before the worker's pid waits for it
 
 def forward(sig, frame):
+    if not worker:
+        early.append(sig)
+        return
     try:
-        os.kill(pid, sig)
+        os.kill(worker[0], sig)
     except ProcessLookupError:
         pass
 
 for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
             signal.SIGUSR2, signal.SIGCONT):
     signal.signal(sig, forward)
+conn.sendmsg([json.dumps(request).encode() + b"\n"],
+             [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
+reader = conn.makefile("rb")
+line = reader.readline()
+if not line:
+    os._exit(1)   # the zygote went away before it forked
+worker.append(json.loads(line)["pid"])
+for sig in early:
+    forward(sig, None)
 line = reader.readline()
 status = json.loads(line)["status"] if line else (128 + signal.SIGKILL) << 8
 if os.WIFSIGNALED(status):
