@@ -18,10 +18,10 @@ void ByteSchedulerPolicy::Dequeue(uint64_t credit_bytes, int64_t now_ns, std::ve
   // The engine's credit counts what this call released before (the control tasks, too).
   uint64_t released = 0;
   for (const SendTask& t : *out) released += t.bytes;
-  const auto release_top = [&]() {
-    const uint64_t bytes = queue_.top().bytes;
+  const auto release_top = [&](PriorityTaskQueue* queue) {
+    const uint64_t bytes = queue->top().bytes;
     if (credit_bytes == 0 || (released > 0 && released + bytes > credit_bytes)) return false;
-    SendTask task = queue_.Pop();
+    SendTask task = queue->Pop();
     released += bytes;
     in_flight_ += bytes;
     flying_[std::make_tuple(task.name, task.round, task.partition)] = Flying{bytes, task.request_id};
@@ -29,8 +29,15 @@ void ByteSchedulerPolicy::Dequeue(uint64_t credit_bytes, int64_t now_ns, std::ve
     last_progress_ns_ = now_ns;
     return true;
   };
+  // What a stall break opened goes first, past this policy's credit, as fast as the engine's
+  // credit lets it: over as many calls as that takes, so that a break releases all of them even
+  // where the engine's credit is smaller than the window (one at a time, each break waiting
+  // StallBreakNs() again, a large window would take longer than any timeout).
+  while (!broken_.empty()) {
+    if (!release_top(&broken_)) return;
+  }
   while (!queue_.empty() && in_flight_ < credit_) {
-    if (!release_top()) return;
+    if (!release_top(&queue_)) return;
   }
   if (!Blocked()) return;
   if (last_progress_ns_ < 0) last_progress_ns_ = now_ns;  // the wait starts now
@@ -39,7 +46,8 @@ void ByteSchedulerPolicy::Dequeue(uint64_t credit_bytes, int64_t now_ns, std::ve
   // (the engine's still applies); the credit holds again for what is enqueued later.
   ++stall_breaks_;
   for (auto& entry : flying_) entry.second.waited_through_break = true;
-  while (!queue_.empty() && release_top()) {
+  queue_.MoveAllTo(&broken_);
+  while (!broken_.empty() && release_top(&broken_)) {
   }
 }
 
@@ -50,11 +58,14 @@ int64_t ByteSchedulerPolicy::StallBreakNs() const {
   if (recent_waits_ns_.empty() || !bandwidth()->has_estimate() || !(rate_Bps > 0)) return kFirstStallBreakNs;
   const int64_t longest = *std::max_element(recent_waits_ns_.begin(), recent_waits_ns_.end());
   const auto on_link = static_cast<int64_t>(kStallBreakLinkFactor * static_cast<double>(in_flight_) / rate_Bps * 1e9);
-  return std::max({kMinStallBreakNs, kStallBreakFactor * longest, on_link});
+  // At most kFirstStallBreakNs: a rate measured through a window this small (its pushes wait on
+  // the sums) can be far below the link's, and a break it delays past the operations' timeout
+  // fails the step instead of opening the window.
+  return std::min(kFirstStallBreakNs, std::max({kMinStallBreakNs, kStallBreakFactor * longest, on_link}));
 }
 
 int64_t ByteSchedulerPolicy::NextWakeupNs() const {
-  if (!Blocked() || last_progress_ns_ < 0) return -1;
+  if (!broken_.empty() || !Blocked() || last_progress_ns_ < 0) return -1;
   return last_progress_ns_ + StallBreakNs();
 }
 

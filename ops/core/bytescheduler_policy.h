@@ -35,8 +35,9 @@
 // been full with no sum back for StallBreakNs() (the longer of kStallBreakFactor x the longest a
 // recent sum took and kStallBreakLinkFactor x what the window's bytes take on the link at its
 // measured rate; at least kMinStallBreakNs; kFirstStallBreakNs before a sum came back and the
-// rate is known; sums waited for during a break do not count) is taken for a deadlock and opened: every partition queued then goes, most urgent
-// first, without the credit (a "stall break", counted: stall_breaks(), Describe); the credit
+// rate is known; never longer than that, since a rate measured through a small window can be far
+// below the link's; sums waited for during a break do not count) is taken for a deadlock and opened: every partition queued then goes, most urgent
+// first, without the credit, as fast as the engine's own credit lets it (over several calls if it must) (a "stall break", counted: stall_breaks(), Describe); the credit
 // holds again for the partitions enqueued later. Releasing one partition at a time did not undo
 // the deadlock: the partitions another worker waits for are not the ones this worker finds most
 // urgent. Where nothing deadlocks, sums keep coming back and no break happens; a window that
@@ -82,7 +83,7 @@ class ByteSchedulerPolicy : public SchedulerPolicy {
   // Released partitions of an operation that ended without their sums return their credit.
   void OnOperationEnded(uint64_t request_id) override;
   bool schedules_owned_partitions() const override { return true; }
-  size_t queued() const override { return control_.size() + queue_.size(); }
+  size_t queued() const override { return control_.size() + broken_.size() + queue_.size(); }
   // When a full window counts as a deadlock (above), or -1.
   int64_t NextWakeupNs() const override;
   std::string Describe() const override;
@@ -111,6 +112,7 @@ class ByteSchedulerPolicy : public SchedulerPolicy {
   size_t next_wait_ = 0;
   uint64_t stall_breaks_ = 0;
   PriorityTaskQueue control_;
+  PriorityTaskQueue broken_;  // opened by a stall break, not yet released
   PriorityTaskQueue queue_;
   std::map<std::tuple<std::string, uint64_t, int>, Flying> flying_;  // by (name, round, partition)
 };

@@ -202,6 +202,53 @@ TEST(TheWaitGrowsWithWhatTheWindowHoldsOnTheLink) {
   EXPECT_EQ(p.StallBreakNs(), static_cast<int64_t>(kStallBreakLinkFactor * 8'000'000.0 / 1e9 * 1e9));
 }
 
+TEST(ABreakReleasesEveryPartitionItOpenedEvenWhereTheEnginesCreditIsSmaller) {
+  ByteSchedulerPolicy p(1'000);
+  p.Enqueue(Task("held", 0, 9, 1'000, 0));
+  std::vector<SendTask> out;
+  p.Dequeue(kNoEngineLimit, 0, &out);
+  for (int i = 1; i <= 3; ++i) p.Enqueue(Task("q" + std::to_string(i), 0, 9 - i, 1'000, i));
+  out.clear();
+  // The break comes; the engine's credit admits one push per call.
+  p.Dequeue(/*credit_bytes=*/1'000, kFirstStallBreakNs, &out);
+  EXPECT_EQ(out.size(), 1u);
+  EXPECT_EQ(p.stall_breaks(), 1u);
+  EXPECT_EQ(p.NextWakeupNs(), -1);  // nothing left to wait for: the engine's credit paces the rest
+  // The next calls release the rest at once (no second wait of StallBreakNs), most urgent first.
+  for (int call = 0; call < 2; ++call) {
+    std::vector<SendTask> more;  // the engine's credit freed: each call starts a new list
+    p.Dequeue(1'000, kFirstStallBreakNs + 1 + call, &more);
+    out.insert(out.end(), more.begin(), more.end());
+  }
+  EXPECT_EQ(out.size(), 3u);
+  if (out.size() == 3) {
+    EXPECT_EQ(out[0].name, std::string("q1"));
+    EXPECT_EQ(out[2].name, std::string("q3"));
+  }
+  EXPECT_EQ(p.stall_breaks(), 1u);
+  EXPECT_EQ(p.in_flight_bytes(), 4'000u);
+  // A partition enqueued after the break waits for the credit again.
+  p.Enqueue(Task("later", 0, 1, 1'000, 4));
+  out.clear();
+  p.Dequeue(kNoEngineLimit, kFirstStallBreakNs + 10, &out);
+  EXPECT_EQ(out.size(), 0u);
+}
+
+TEST(AWindowNeverWaitsLongerThanTheFirstBreakForALink) {
+  ByteSchedulerPolicy p(10'000'000);
+  // A rate measured through a small window that waits on sums: 1 kB/s.
+  p.bandwidth()->OnDrained(1'000, 0, 1'000'000'000);
+  p.Enqueue(Task("big", 0, 1, 8'000'000, 0));
+  std::vector<SendTask> out;
+  p.Dequeue(kNoEngineLimit, 0, &out);
+  TransferDone small = Sum(Task("tiny", 0, 1, 1'000, 1));
+  p.Enqueue(small.task);
+  p.Dequeue(kNoEngineLimit, 0, &out);
+  p.OnTransferDone(small);
+  // 8 MB at 1 kB/s would be hours: the wait stays at kFirstStallBreakNs, below any timeout.
+  EXPECT_EQ(p.StallBreakNs(), kFirstStallBreakNs);
+}
+
 TEST(DefaultsAreByteSchedulersForAParameterServer) {
   // BYTESCHEDULER_PARTITION = 1,000,000 and BYTESCHEDULER_CREDIT = 4,000,000 float32 parameters.
   const ScheduleTraits* traits = FindScheduleTraits("bytescheduler");
