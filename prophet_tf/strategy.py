@@ -897,7 +897,12 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
       schedule: communication scheduling policy, one of ``"prophet"`` (the default),
         ``"priority"``, ``"fifo"``, or ``"auto"``: after a few steps of ``fit``, the one the
         predictor (``prophet_tf.predict``) expects to be fastest for the measured bandwidth,
-        chosen on rank 0 for every worker and revisited when the bandwidth changes.
+        chosen on rank 0 for every worker and revisited when the bandwidth changes; or, for
+        comparison, the published schedulers as their code defines them: ``"bytescheduler"``
+        (partitions of 1M parameters, a credit of 4M parameters that returns when a partition's
+        sum is back) and ``"p3"`` (slices of 40,000 parameters, one slice per peer waiting to
+        leave); these two cut the gradients themselves, so ``fusion="auto"`` fuses nothing
+        under them (docs/design.md, "The published schedulers").
       cluster_resolver: a ``tf.distribute.cluster_resolver.ClusterResolver``; default: read
         ``TF_CONFIG`` (set by ``python -m prophet_tf.launch``); no ``TF_CONFIG`` = one worker.
       device: the device of this worker's replica. Default: its GPU when the process sees one
@@ -1020,6 +1025,9 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
         coordinated = info.world_size > 1 or os.environ.get(ELASTIC_ENV, "").strip() == "1"
         runtime.init(info.rank, info.world_size, list(info.addresses), info.token, **runtime_options)
         self._schedule = _auto_schedule.AUTO if auto else runtime.config()["schedule"]
+        policy = runtime.config()["schedule"]
+        if fusion_bytes == _AUTOMATIC_FUSION and not runtime.schedule_traits()[policy]["automatic_fusion"]:
+            fusion_bytes = None  # the schedule's own partitions are what travels
         extended = ProphetExtended(self, device or _devices.default_device(), info.rank, info.world_size,
                                    sparse_as_dense_bytes=sparse_as_dense_bytes,
                                    cross_barrier=cross_barrier and (coordinated or recording),

@@ -63,7 +63,7 @@ TEST(EveryScheduleFinishesEveryStepAtAnyN) {
   options.steps = 1;
   int runs = 0, stalls = 0;
   for (const int workers : {16, 32, 64, 128}) {
-    for (const char* schedule : {"fifo", "priority", "prophet"}) {
+    for (const char* schedule : {"fifo", "priority", "prophet", "bytescheduler", "p3"}) {
       for (const uint64_t partition : {uint64_t{64} * kKiB, uint64_t{64} << 20}) {
         // One partition (the smallest credit that moves one push at a time), and no limit.
         for (const uint64_t credit : {partition, uint64_t{1} << 40}) {

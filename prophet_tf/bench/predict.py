@@ -66,7 +66,8 @@ QUICK_STEPS, QUICK_WARMUP = 8, 4
 #: The predictor's schedule of each base system of the training benchmark (the same names;
 #: ``auto`` has none: it runs one of the others).
 SYSTEM_SCHEDULES = {"prophet": "prophet", "prophet_nocross": "prophet_nocross",
-                    "priority": "priority", "fifo": "fifo", "mwms": "mwms"}
+                    "priority": "priority", "fifo": "fifo", "bytescheduler": "bytescheduler",
+                    "p3": "p3", "mwms": "mwms"}
 
 
 def predict_options(opts: "train.SweepOptions", system: Optional["train.System"] = None) -> Any:

@@ -26,7 +26,7 @@ __all__ = ["SCHEDULES", "FIXED_SCHEDULES", "PredictOptions", "Prediction", "Pred
 #: The schedules the predictor knows: the runtime's policies with barrier crossing (their default)
 #: or without (``_nocross``), and TensorFlow's MultiWorkerMirroredStrategy as the baseline.
 SCHEDULES = ("prophet", "prophet_nocross", "priority", "priority_nocross", "fifo", "fifo_nocross",
-             "mwms")
+             "bytescheduler", "bytescheduler_nocross", "p3", "p3_nocross", "mwms")
 #: ProphetStrategy's fixed schedules (what ``schedule="auto"`` chooses among).
 FIXED_SCHEDULES = ("prophet", "priority", "fifo")
 _NOCROSS = "_nocross"
@@ -109,7 +109,8 @@ class PredictOptions:
         rate (TCP small queues: about 1 ms of the pacing rate).
       sum_bps: an owner's summation rate in bytes per second (0: instant).
       partition_bytes, credit_bytes, replan_threshold: the runtime's options (None: the
-        runtime's defaults).
+        runtime's defaults; partition_bytes and credit_bytes 0, their defaults: the schedule's,
+        as the engine resolves them: ops/core/schedule_traits.h).
       apply_threads: threads running optimizer updates (TensorFlow's inter-op pool).
       ring_message_s: mwms: time each ring message costs on arrival (gRPC).
       workers_per_host: workers placed on each host (N workers on N / workers_per_host hosts):

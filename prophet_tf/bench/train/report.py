@@ -137,7 +137,8 @@ def plot(settings: Sequence[Mapping[str, Any]], path: str, title: str = "") -> N
         return
     systems = list(dict.fromkeys(s for st in settings for s in st["results"]))
     colors = {"prophet": "#d62728", "prophet_nocross": "#ff9896", "priority": "#1f77b4",
-              "fifo": "#7f7f7f", "auto": "#9467bd", "mwms": "#2ca02c"}
+              "fifo": "#7f7f7f", "auto": "#9467bd", "mwms": "#2ca02c",
+              "bytescheduler": "#ff7f0e", "p3": "#8c564b"}
     variants = [s for s in systems if parse_system(s).is_variant]
     fig, axes = plt.subplots(1, len(groups), figsize=(max(5.5, 4.8 * len(groups)), 4.2),
                              squeeze=False)
