@@ -186,9 +186,10 @@ TEST(NoStallBreakBeforeTheLinksRateIsKnown) {
   EXPECT_EQ(p.StallBreakNs(), kFirstStallBreakNs);
 }
 
-TEST(TheWaitGrowsWithWhatTheWindowHoldsOnTheLink) {
-  ByteSchedulerPolicy p(10'000'000);
-  p.bandwidth()->OnDrained(1'000'000'000, 0, 1'000'000'000);  // 1 GB/s
+// An 8 MB partition in the window after a 0.1 ms sum of a small one, with the link's rate measured
+// from `drained_bytes` in one second.
+void HoldEightMegabytesAfterOneShortSum(ByteSchedulerPolicy& p, uint64_t drained_bytes) {
+  p.bandwidth()->OnDrained(drained_bytes, 0, 1'000'000'000);
   p.Enqueue(Task("big", 0, 1, 8'000'000, 0));
   std::vector<SendTask> out;
   p.Dequeue(kNoEngineLimit, 0, &out);
@@ -198,6 +199,11 @@ TEST(TheWaitGrowsWithWhatTheWindowHoldsOnTheLink) {
   p.Enqueue(small.task);
   p.Dequeue(kNoEngineLimit, 0, &out);
   p.OnTransferDone(small);
+}
+
+TEST(TheWaitGrowsWithWhatTheWindowHoldsOnTheLink) {
+  ByteSchedulerPolicy p(10'000'000);
+  HoldEightMegabytesAfterOneShortSum(p, 1'000'000'000);  // 1 GB/s
   // 8 MB in the window: 8 ms at 1 GB/s, times kStallBreakLinkFactor; a 0.1 ms sum says little.
   EXPECT_EQ(p.StallBreakNs(), static_cast<int64_t>(kStallBreakLinkFactor * 8'000'000.0 / 1e9 * 1e9));
 }
@@ -237,14 +243,7 @@ TEST(ABreakReleasesEveryPartitionItOpenedEvenWhereTheEnginesCreditIsSmaller) {
 TEST(AWindowNeverWaitsLongerThanTheFirstBreakForALink) {
   ByteSchedulerPolicy p(10'000'000);
   // A rate measured through a small window that waits on sums: 1 kB/s.
-  p.bandwidth()->OnDrained(1'000, 0, 1'000'000'000);
-  p.Enqueue(Task("big", 0, 1, 8'000'000, 0));
-  std::vector<SendTask> out;
-  p.Dequeue(kNoEngineLimit, 0, &out);
-  TransferDone small = Sum(Task("tiny", 0, 1, 1'000, 1));
-  p.Enqueue(small.task);
-  p.Dequeue(kNoEngineLimit, 0, &out);
-  p.OnTransferDone(small);
+  HoldEightMegabytesAfterOneShortSum(p, 1'000);
   // 8 MB at 1 kB/s would be hours: the wait stays at kFirstStallBreakNs, below any timeout.
   EXPECT_EQ(p.StallBreakNs(), kFirstStallBreakNs);
 }
