@@ -236,7 +236,7 @@ def test_dash_H_elastic_goes_on_without_a_lost_host_and_takes_it_back(tmp_path: 
     assert "starting a node there again in 8 s" in said and "node(s) 1 arrived" in said
 
 
-def test_after_a_change_of_n_the_weights_are_those_of_a_fresh_job_of_the_new_n():
+def test_after_a_change_of_n_the_weights_are_those_of_a_fresh_job_of_the_new_n(zygote_interpreter):
     """TensorFlow: 2 nodes of one worker train; node 1's launcher gets SIGTERM; every worker stops
     at one step and checkpoints, and node 0 goes on alone (one worker that coordinates as several
     do) from that step. Its final weights equal, bitwise, those of a fresh one-worker job resumed
