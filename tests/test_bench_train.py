@@ -747,6 +747,9 @@ def test_end_to_end_emulated_loopback_smoke(tmp_path):
     # the compressed system ran compressed, against bounds of its own (unshaped: the compute)
     half = st["results"]["prophet+bf16"]
     assert (half["compression"], st["results"]["prophet"]["compression"]) == ("bf16", None)
+    # the engine's count of stall breaks (prophet never breaks its flow control); none for mwms
+    assert st["results"]["prophet"]["stall_breaks"] == 0
+    assert "stall_breaks" not in st["results"]["mwms"]
     assert half["lower_bound_s"] == half["ideal_bound_s"] == st["compute_s"]
     em = st["emulation"]
     assert em["time_scale"] == 2.0 and em["accelerator_tflops"] == 100.0

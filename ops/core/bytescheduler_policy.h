@@ -92,7 +92,7 @@ class ByteSchedulerPolicy : public SchedulerPolicy {
   // Bytes of released partitions whose sum has not come back.
   uint64_t in_flight_bytes() const { return in_flight_; }
   // Times the window stayed full with no sum back and was opened.
-  uint64_t stall_breaks() const { return stall_breaks_; }
+  uint64_t stall_breaks() const override { return stall_breaks_; }
   // How long a full window waits with no sum back before a stall break.
   int64_t StallBreakNs() const;
 

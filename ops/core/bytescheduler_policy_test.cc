@@ -170,6 +170,10 @@ TEST(AFullWindowWithNoSumBackIsOpenedOnce) {
   p.OnTransferDone(dc);
   EXPECT_EQ(p.StallBreakNs(), kStallBreakFactor * 10'000'000);
   EXPECT_EQ(p.stall_breaks(), 1u);
+  // What the engine's scheduler state (and so the benchmark) reports, through the base class.
+  const SchedulerPolicy& base = p;
+  EXPECT_EQ(base.stall_breaks(), 1u);
+  EXPECT_TRUE(PolicyStateJson(p).find("\"stall_breaks\": 1") != std::string::npos);
 }
 
 TEST(NoStallBreakBeforeTheLinksRateIsKnown) {

@@ -30,7 +30,8 @@ std::string PolicyStateJson(const SchedulerPolicy& policy) {
   out += number;
   out += ", \"bandwidth_samples\": " + std::to_string(policy.bandwidth()->samples_taken()) +
          ", \"bandwidth_drained\": " + (policy.bandwidth()->drained() ? "true" : "false") +
-         ", \"planned_blocks\": " + std::to_string(policy.planned_blocks()) + ", \"profile\": ";
+         ", \"planned_blocks\": " + std::to_string(policy.planned_blocks()) +
+         ", \"stall_breaks\": " + std::to_string(policy.stall_breaks()) + ", \"profile\": ";
   const ReadyTimeProfiler* profiler = policy.ready_time_profiler();
   if (profiler == nullptr || !profiler->has_profile()) return out + "null}";
   const Profile& profile = profiler->profile();

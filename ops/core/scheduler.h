@@ -192,6 +192,10 @@ class SchedulerPolicy {
   // Blocks of the plan the policy follows (prophet; 0 before its first plan or when the plan has
   // none), or -1 for a policy without plans.
   virtual int planned_blocks() const { return -1; }
+  // Times the policy released work past its own flow control because it stayed blocked with
+  // nothing coming back (bytescheduler's stall break: a window taken for a deadlock); 0 for
+  // policies that never do. Reported by the engine's scheduler state and by the predictor.
+  virtual uint64_t stall_breaks() const { return 0; }
 
  private:
   BandwidthMonitor bandwidth_;

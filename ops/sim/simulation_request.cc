@@ -209,7 +209,8 @@ std::string PredictionJson(const StepPrediction& p) {
       {"comm_s", p.comm_s},               {"wire_bytes_per_step", p.wire_bytes_per_step},
       {"overlap", p.overlap},             {"gate_wait_s", p.gate_wait_s},
       {"bandwidth_Bps", p.bandwidth_Bps}, {"messages_per_step", p.messages_per_step},
-      {"exchanged_per_step", p.exchanged_per_step}};
+      {"exchanged_per_step", p.exchanged_per_step},
+      {"stall_breaks", static_cast<double>(p.stall_breaks)}};
   for (const auto& entry : numbers) {
     out += ", \"";
     out += entry.first;

@@ -1157,6 +1157,7 @@ Status Simulation::Run(StepPrediction* prediction) {
     p.policy = "mwms: one ring all-reduce of every gradient after the backward pass";
   } else {
     p.policy = first.policy->Describe();
+    p.stall_breaks = first.policy->stall_breaks();
   }
   p.tensor_times = timings_;
   return Status::OK();

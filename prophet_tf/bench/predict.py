@@ -150,11 +150,11 @@ def _worker_emulation(facts: Mapping[str, Any]) -> Optional[dict[str, Any]]:
 
 
 def predict_setting(setting: Mapping[str, Any], profile: Any, opts: "train.SweepOptions",
-                    systems: Sequence[str]) -> dict[str, Optional[float]]:
-    """Predicted step time of every system of ``setting`` (None: the simulated runtime
-    deadlocked; the reason is logged), each with its own runtime options."""
+                    systems: Sequence[str]) -> dict[str, Any]:
+    """The prediction (``prophet_tf.predict.Prediction``) of every system of ``setting`` (None:
+    the simulated runtime deadlocked; the reason is logged), each with its own runtime options."""
     from prophet_tf.predict import SimulatedDeadlock, predict
-    out: dict[str, Optional[float]] = {}
+    out: dict[str, Any] = {}
     for system in systems:
         spec = train.parse_system(system)
         schedule = SYSTEM_SCHEDULES.get(spec.base)
@@ -163,7 +163,7 @@ def predict_setting(setting: Mapping[str, Any], profile: Any, opts: "train.Sweep
         try:
             out[system] = predict(profile, workers=int(setting["workers"]),
                                   bandwidth_bps=float(setting["bandwidth_bps"]), schedule=schedule,
-                                  options=predict_options(opts, spec)).step_s
+                                  options=predict_options(opts, spec))
         except SimulatedDeadlock as e:
             sys.stderr.write(f"  predicted deadlock: {e}\n")
             out[system] = None
@@ -186,17 +186,19 @@ def summary_line(rows: Sequence[Mapping[str, Any]]) -> str:
 
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """Markdown: one row per (setting, system)."""
-    lines = ["| compute | model | N | comm/comp | link | system | predicted ms | measured ms | error |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| compute | model | N | comm/comp | link | system | predicted ms | measured ms | error "
+             "| stall breaks: predicted / measured |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         pred, meas = r.get("predicted_s"), r.get("measured_s")
         predicted = f"{pred * 1e3:.0f}" if pred else ("deadlock" if r.get("deadlock") else "n/a")
         measured = f"{meas * 1e3:.0f}" if meas else "n/a"
         err = f"{100 * (pred - meas) / meas:+.1f}%" if pred and meas else "n/a"
         system = r["system"] + (" (noisy)" if r.get("noisy") else "")
+        breaks = " / ".join("n/a" if r.get(k) is None else str(r[k])
+                            for k in ("predicted_stall_breaks", "measured_stall_breaks"))
         lines.append(f"| {r['compute']} | {r['model']} | {r['workers']} | {r['ratio']:g} | "
                      f"{train.format_bandwidth(r['bandwidth_bps'])} | {system} | {predicted} | "
-                     f"{measured} | {err} |")
+                     f"{measured} | {err} | {breaks} |")
     return "\n".join(lines) + "\n"
 
 
@@ -266,12 +268,17 @@ def _rows_for(settings: Sequence[Mapping[str, Any]], opts: "train.SweepOptions",
             if train.parse_system(system).base not in SYSTEM_SCHEDULES:
                 continue
             foreign = res.get("foreign_cores")
+            prediction = predicted.get(system)
             rows.append({"compute": st.get("compute", opts.compute), "model": st["model"],
                          "workers": st["workers"], "ratio": st.get("comm_compute_ratio") or 0.0,
                          "bandwidth_bps": st["bandwidth_bps"], "system": system,
                          "measured_s": res.get("step_s_median"),
-                         "predicted_s": predicted.get(system),
-                         "deadlock": system in predicted and predicted[system] is None,
+                         "predicted_s": prediction.step_s if prediction else None,
+                         "deadlock": system in predicted and prediction is None,
+                         # bytescheduler's windows opened for a deadlock (worker 0; the
+                         # prediction's over its whole run, the measurement's over the launch)
+                         "predicted_stall_breaks": prediction.stall_breaks if prediction else None,
+                         "measured_stall_breaks": res.get("stall_breaks"),
                          "noisy": isinstance(foreign, (int, float)) and foreign > train.NOISY_CORES,
                          "profile_step_s": profile.step_s if profile else None})
     return rows, notes

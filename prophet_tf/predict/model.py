@@ -198,6 +198,9 @@ class Prediction:
     tensor_times: list[dict[str, Any]]
     # That estimate at each measured step's beginning (how steady it is).
     bandwidth_samples_Bps: list[float] = dataclasses.field(default_factory=list)
+    # Times worker 0's policy broke its own flow control to end a wait that looked like a
+    # deadlock, over the whole simulated run (bytescheduler's stall breaks; 0 for the others).
+    stall_breaks: int = 0
 
     @property
     def speedup(self) -> float:
@@ -345,7 +348,8 @@ def predict(profile: Profile, *, workers: int, bandwidth_bps: float, schedule: s
                       policy=data["policy"], messages_per_step=data["messages_per_step"],
                       exchanged_per_step=data["exchanged_per_step"],
                       periods_s=list(data["periods_s"]), tensor_times=times,
-                      bandwidth_samples_Bps=list(data.get("bandwidth_samples_Bps", [])))
+                      bandwidth_samples_Bps=list(data.get("bandwidth_samples_Bps", [])),
+                      stall_breaks=int(data.get("stall_breaks", 0)))
 
 
 def predict_many(profile: Profile, *, workers: Sequence[int], bandwidths_bps: Sequence[float],

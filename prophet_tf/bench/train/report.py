@@ -99,8 +99,8 @@ CSV_FIELDS = ("model", "workers", "global_batch", "compute", "comm_compute_ratio
               "lower_bound_s", "ideal_bound_s", "time_scale", "accelerator_tflops",
               "accelerator_s", "modelled_bandwidth_bps", "system", "step_s_median",
               "samples_per_s", "speedup_vs_mwms", "ratio_to_lower_bound", "ratio_to_ideal_bound",
-              "schedule_effective", "cross_barrier", "foreign_cores", "machine_cpu",
-              "workers_cpu", "attempts", "note", "error")
+              "schedule_effective", "cross_barrier", "stall_breaks", "foreign_cores",
+              "machine_cpu", "workers_cpu", "attempts", "note", "error")
 
 
 def write_csv(path: str, settings: Sequence[Mapping[str, Any]]) -> None:
