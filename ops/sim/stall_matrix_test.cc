@@ -111,7 +111,7 @@ TEST(EveryScheduleFinishesEveryStepAtAnyN) {
   EXPECT_EQ(stalls, 0);
   // Its window of partitions waiting for their sums fills at these N, and only its breaks open it
   // (the prediction reports them); no other policy ever breaks its flow control.
-  EXPECT_GT(bytescheduler_breaks, 0u);
+  EXPECT_TRUE(bytescheduler_breaks > 0);
   EXPECT_EQ(other_breaks, 0u);
 }
 
