@@ -393,12 +393,15 @@ def pytest_runtest_makereport(item, call):
 
 
 _file_costs: dict = {}
+_test_costs: dict = {}
 
 
 def pytest_runtest_logreport(report) -> None:
+    cpu = getattr(report, "cpu_seconds", 0.0)
     cost = _file_costs.setdefault(report.nodeid.split("::")[0], [0.0, 0.0])
-    cost[0] += getattr(report, "cpu_seconds", 0.0)
+    cost[0] += cpu
     cost[1] += report.duration
+    _test_costs[report.nodeid] = _test_costs.get(report.nodeid, 0.0) + cpu
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
@@ -408,3 +411,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
     terminalreporter.section(f"cost per test file (CPU-s in all, {total_cpu:.0f})")
     for path, (cpu, wall) in sorted(_file_costs.items(), key=lambda kv: -kv[1][0])[:20]:
         terminalreporter.write_line(f"{cpu:8.1f} CPU-s {wall:8.1f} s  {path}")
+    # A module's shared launch is charged to the test that first asked for it.
+    terminalreporter.section("costliest tests (CPU-s: set-up, call and tear-down)")
+    for nodeid, cpu in sorted(_test_costs.items(), key=lambda kv: -kv[1])[:25]:
+        terminalreporter.write_line(f"{cpu:8.1f} CPU-s  {nodeid}")
