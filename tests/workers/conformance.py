@@ -536,4 +536,5 @@ def run(name, scope, workdir, rank, role):
 if __name__ == "__main__":
     common.run_programs_main(
         PROGRAMS, lambda name, strategy, *rest: run(
-            name, strategy.scope if strategy is not None else contextlib.nullcontext, *rest))
+            name, strategy.scope if strategy is not None else contextlib.nullcontext, *rest),
+        eager_reference=True)

@@ -46,7 +46,8 @@ def digest_json(obj) -> str:
     return hashlib.sha1(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
-def run_programs_main(programs, run, timeout_s=None, leave_without_barrier=()) -> None:
+def run_programs_main(programs, run, timeout_s=None, leave_without_barrier=(),
+                      eager_reference=False) -> None:
     """The driver of a worker script of named programs, run either on every worker of a launch or
     as the one-process reference they are compared with::
 
@@ -57,6 +58,12 @@ def run_programs_main(programs, run, timeout_s=None, leave_without_barrier=()) -
     are done (the runtime delivers what the others still need from it). A program in
     ``leave_without_barrier`` makes a worker leave while another still waits for it (it is run
     last): the workers wait for each other before it, so that only that program sees it leave.
+
+    ``eager_reference``: the reference runs its functions eagerly, the same computation without
+    the trace, which costs more than these small programs' training. Only where the data has a
+    known length: over a dataset of unknown length (``filter``) Keras counts other optimizer
+    iterations eagerly than traced (10 against 12 in ``unseen_programs.py``'s
+    ``uneven_last_batch_filtered_dataset``), so such a reference is not the program users run.
     """
     import argparse
 
@@ -68,6 +75,10 @@ def run_programs_main(programs, run, timeout_s=None, leave_without_barrier=()) -
     p.add_argument("--schedule", default=None)
     args = p.parse_args()
     strategy, rank = None, 0
+    if args.role == "reference" and eager_reference:
+        import tensorflow as tf
+
+        tf.config.run_functions_eagerly(True)
     if args.role == "distributed":
         from prophet_tf.strategy import ProphetStrategy
 
