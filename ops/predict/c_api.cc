@@ -1,4 +1,5 @@
-// C entry points of the TensorFlow-free library (ctypes): the predictor (one simulation per call)
+// C entry points of the TensorFlow-free library (ctypes): the predictor (one simulation per call),
+// its calibration of the CPU costs,
 // and the core's constants that the Python package reads instead of keeping copies.
 #include <algorithm>
 #include <cstdlib>
@@ -9,6 +10,7 @@
 #include "ops/core/ideal_bound.h"
 #include "ops/core/simulation_request.h"
 #include "ops/core/simulator.h"
+#include "ops/predict/calibrate.h"
 
 namespace {
 char* CopyOut(const std::string& text) {
@@ -48,6 +50,19 @@ __attribute__((visibility("default"))) int prophet_predict_ideal(const char* req
     return static_cast<int>(s.code());
   }
   *result = CopyOut(prophet::IdealBoundJson(bound));
+  return 0;
+}
+
+// Measures the CPU costs the predictor charges (calibrate.h) on this machine, spending about
+// `effort` x 5 s. Same conventions as prophet_predict: *result is the costs as JSON, or the error.
+__attribute__((visibility("default"))) int prophet_predict_calibrate(double effort, char** result) {
+  prophet::CpuCosts costs;
+  const prophet::Status s = prophet::MeasureCpuCosts(effort, &costs);
+  if (!s.ok()) {
+    *result = CopyOut(s.message());
+    return static_cast<int>(s.code());
+  }
+  *result = CopyOut(prophet::CpuCostsJson(costs));
   return 0;
 }
 

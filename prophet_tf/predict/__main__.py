@@ -3,6 +3,8 @@
     python -m prophet_tf.predict PROFILE.json [--workers 2,4,8,16,64] [--bandwidth 1G,10G,25G]
         [--schedule all] [--compression fp16|bf16] [--output predict.png] [--json results.json]
         [--timeline trace.json] [--time_scale S|profile] [--workers_per_host K [--hierarchical]]
+        [--costs costs.json [--cost_scale F]]
+    python -m prophet_tf.predict calibrate [--out costs.json]
 
 PROFILE.json is a trace recorded by one worker with ``PROPHET_PROFILE=PROFILE.json`` (or worker
 0's ``PROPHET_TIMELINE`` trace of a multi-worker run), or a profile saved with ``--save_profile``.
@@ -15,7 +17,8 @@ uncompressed); the ideal column is then the bound of the compressed bytes. ``--t
 divides every time of the profile (an emulated benchmark run's, slowed S times, gives the modelled
 accelerator's; ``profile``: the S the run recorded). ``--workers_per_host K`` puts K workers on
 each host (they share its NIC, loopback between them); ``--hierarchical`` predicts the two-level
-path (sum on the host first; the runtime's ``hierarchical="on"``).
+path (sum on the host first; the runtime's ``hierarchical="on"``). ``--costs`` charges the CPU
+of each worker's I/O thread that ``calibrate`` measured on this machine (``prophet_tf.predict.costs``).
 """
 
 from __future__ import annotations
@@ -212,6 +215,11 @@ def _define_flags() -> None:
     flags.DEFINE_string("message_cost", "0", "CPU time of one frame on a worker's I/O thread: "
                         "SEND,RECEIVE or one value for both (e.g. 10us,15us); 0: free. See "
                         "PredictOptions.message_send_s for the value measured here.")
+    flags.DEFINE_string("costs", None, "Charge the CPU costs of this file (python -m "
+                        "prophet_tf.predict calibrate --out FILE): per frame and per byte on each "
+                        "worker's I/O thread; overrides --message_cost.")
+    flags.DEFINE_float("cost_scale", 1.0, "Multiplies every cost of --costs (0.5: a machine whose "
+                       "I/O thread is twice as fast as the calibrated one).")
     flags.DEFINE_bool("small_allreduce", True, "Small control collectives by recursive doubling "
                       "where the engine takes them (ops/core/small_allreduce.h), as it does; "
                       "--nosmall_allreduce predicts the owner path for every tensor, for "
@@ -285,6 +293,9 @@ def main(argv: Sequence[str]) -> int:
                                  compression=(None if FLAGS.compression == "none"
                                               else FLAGS.compression),
                                  fusion_bytes=parse_fusion(FLAGS.fusion))
+        if FLAGS.costs:
+            from prophet_tf.predict.costs import apply_costs, load_costs
+            options = apply_costs(options, load_costs(FLAGS.costs), FLAGS.cost_scale)
         if FLAGS.timeline and (len(workers), len(bandwidths), len(schedules)) != (1, 1, 1):
             raise ValueError("--timeline draws one setting: give one value each to --workers, "
                              "--bandwidth and --schedule")
@@ -361,6 +372,9 @@ def main(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "calibrate":
+        from prophet_tf.predict.costs import calibrate_main
+        sys.exit(calibrate_main(sys.argv[2:]))
     from absl import app
     _define_flags()
     app.run(main)
