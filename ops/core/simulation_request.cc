@@ -105,6 +105,7 @@ std::map<std::string, std::function<bool(const std::string&)>> OptionSetters(Sim
       {"cast_byte_ns", real(&r->network.cast_byte_ns)},
       {"copy_byte_ns", real(&r->network.copy_byte_ns)},
       {"shared_cores", integer(&r->network.shared_cores)},
+      {"io_threads", integer(&r->network.io_threads)},
       {"schedule", text(&r->runtime.schedule)},
       {"cross_barrier", boolean(&r->runtime.cross_barrier)},
       {"hierarchical", [r](const std::string& v) { return ParseHierarchy(v, &r->runtime.hierarchical); }},

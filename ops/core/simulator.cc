@@ -142,8 +142,9 @@ struct Worker {
   int applies_running = 0;
   int64_t wakeup_ns = -1;
   std::unique_ptr<Timeline> timeline;
-  int64_t io_free_ns = 0;    // its I/O thread is busy with frames until then (CPU costs)
-  int64_t io_busy_ns = 0;    // the CPU work charged to that thread so far
+  // Per I/O thread (NetworkModel::io_threads): busy with frames until then (CPU costs).
+  std::vector<int64_t> io_free_ns;
+  int64_t io_busy_ns = 0;    // the CPU work charged to those threads so far
   uint64_t frames_sent = 0;  // every kind
   std::vector<ExchangeStep> exchange_plan;  // ExchangePlan(w, N)
 };
@@ -234,9 +235,13 @@ class Simulation {
   void Arrive(int dst, int src, uint64_t frame);
   // Hands a frame to the link (after the sender's CPU work on it, if any).
   void QueueOnLink(uint64_t frame);
-  // Charges `work_ns` of CPU to worker w's I/O thread (and, with shared cores, one of the pool's
-  // cores), starting no earlier than `earliest_ns`; returns when the work starts.
-  int64_t IoWork(int w, int64_t earliest_ns, int64_t work_ns);
+  // Charges `work_ns` of CPU to worker w's I/O thread that serves `peer`'s connection (-1: the
+  // thread free first) (and, with shared cores, one of the pool's cores), starting no earlier
+  // than `earliest_ns`; returns when the work starts.
+  int64_t IoWork(int w, int peer, int64_t earliest_ns, int64_t work_ns);
+  // The I/O thread of worker w that serves `peer`'s connection: connections are spread over the
+  // threads round-robin by peer; -1: whichever is free first.
+  int64_t& IoThread(int w, int peer);
   // The fastest a frame between these workers can move its bytes (the link's payload rate, or
   // loopback), bytes per ns.
   double FrameRate(int src, int dst) const;
@@ -504,7 +509,7 @@ void Simulation::Submit(int w, int step, int tensor) {
   op.submit_ns = now_ns_;
   // A fused bucket's members are packed into it on the I/O thread before its frames go.
   if (charges_cpu_ && unit_members_[tensor].size() > 1) {
-    IoWork(w, now_ns_, static_cast<int64_t>(static_cast<double>(t.bytes) * network_.copy_byte_ns));
+    IoWork(w, -1, now_ns_, static_cast<int64_t>(static_cast<double>(t.bytes) * network_.copy_byte_ns));
   }
   TensorReady ready;
   ready.name = &t.name;
@@ -608,15 +613,22 @@ void Simulation::Pump(int w) {
   }
 }
 
-int64_t Simulation::IoWork(int w, int64_t earliest_ns, int64_t work_ns) {
+int64_t& Simulation::IoThread(int w, int peer) {
+  std::vector<int64_t>& threads = workers_[w].io_free_ns;
+  if (peer >= 0) return threads[static_cast<size_t>(peer) % threads.size()];
+  return *std::min_element(threads.begin(), threads.end());
+}
+
+int64_t Simulation::IoWork(int w, int peer, int64_t earliest_ns, int64_t work_ns) {
   Worker& worker = workers_[w];
-  int64_t start = std::max(earliest_ns, worker.io_free_ns);
+  int64_t& free_ns = IoThread(w, peer);
+  int64_t start = std::max(earliest_ns, free_ns);
   if (network_.shared_cores > 0) {
     start = std::max(start, cores_.top());
     cores_.pop();
     cores_.push(start + work_ns);
   }
-  worker.io_free_ns = start + work_ns;
+  free_ns = start + work_ns;
   worker.io_busy_ns += work_ns;
   return start;
 }
@@ -652,7 +664,7 @@ void Simulation::SendFrame(int src, int dst, int64_t priority, const FrameInfo& 
   const int64_t before = network_.message_send_ns + extra_work_ns +
                          (encodes ? static_cast<int64_t>(2 * wire * network_.cast_byte_ns) : 0);
   const double copy_ns = wire * network_.send_byte_ns;
-  const int64_t start = IoWork(src, now_ns_, before + static_cast<int64_t>(copy_ns));
+  const int64_t start = IoWork(src, dst, now_ns_, before + static_cast<int64_t>(copy_ns));
   const int64_t held_ns = static_cast<int64_t>(std::max(0.0, copy_ns - wire / FrameRate(src, dst)));
   Push(start + before + held_ns, EventKind::kSendFrame, src, 0, 0, id);
 }
@@ -686,11 +698,12 @@ void Simulation::Received(int dst, int src, uint64_t frame) {
   // one receive's work left once the last one is.
   const double rate = FrameRate(src, dst);
   const int64_t first_bytes_ns = now_ns_ - static_cast<int64_t>(wire / rate);
-  const int64_t start = IoWork(dst, first_bytes_ns, network_.message_receive_ns + static_cast<int64_t>(payload_ns));
+  const int64_t start = IoWork(dst, src, first_bytes_ns, network_.message_receive_ns + static_cast<int64_t>(payload_ns));
   const double tail_ns = per_byte * rate < 1 ? std::min(wire, static_cast<double>(kReceiveTailBytes)) * per_byte : 0;
   const int64_t end = std::max(start + network_.message_receive_ns + static_cast<int64_t>(payload_ns),
                                now_ns_ + network_.message_receive_ns + static_cast<int64_t>(tail_ns));
-  workers_[dst].io_free_ns = std::max(workers_[dst].io_free_ns, end);
+  int64_t& thread = IoThread(dst, src);
+  thread = std::max(thread, end);
   Push(end, EventKind::kArrive, dst, 0, src, frame);
 }
 
@@ -783,7 +796,7 @@ void Simulation::PartitionDone(int w, uint64_t key) {
 void Simulation::OpDone(int w, int step, int unit) {
   // ... and their sums copied back out of it.
   if (charges_cpu_ && unit_members_[unit].size() > 1) {
-    IoWork(w, now_ns_, static_cast<int64_t>(static_cast<double>(units_[unit].bytes) * network_.copy_byte_ns));
+    IoWork(w, -1, now_ns_, static_cast<int64_t>(static_cast<double>(units_[unit].bytes) * network_.copy_byte_ns));
   }
   for (const int tensor : unit_members_[unit]) TensorDone(w, step, tensor);
 }
@@ -1118,6 +1131,7 @@ Status Simulation::Run(StepPrediction* prediction) {
     worker.steps.resize(total_steps());
     worker.updates_pending.assign(profile_.layers.size(), 0);
     worker.exchange_plan = ExchangePlan(w, n_);
+    worker.io_free_ns.assign(static_cast<size_t>(std::max(1, network_.io_threads)), 0);
     if (!options_.timeline_path.empty() && w < options_.timeline_workers) {
       std::string path = options_.timeline_path;
       const size_t at = path.find("{rank}");
@@ -1266,6 +1280,9 @@ Status Simulate(const StepProfile& profile, const NetworkModel& network, const R
   }
   if (network.message_send_ns < 0 || network.message_receive_ns < 0 || network.shared_cores < 0) {
     return Status(Code::kInvalidArgument, "message costs and shared_cores must not be negative");
+  }
+  if (network.io_threads < 1) {
+    return Status(Code::kInvalidArgument, "io_threads must be at least 1, got " + std::to_string(network.io_threads));
   }
   if (options.warmup_steps < 0 || options.steps < 1) {
     return Status(Code::kInvalidArgument, "need at least one measured step and no negative warm-up");

@@ -153,6 +153,10 @@ struct NetworkModel {
   double sum_byte_ns = 0;
   double cast_byte_ns = 0;
   double copy_byte_ns = 0;
+  // The I/O threads each worker's runtime spreads its connections over (round-robin by peer): a
+  // frame's CPU is charged to the thread of its connection; fusion's copies to whichever is free
+  // first.
+  int io_threads = 1;
   // > 0: every worker's I/O thread runs on one pool of this many cores shared by all the workers
   // (the replay benchmark's workers on one machine, prophet_tf/bench/replay.py); 0: each worker
   // has a core of its own for it (a cluster).

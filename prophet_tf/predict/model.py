@@ -158,6 +158,8 @@ class PredictOptions:
         (per float32 byte), a memory copy (fusion's packing). 0 (the default): free.
       shared_cores: > 0: every worker's I/O thread runs on one pool of this many cores (workers
         on one machine, as the replay benchmark runs them); 0: a core each.
+      io_threads: I/O threads per worker, its connections spread over them round-robin by peer
+        (each frame's CPU on its connection's thread).
       small_allreduce: small control collectives by recursive doubling where the engine's rule
         takes them (ops/core/small_allreduce.h), as the engine sends them (True, the default).
         False predicts the owner path for every tensor, ``"always"`` the exchange for every
@@ -199,6 +201,7 @@ class PredictOptions:
     cast_byte_s: float = 0.0
     copy_byte_s: float = 0.0
     shared_cores: int = 0
+    io_threads: int = 1
     small_allreduce: Union[bool, str] = True
 
 
@@ -329,6 +332,7 @@ def _request(profile: Profile, workers: int, bandwidth_bps: float, schedule: str
         f"option cast_byte_ns={float(options.cast_byte_s) * 1e9!r}",
         f"option copy_byte_ns={float(options.copy_byte_s) * 1e9!r}",
         f"option shared_cores={int(options.shared_cores)}",
+        f"option io_threads={int(options.io_threads)}",
         f"option small_allreduce={_small_allreduce_mode(options.small_allreduce)}",
         f"option launch_ns={_ns(profile.launch_s)}",
         f"option backward_ns={_ns(profile.backward_s)}",
