@@ -10,6 +10,7 @@
 // --link_gbps: the rate automatic fusion sizes for (else the start-up probe's); --probe: run the
 // probe (timed as start-up) even where fusion does not need it; --fusion_scale: the automatic
 // bucket size times F (a replay of F of the model's bytes).
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -91,6 +92,10 @@ int Main(int argc, char** argv) {
   if (!(fusion_scale > 0)) return Usage("--fusion_scale must be positive");
   config.fusion_scale = fusion_scale;
   SetLogRank(rank);
+  // A peer that closed its connection must fail the operations that needed it, not kill this
+  // process on the next write (the engine's writev has no MSG_NOSIGNAL; Python, which runs the
+  // op library, ignores SIGPIPE for the same reason).
+  std::signal(SIGPIPE, SIG_IGN);
   ReplayResult result;
   s = RunReplay(config, &result);
   if (!s.ok()) {

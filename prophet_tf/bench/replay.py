@@ -144,6 +144,7 @@ class ReplayRun:
     messages_per_worker_per_step: float
     predicted_messages_per_step: Optional[float]
     stalls: int
+    qdisc_drops: int              # packets the hosts' tbf queues dropped (TCP then retransmits)
     ops_failed: int
     sums_checked: int
     fusion_bucket_bytes: int
@@ -166,6 +167,12 @@ class ReplayRun:
         return data
 
 
+def _qdisc_drops(stats: str) -> int:
+    """Packets a host's qdiscs dropped (``tc -s qdisc show``: "dropped N")."""
+    import re
+    return sum(int(m) for m in re.findall(r"dropped (\d+)", stats))
+
+
 def _load() -> tuple[float, float, float]:
     return os.getloadavg()
 
@@ -183,7 +190,7 @@ def run_replay(profile: Any, *, workers: int, workers_per_host: int, schedule: s
                warmup: int, steps: int, loopback: bool, heartbeat_s: float, timeout_s: float,
                costs: Optional[dict], model: str, workdir: str, probe: bool = False,
                check_all: bool = False, fusion: str = "scaled", shared_cores: int = 0,
-               tbf_latency_ms: float = 200.0) -> ReplayRun:
+               tbf_latency_ms: float = 500.0, sysctls: Optional[dict[str, str]] = None) -> ReplayRun:
     """Runs one replay (see the module docstring) and predicts it. Raises RuntimeError naming
     the first worker that failed and its error.
 
@@ -215,11 +222,14 @@ def run_replay(profile: Any, *, workers: int, workers_per_host: int, schedule: s
         f.write(request)
     binary = str(replay_binary())
     cluster_cls = netem.LoopbackCluster if loopback else netem.EmulatedCluster
-    # A deeper tbf queue than the emulated benchmark's 20 ms: at the few Mbit/s a slowed replay
-    # runs, 20 ms hold less than a few packets of the host's many connections (drops, then TCP's
-    # 200 ms retransmission timeouts).
+    # At the few Mbit/s a slowed replay runs, a host's many connections each move a few kB/s:
+    # packets of one segment (as on a NIC's wire) keep what each socket queues in the host to a
+    # few kB, and a deeper tbf queue than the emulated benchmark's 20 ms holds two of them per
+    # connection (else drops, then TCP's retransmission timeouts starved connections for
+    # seconds, and heartbeats declared their workers unresponsive).
     cluster = (cluster_cls(hosts, link_bps) if loopback else
-               cluster_cls(hosts, link_bps, prefix=NETNS_PREFIX, latency_ms=tbf_latency_ms))
+               cluster_cls(hosts, link_bps, prefix=NETNS_PREFIX, latency_ms=tbf_latency_ms,
+                           gso_max_segs=1, sysctls=dict(sysctls or {})))
     token = secrets.token_hex(16)
     results: list[dict] = []
     with cluster:
@@ -265,6 +275,7 @@ def run_replay(profile: Any, *, workers: int, workers_per_host: int, schedule: s
                 p.wait()
         wall = time.time() - launched
         load1, busy1 = _load(), _machine_busy()
+        drops = 0 if loopback else sum(_qdisc_drops(cluster.qdisc_stats(h)) for h in range(hosts))
         if failed is None:
             codes = [p.returncode for p in procs]
             failed = next((w for w, c in enumerate(codes) if c != 0), None)
@@ -315,7 +326,7 @@ def run_replay(profile: Any, *, workers: int, workers_per_host: int, schedule: s
         connections=sum(int(r["connections"]) for r in results),
         messages_per_worker_per_step=statistics.mean(r["frames_sent"] for r in results) / steps,
         predicted_messages_per_step=predicted_messages,
-        stalls=sum(int(r["stalls"]) for r in results),
+        stalls=sum(int(r["stalls"]) for r in results), qdisc_drops=drops,
         ops_failed=sum(int(r["ops_failed"]) for r in results),
         sums_checked=sum(int(r["sums_checked"]) for r in results),
         fusion_bucket_bytes=fusion, fusion_link_bps=float(first["fusion_link_Bps"]) * 8,
@@ -371,7 +382,9 @@ def _define_flags() -> None:
     flags.DEFINE_integer("shared_cores", 0, "Predict with every worker's I/O thread on one pool of "
                          "this many cores (this machine's, as the replay runs them); 0: a core "
                          "each.")
-    flags.DEFINE_float("tbf_latency_ms", 200.0, "tbf's queue on each host, as time at its rate.")
+    flags.DEFINE_float("tbf_latency_ms", 500.0, "tbf's queue on each host, as time at its rate.")
+    flags.DEFINE_list("sysctl", [], "KEY=VALUE kernel settings of every emulated host, e.g. "
+                      "net.ipv4.tcp_congestion_control=cubic.")
     flags.DEFINE_float("heartbeat_s", 10.0, "The engine's heartbeat_s.")
     flags.DEFINE_float("timeout_s", 120.0, "The engine's operation and connect timeout.")
     flags.DEFINE_string("costs", None, "JSON of the predictor's CPU costs (python -m "
@@ -437,7 +450,8 @@ def main(argv: Sequence[str]) -> int:
                                          workdir=workdir, probe=FLAGS.probe,
                                          check_all=FLAGS.check_all, fusion=FLAGS.fusion,
                                          shared_cores=FLAGS.shared_cores,
-                                         tbf_latency_ms=FLAGS.tbf_latency_ms)
+                                         tbf_latency_ms=FLAGS.tbf_latency_ms,
+                                         sysctls=dict(kv.split("=", 1) for kv in FLAGS.sysctl))
                     except (RuntimeError, ValueError) as e:
                         print(f"| {model} | {schedule} | N={n} | failed: {e} |", flush=True)
                         status = 1
