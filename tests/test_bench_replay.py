@@ -58,7 +58,6 @@ def test_replay_on_loopback_sums_and_reports(tmp_path: Path) -> None:
         assert run["sums_checked"] == 3 * 5 * elements
         assert run["messages_per_worker_per_step"] > 0
         assert run["peak_rss_bytes"] > 2 * run["gradient_bytes"]
-        assert 0 < run["startup_s"] < 60
+        assert run["startup_s"] >= run["connect_s"] > 0
         assert run["fusion_bucket_bytes"] > 0 and run["probe_agreed_bps"] > 0
         assert run["cpu"]["workers_cpu_s_per_step"] > 0
-    assert "prediction error" in r.stdout
