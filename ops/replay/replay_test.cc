@@ -53,7 +53,8 @@ StepProfile SmallModel() {
   return p;
 }
 
-std::vector<ReplayResult> RunJob(int n, const std::string& schedule, double link_Bps, Status* failed) {
+std::vector<ReplayResult> RunJob(int n, const std::string& schedule, double link_Bps, Status* failed,
+                                 bool check_all = true) {
   std::vector<EngineOptions> engines = testing::ClusterOptions(n, 30.0, "replay-test");
   std::vector<ReplayConfig> configs(n);
   std::vector<ReplayResult> results(n);
@@ -66,7 +67,7 @@ std::vector<ReplayResult> RunJob(int n, const std::string& schedule, double link
     configs[r].link_Bps = link_Bps;
     configs[r].warmup_steps = 2;
     configs[r].steps = 3;
-    configs[r].check_all = true;
+    configs[r].check_all = check_all;
   }
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r) threads.emplace_back([&, r] { statuses[r] = RunReplay(configs[r], &results[r]); });
@@ -77,7 +78,7 @@ std::vector<ReplayResult> RunJob(int n, const std::string& schedule, double link
   return results;
 }
 
-void ExpectGoodRun(const std::vector<ReplayResult>& results, const StepProfile& profile) {
+void ExpectGoodRun(const std::vector<ReplayResult>& results, const StepProfile& profile, bool check_all = true) {
   const double compute_s = static_cast<double>(profile.launch_ns + 6 * kMs + profile.backward_ns + profile.tail_ns +
                                                profile.gap_ns) / 1e9;
   for (const ReplayResult& r : results) {
@@ -90,8 +91,9 @@ void ExpectGoodRun(const std::vector<ReplayResult>& results, const StepProfile& 
     EXPECT_TRUE(r.frames_sent > 0 && r.frames_received > 0);
     EXPECT_TRUE(r.bytes_sent > 3 * 1536 * 1024 / 2);  // 3 steps of at least the large tensor's shares
     EXPECT_EQ(r.gradient_bytes, static_cast<uint64_t>((1536 + 40 + 12 + 4) * 1024));
-    // Every element of every sum of all 6 rounds (5 steps + the probe's are not counted).
-    const uint64_t elements = (1536 + 40 + 12 + 4) * 1024 / 4 + 2;
+    // Every element of every sum in the 5 steps (the probe's are not counted), or the sample:
+    // 16 elements of each gradient, and the loss's 2 (3 samples: the first, the last, one more).
+    const uint64_t elements = check_all ? (1536 + 40 + 12 + 4) * 1024 / 4 + 2 : 4 * 16 + 3;
     EXPECT_EQ(r.sums_checked, 5 * elements);
     EXPECT_TRUE(r.peak_rss_bytes > 0);
     EXPECT_TRUE(r.startup_s >= r.connect_s);
@@ -108,6 +110,14 @@ TEST(SumsAreExactAndStepsFollowTheProfile) {
     for (const ReplayResult& r : results) EXPECT_EQ(r.fusion_bucket_bytes, results[0].fusion_bucket_bytes);
     EXPECT_TRUE(results[0].fusion_bucket_bytes > 0);
   }
+}
+
+// Sampled checks run on the engine's thread as rounds complete (no applier in between).
+TEST(SampledSumsAreCheckedAsRoundsComplete) {
+  Status s;
+  const std::vector<ReplayResult> results = RunJob(3, "prophet", 1.25e9, &s, false);
+  if (!s.ok()) FAIL(s.message());
+  ExpectGoodRun(results, SmallModel(), false);
 }
 
 TEST(TheProbeAgreesOnOneRateEverywhere) {
