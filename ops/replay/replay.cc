@@ -507,6 +507,10 @@ Status Replay::Run(ReplayResult* result) {
   const double launched = config_.launched_at_s > 0 ? config_.launched_at_s : RealtimeSeconds();
   result->rank = config_.engine.rank;
   result->world_size = config_.engine.world_size;
+  result->partition_bytes = config_.engine.partition_bytes;
+  result->credit_bytes = ResolveCreditBytes(config_.engine.credit_bytes, config_.engine.world_size,
+                                            config_.engine.partition_bytes);
+  result->socket_unsent_bytes = static_cast<uint64_t>(std::max(0, config_.engine.socket_unsent_bytes));
   for (const ModelTensor& m : profile_.tensors)
     if (m.priority < kControlPriority) result->gradient_bytes += m.bytes;
   Status s = Prepare();
@@ -630,6 +634,16 @@ Status ReplayConfigFromRequest(const std::string& request_text, ReplayConfig* co
   return Status::OK();
 }
 
+void ScaleRuntimeBytes(double byte_scale, EngineOptions* o) {
+  auto scaled = [byte_scale](uint64_t bytes) {
+    return std::max<uint64_t>(kMinScaledBytes, static_cast<uint64_t>(std::llround(static_cast<double>(bytes) * byte_scale)));
+  };
+  const uint64_t credit = ResolveCreditBytes(o->credit_bytes, o->world_size, o->partition_bytes);
+  o->partition_bytes = scaled(o->partition_bytes);
+  o->credit_bytes = std::max(o->partition_bytes, scaled(credit));
+  if (o->socket_unsent_bytes > 0) o->socket_unsent_bytes = static_cast<int>(scaled(static_cast<uint64_t>(o->socket_unsent_bytes)));
+}
+
 Status RunReplay(const ReplayConfig& config, ReplayResult* result) {
   *result = ReplayResult();
   Replay replay(config);
@@ -652,6 +666,9 @@ std::string ReplayResultJson(const ReplayResult& r) {
   AppendNumber("probe_agreed_Bps", r.probe_agreed_Bps, &out);
   AppendNumber("fusion_link_Bps", r.fusion_link_Bps, &out);
   AppendNumber("fusion_bucket_bytes", static_cast<double>(r.fusion_bucket_bytes), &out);
+  AppendNumber("partition_bytes", static_cast<double>(r.partition_bytes), &out);
+  AppendNumber("credit_bytes", static_cast<double>(r.credit_bytes), &out);
+  AppendNumber("socket_unsent_bytes", static_cast<double>(r.socket_unsent_bytes), &out);
   AppendNumber("connections", r.connections, &out);
   AppendNumber("frames_sent", static_cast<double>(r.frames_sent), &out);
   AppendNumber("frames_received", static_cast<double>(r.frames_received), &out);

@@ -65,6 +65,8 @@ struct ReplayResult {
   double probe_agreed_Bps = 0;        // the minimum over the workers
   double fusion_link_Bps = 0;         // the rate buckets were sized for
   uint64_t fusion_bucket_bytes = 0;
+  // The engine's sizes as this run used them (ScaleRuntimeBytes).
+  uint64_t partition_bytes = 0, credit_bytes = 0, socket_unsent_bytes = 0;
   int connections = 0;                // this worker's peers (one connection each)
   // Over the measured steps: frames and bytes this worker sent and received, the process's CPU
   // (user + system), the wall time.
@@ -87,6 +89,13 @@ constexpr double kStallSeconds = 5.0;
 // options), apart from the engine's identity (rank, world, addresses, token), which the caller
 // sets.
 Status ReplayConfigFromRequest(const std::string& request_text, ReplayConfig* config);
+
+// The engine's sizes in bytes for a replay that moves `byte_scale` of the model's bytes, so that
+// tensors are cut, released and queued in the sockets as the modelled cluster's are: the
+// partition size, the byte credit (resolved for the workers first) and the sockets' unsent
+// limit, each times byte_scale and at least kMinScaledBytes.
+constexpr uint64_t kMinScaledBytes = 4096;
+void ScaleRuntimeBytes(double byte_scale, EngineOptions* options);
 
 // Runs one worker: start-up (connect, probe, fusion), warm-up and measured steps, shutdown.
 // Fails with the first error (a failed operation, a wrong sum, a step that never finished).

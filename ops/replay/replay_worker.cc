@@ -2,14 +2,15 @@
 //
 //   replay_worker --request=FILE --rank=R --addresses=HOST:PORT,... --token=T [--out=FILE]
 //       [--link_gbps=G] [--heartbeat_s=S] [--timeout_s=S] [--launched_at=EPOCH_S] [--check_all] [--probe]
-//       [--fusion_scale=F]
+//       [--fusion_scale=F] [--byte_scale=F]
 //
 // FILE is the predictor's request (ops/core/simulation_request.h): the profile as this run plays
 // it, the schedule and the runtime's options, warm-up and measured steps. Writes its result
 // (ReplayResultJson) to --out, or stdout; exits 1 naming the error when the run fails.
 // --link_gbps: the rate automatic fusion sizes for (else the start-up probe's); --probe: run the
 // probe (timed as start-up) even where fusion does not need it; --fusion_scale: the automatic
-// bucket size times F (a replay of F of the model's bytes).
+// bucket size times F (a replay of F of the model's bytes); --byte_scale: the engine's sizes
+// times F (ScaleRuntimeBytes).
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -35,7 +36,7 @@ int Usage(const std::string& why) {
   std::fprintf(stderr,
                "replay_worker: %s\nusage: replay_worker --request=FILE --rank=R --addresses=HOST:PORT,... "
                "--token=T [--out=FILE] [--link_gbps=G] [--heartbeat_s=S] [--timeout_s=S] [--launched_at=EPOCH_S] "
-               "[--check_all] [--probe] [--fusion_scale=F]\n",
+               "[--check_all] [--probe] [--fusion_scale=F] [--byte_scale=F]\n",
                why.c_str());
   return 2;
 }
@@ -43,7 +44,7 @@ int Usage(const std::string& why) {
 int Main(int argc, char** argv) {
   std::string request_path, addresses, token, out_path;
   int rank = -1;
-  double link_gbps = 0, heartbeat_s = 0, timeout_s = 60, launched_at = 0, fusion_scale = 1;
+  double link_gbps = 0, heartbeat_s = 0, timeout_s = 60, launched_at = 0, fusion_scale = 1, byte_scale = 1;
   bool check_all = false, probe = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -61,6 +62,7 @@ int Main(int argc, char** argv) {
     else if (key == "--check_all") check_all = true;
     else if (key == "--probe") probe = true;
     else if (key == "--fusion_scale") fusion_scale = std::atof(value.c_str());
+    else if (key == "--byte_scale") byte_scale = std::atof(value.c_str());
     else return Usage("unknown flag '" + a + "'");
   }
   if (request_path.empty()) return Usage("--request is required");
@@ -91,6 +93,8 @@ int Main(int argc, char** argv) {
   config.probe = probe;
   if (!(fusion_scale > 0)) return Usage("--fusion_scale must be positive");
   config.fusion_scale = fusion_scale;
+  if (!(byte_scale > 0)) return Usage("--byte_scale must be positive");
+  if (byte_scale != 1) ScaleRuntimeBytes(byte_scale, &config.engine);
   SetLogRank(rank);
   // A peer that closed its connection must fail the operations that needed it, not kill this
   // process on the next write (the engine's writev has no MSG_NOSIGNAL; Python, which runs the

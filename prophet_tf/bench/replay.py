@@ -20,11 +20,14 @@ accelerator (``--accelerator_tflops``, as ``python -m prophet_tf.bench.scaling``
 ``--profile``. It runs ``--time_scale`` S times slower, and its gradients carry ``--byte_scale``
 f of their bytes (the replay moves f x the model's bytes, so that N workers fit in this machine's
 memory and CPU); the emulated link then sends at ``--bandwidth`` x f / S, so every ratio of
-communication to compute stays the modelled cluster's (the message costs and latencies do not
-scale: see the docs). The predictor is asked about exactly what ran: the scaled profile, the
-emulated rate, the bucket size the workers' probe chose, egress-only shaping and tbf's payload
-share, this machine's socket limits, and (``--costs``) the CPU costs of
-``python -m prophet_tf.predict calibrate``.
+communication to compute stays the modelled cluster's. The engine's sizes scale with the bytes
+(partitions, the byte credit, the sockets' unsent limit, and with ``--fusion scaled`` the buckets,
+as the modelled cluster's probe would size them), so that tensors are cut, released and fused as
+there; frame headers, per-message CPU and the engine's thresholds in bytes do not
+(docs/design.md). The predictor is asked about exactly what ran: the scaled profile, the emulated
+rate, the engine's sizes as the workers used them, egress-only shaping and tbf's payload share,
+what TCP keeps queued in the emulated hosts, this machine's socket limits, and (``--costs``) the
+CPU costs of ``python -m prophet_tf.predict calibrate``.
 
 For every run it prints the measured step (worker 0's median over the measured steps) beside the
 predicted one and the ideal bound, and ``--json`` gets, per run: ``measured_step_s``,
@@ -49,7 +52,8 @@ import tempfile
 import time
 from typing import Any, Optional, Sequence
 
-__all__ = ["ReplayRun", "scale_profile", "replay_binary", "predict_options", "run_replay", "main"]
+__all__ = ["ReplayRun", "scale_profile", "replay_binary", "predict_options", "tsq_queue_s",
+           "run_replay", "main"]
 
 #: Where ``bazel build //ops/replay:replay_worker`` puts the worker, from the source checkout.
 _BINARY = pathlib.Path("bazel-bin") / "ops" / "replay" / "replay_worker"
@@ -90,13 +94,13 @@ def scale_profile(profile: Any, time_scale: float, byte_scale: float) -> Any:
 
 
 def predict_options(workers_per_host: int, hierarchical: str, fusion_bytes: int, warmup: int,
-                    steps: int, costs: Optional[dict] = None, partition_bytes: Optional[int] = None,
+                    steps: int, costs: Optional[dict] = None, runtime: Optional[dict] = None,
                     shared_cores: int = 0) -> Any:
     """How the predictor models the replay's cluster: egress-only tbf links carrying TCP's
     payload share (as ``bench.predict`` models the emulated cluster), this machine's socket
-    limits, W workers per host, the workers' fusion bucket and partition size, and ``costs`` (CPU
-    per message and per byte, ``prophet_tf.predict calibrate``) on ``shared_cores`` cores (0: a
-    core per worker)."""
+    limits, W workers per host, the workers' fusion bucket, ``runtime`` (PredictOptions fields:
+    the engine's sizes as the workers used them) and ``costs`` (CPU per message and per byte,
+    ``prophet_tf.predict calibrate``) on ``shared_cores`` cores (0: a core per worker)."""
     from prophet_tf.bench.netem import TBF_FRAME_EFFICIENCY
     from prophet_tf.predict import (PredictOptions, kernel_autotuned_socket_buffer,
                                     kernel_socket_buffer_cap)
@@ -106,17 +110,18 @@ def predict_options(workers_per_host: int, hierarchical: str, fusion_bytes: int,
                              max_socket_buffer_bytes=kernel_socket_buffer_cap(),
                              autotuned_socket_buffer_bytes=kernel_autotuned_socket_buffer(),
                              shared_cores=shared_cores)
-    if partition_bytes:
-        options.partition_bytes = int(partition_bytes)
+    options = dataclasses.replace(options, **(runtime or {}))
     from prophet_tf.predict.costs import apply_costs
     return apply_costs(options, costs)
 
 
-def scaled_partition_bytes(byte_scale: float) -> int:
-    """The runtime's partition size times ``byte_scale`` (at least 4 KiB): large tensors are cut
-    as the modelled cluster cuts them."""
-    from prophet_tf.predict import PredictOptions
-    return max(4096, int(round(PredictOptions().partition_bytes * byte_scale)))
+def tsq_queue_s(workers: int, workers_per_host: int, link_bps: float, gso_max_segs: int) -> float:
+    """``PredictOptions.sender_queue_s`` for the emulated hosts: TCP small queues let each busy
+    socket keep two packets of ``gso_max_segs`` segments (1514 bytes on the wire each) in its
+    host's qdisc; ``KernelSendBufferBytes`` (ops/core/simulator.h) gives each of the host's
+    W x (N - W) connections to other hosts 1/(W (N - W)) of ``sender_queue_s`` at the link rate."""
+    leaving = max(1, workers_per_host * (workers - workers_per_host))
+    return 2 * gso_max_segs * 1514 * leaving / (link_bps / 8)
 
 
 @dataclasses.dataclass
@@ -190,7 +195,8 @@ def run_replay(profile: Any, *, workers: int, workers_per_host: int, schedule: s
                warmup: int, steps: int, loopback: bool, heartbeat_s: float, timeout_s: float,
                costs: Optional[dict], model: str, workdir: str, probe: bool = False,
                check_all: bool = False, fusion: str = "scaled", shared_cores: int = 0,
-               tbf_latency_ms: float = 500.0, sysctls: Optional[dict[str, str]] = None) -> ReplayRun:
+               tbf_latency_ms: float = 1000.0, sysctls: Optional[dict[str, str]] = None,
+               gso_max_segs: int = 4) -> ReplayRun:
     """Runs one replay (see the module docstring) and predicts it. Raises RuntimeError naming
     the first worker that failed and its error.
 
@@ -212,9 +218,8 @@ def run_replay(profile: Any, *, workers: int, workers_per_host: int, schedule: s
     hosts = workers // workers_per_host
     played = scale_profile(profile, time_scale, byte_scale)
     link_bps = bandwidth_bps * byte_scale / time_scale
-    partition_bytes = scaled_partition_bytes(byte_scale)
     options = predict_options(workers_per_host, hierarchical, 0 if fusion == "off" else -1,
-                              warmup, steps, costs, partition_bytes, shared_cores)
+                              warmup, steps, costs, None, shared_cores)
     request = _request(played, workers, link_bps, schedule, options, None, 0)
     os.makedirs(workdir, exist_ok=True)
     request_path = os.path.join(workdir, "request.txt")
@@ -223,13 +228,13 @@ def run_replay(profile: Any, *, workers: int, workers_per_host: int, schedule: s
     binary = str(replay_binary())
     cluster_cls = netem.LoopbackCluster if loopback else netem.EmulatedCluster
     # At the few Mbit/s a slowed replay runs, a host's many connections each move a few kB/s:
-    # packets of one segment (as on a NIC's wire) keep what each socket queues in the host to a
-    # few kB, and a deeper tbf queue than the emulated benchmark's 20 ms holds two of them per
+    # packets of a few segments keep what each socket queues in the host (two packets) to a few
+    # kB, and a deeper tbf queue than the emulated benchmark's 20 ms holds that for every
     # connection (else drops, then TCP's retransmission timeouts starved connections for
     # seconds, and heartbeats declared their workers unresponsive).
     cluster = (cluster_cls(hosts, link_bps) if loopback else
                cluster_cls(hosts, link_bps, prefix=NETNS_PREFIX, latency_ms=tbf_latency_ms,
-                           gso_max_segs=1, sysctls=dict(sysctls or {})))
+                           gso_max_segs=gso_max_segs, sysctls=dict(sysctls or {})))
     token = secrets.token_hex(16)
     results: list[dict] = []
     with cluster:
@@ -248,6 +253,7 @@ def run_replay(profile: Any, *, workers: int, workers_per_host: int, schedule: s
                     f"--out={os.path.join(workdir, f'rank{w}.json')}",
                     f"--heartbeat_s={heartbeat_s:g}", f"--timeout_s={timeout_s:g}",
                     f"--launched_at={launched:.6f}"]
+            argv.append(f"--byte_scale={byte_scale:.9g}")
             if fusion == "scaled":
                 argv += [f"--link_gbps={quantize_gbps(bandwidth_bps / 1e9):.9g}",
                          f"--fusion_scale={byte_scale:.9g}"]
@@ -292,9 +298,15 @@ def run_replay(profile: Any, *, workers: int, workers_per_host: int, schedule: s
                 results.append(json.load(f))
     first = results[0]
     fusion = int(first["fusion_bucket_bytes"])
-    # The prediction of what ran: the workers' bucket size (0: none fused).
+    # The prediction of what ran: the workers' bucket size (0: none fused), partitions, credit
+    # and unsent limit, and what the emulated hosts queue below the sockets.
+    runtime = {"partition_bytes": int(first["partition_bytes"]),
+               "credit_bytes": int(first["credit_bytes"]),
+               "socket_unsent_bytes": int(first["socket_unsent_bytes"])}
+    if not loopback:
+        runtime["sender_queue_s"] = tsq_queue_s(workers, workers_per_host, link_bps, gso_max_segs)
     options = predict_options(workers_per_host, hierarchical, fusion, warmup, steps, costs,
-                              partition_bytes, shared_cores)
+                              runtime, shared_cores)
     try:
         prediction = predict(played, workers=workers, bandwidth_bps=link_bps, schedule=schedule,
                              options=options)
@@ -382,7 +394,12 @@ def _define_flags() -> None:
     flags.DEFINE_integer("shared_cores", 0, "Predict with every worker's I/O thread on one pool of "
                          "this many cores (this machine's, as the replay runs them); 0: a core "
                          "each.")
-    flags.DEFINE_float("tbf_latency_ms", 500.0, "tbf's queue on each host, as time at its rate.")
+    flags.DEFINE_float("tbf_latency_ms", 1000.0, "tbf's queue on each host, as time at its rate "
+                       "(a limit: TCP small queues keep what is there to two packets per socket).")
+    flags.DEFINE_integer("gso_max_segs", 4, "TCP segments per packet the hosts' interfaces hand "
+                         "their qdisc (what a socket keeps queued there is two packets). 4: "
+                         "0.43 CPU-s per step for 16 workers where 1 took 0.55 (each packet crosses "
+                         "two veths, the bridge and tbf).")
     flags.DEFINE_list("sysctl", ["net.ipv4.tcp_congestion_control=reno"], "KEY=VALUE kernel "
                       "settings of every emulated host. Reno by default: with bbr (this machine's "
                       "default) the slow hosts' queues dropped packets of their 15-63 connections "
@@ -454,7 +471,8 @@ def main(argv: Sequence[str]) -> int:
                                          check_all=FLAGS.check_all, fusion=FLAGS.fusion,
                                          shared_cores=FLAGS.shared_cores,
                                          tbf_latency_ms=FLAGS.tbf_latency_ms,
-                                         sysctls=dict(kv.split("=", 1) for kv in FLAGS.sysctl))
+                                         sysctls=dict(kv.split("=", 1) for kv in FLAGS.sysctl),
+                                         gso_max_segs=FLAGS.gso_max_segs)
                     except (RuntimeError, ValueError) as e:
                         print(f"| {model} | {schedule} | N={n} | failed: {e} |", flush=True)
                         status = 1
