@@ -43,7 +43,14 @@ from typing import Any, Optional, Sequence
 from prophet_tf.errors import ProphetError
 
 __all__ = ["EmulatedCluster", "LoopbackCluster", "NetemError", "NetemUnavailableError",
-           "TBF_FRAME_EFFICIENCY", "cleanup_stale", "list_namespaces"]
+           "TBF_FRAME_EFFICIENCY", "cleanup_stale", "frame_efficiency", "list_namespaces"]
+
+
+def frame_efficiency(mtu: int = 1500) -> float:
+    """TCP's payload share of what tbf counts on a link of this MTU: a full segment carries
+    mtu - 52 bytes (20 IP, 32 TCP with timestamps) in a frame of mtu + 14 (Ethernet)."""
+    return (mtu - 52.0) / (mtu + 14.0)
+
 
 SUBNET_PREFIX = "10.77.0"   # hosts are SUBNET_PREFIX.1 ... SUBNET_PREFIX.N, /24
 HOST_IFACE = "eth0"
@@ -56,7 +63,7 @@ _ACTIVE_PREFIXES: set[str] = set()   # prefixes of clusters alive in this proces
 #: tbf but are too few to count (GRO acknowledges many segments at once): a single TCP stream
 #: through tbf at 1 Gbit/s measured 0.96 Gbit/s, and a ResNet50 all-reduce at 983 Mbit/s needs at
 #: least 0.951 of the rate for its measured 876 ms steps (docs/benchmarks.md).
-TBF_FRAME_EFFICIENCY = 1448.0 / 1514.0
+TBF_FRAME_EFFICIENCY = frame_efficiency(1500)
 _FIX = ("Run as root (e.g. `sudo -E python ...`) so that network namespaces and tc can be used, "
         "or use --loopback to run the workers on 127.0.0.x without bandwidth shaping.")
 
@@ -173,13 +180,16 @@ class EmulatedCluster:
         instead of up to 128 KiB, which matters at the few Mbit/s a slowed replay runs with many
         connections per host.
       sysctls: per-namespace kernel settings of every host (``{"net.ipv4.tcp_congestion_control":
-        "cubic"}``), set with ``sysctl -w`` inside it.
+        "reno"}``), set with ``sysctl -w`` inside it.
+      mtu: the MTU of every host's link (None: 1500). Jumbo frames (9000) carry the same bytes in
+        a sixth of the packets, each of which costs CPU on its way through two veths, the bridge
+        and tbf; TCP's payload share is then (mtu - 52) / (mtu + 14) (:func:`frame_efficiency`).
     """
 
     def __init__(self, n_hosts: int, bandwidth_bps: Optional[float], delay_ms: float = 0,
                  prefix: str = "ptf", *, burst_bytes: Optional[int] = None,
                  latency_ms: float = 20.0, gso_max_segs: Optional[int] = None,
-                 sysctls: Optional[dict[str, str]] = None) -> None:
+                 sysctls: Optional[dict[str, str]] = None, mtu: Optional[int] = None) -> None:
         _check_prefix(prefix)
         if not 1 <= n_hosts <= _MAX_HOSTS:
             raise ValueError(f"n_hosts must be in 1..{_MAX_HOSTS}, got {n_hosts}")
@@ -198,6 +208,9 @@ class EmulatedCluster:
             raise ValueError(f"gso_max_segs must be at least 1, got {gso_max_segs}")
         self.gso_max_segs = gso_max_segs
         self.sysctls = dict(sysctls or {})
+        if mtu is not None and not 576 <= mtu <= 65535:
+            raise ValueError(f"mtu must be in 576..65535, got {mtu}")
+        self.mtu = mtu
         self._lock = threading.RLock()
         self._active = False
         self._created: list[str] = []
@@ -328,6 +341,9 @@ class EmulatedCluster:
             _run(["ip", "-n", sw, "link", "set", port, "up"])
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])
             _run(["ip", "-n", ns, "link", "set", HOST_IFACE, "address", self.host_mac(i)])
+            if self.mtu is not None:
+                _run(["ip", "-n", sw, "link", "set", port, "mtu", str(self.mtu)])
+                _run(["ip", "-n", ns, "link", "set", HOST_IFACE, "mtu", str(self.mtu)])
             for key, value in self.sysctls.items():
                 _run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", f"{key}={value}"])
             if self.gso_max_segs is not None:
