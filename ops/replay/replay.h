@@ -76,14 +76,9 @@ struct ReplayResult {
   uint64_t gradient_bytes = 0;        // the profile's gradients (below the control priority)
   uint64_t sums_checked = 0;          // elements compared with the exact sum
   uint64_t ops_failed = 0;
-  // Steps in which some operation took more than kStallSeconds after its submission: the job did
-  // not stop for good, but a step hung on something the model never waits for.
-  int stalls = 0;
+  double longest_op_s = 0;            // the longest round: submission to completion
   std::string engine_stats;           // Engine::StatsJson at the end
 };
-
-// An operation still open this long after its submission counts as a stall (ReplayResult).
-constexpr double kStallSeconds = 5.0;
 
 // Fills `config` from a simulation request (the predictor's text: profile, runtime, network
 // options), apart from the engine's identity (rank, world, addresses, token), which the caller

@@ -33,8 +33,11 @@ For every run it prints the measured step (worker 0's median over the measured s
 predicted one and the ideal bound, and ``--json`` gets, per run: ``measured_step_s``,
 ``predicted_step_s``, ``ideal_step_s``, ``error``, ``startup_s`` (launch to every worker
 connected, probe done and fusion declared: the slowest worker), ``peak_rss_bytes`` (the largest
-over the workers), ``connections``, ``messages_per_worker_per_step``, ``stalls``, ``cpu`` (the
-CPU the workers used per step and as cores, and the machine's load), and the settings.
+over the workers), ``connections``, ``messages_per_worker_per_step``, ``stalls`` (a worker's
+step over twice its median), ``longest_op_s``, ``cpu`` (the CPU the workers used per step and as
+cores, and the machine's load), ``predicted_free_step_s`` (with ``--costs``: the prediction
+without the CPU charged) and the settings. ``--merge A.json,B.json`` prints the runs of earlier
+``--json`` files as one table with their prediction error.
 """
 
 from __future__ import annotations
@@ -52,8 +55,8 @@ import tempfile
 import time
 from typing import Any, Optional, Sequence
 
-__all__ = ["ReplayRun", "scale_profile", "replay_binary", "predict_options", "tsq_queue_s",
-           "run_replay", "main"]
+__all__ = ["ReplayRun", "load_runs", "error_line", "STALL_FACTOR", "count_stalls", "scale_profile",
+           "replay_binary", "predict_options", "tsq_queue_s", "run_replay", "main"]
 
 #: Where ``bazel build //ops/replay:replay_worker`` puts the worker, from the source checkout.
 _BINARY = pathlib.Path("bazel-bin") / "ops" / "replay" / "replay_worker"
@@ -62,6 +65,18 @@ _BINARY = pathlib.Path("bazel-bin") / "ops" / "replay" / "replay_worker"
 NETNS_PREFIX = "rply"
 #: First port of each host's workers (every host has its own network stack).
 BASE_PORT = 29500
+#: A worker's measured step longer than this many times its median step is a stall: it waited
+#: for something that does not come back every step (a retransmission timeout, a peer starved
+#: of CPU, a lost heartbeat).
+STALL_FACTOR = 2.0
+
+
+def count_stalls(periods: Sequence[float]) -> int:
+    """Steps of ``periods`` longer than :data:`STALL_FACTOR` x their median."""
+    if not periods:
+        return 0
+    median = statistics.median(periods)
+    return sum(p > STALL_FACTOR * median for p in periods)
 
 
 def replay_binary() -> pathlib.Path:
@@ -95,16 +110,16 @@ def scale_profile(profile: Any, time_scale: float, byte_scale: float) -> Any:
 
 def predict_options(workers_per_host: int, hierarchical: str, fusion_bytes: int, warmup: int,
                     steps: int, costs: Optional[dict] = None, runtime: Optional[dict] = None,
-                    shared_cores: int = 0) -> Any:
+                    shared_cores: int = 0, mtu: int = 1500) -> Any:
     """How the predictor models the replay's cluster: egress-only tbf links carrying TCP's
     payload share (as ``bench.predict`` models the emulated cluster), this machine's socket
     limits, W workers per host, the workers' fusion bucket, ``runtime`` (PredictOptions fields:
     the engine's sizes as the workers used them) and ``costs`` (CPU per message and per byte,
     ``prophet_tf.predict calibrate``) on ``shared_cores`` cores (0: a core per worker)."""
-    from prophet_tf.bench.netem import TBF_FRAME_EFFICIENCY
+    from prophet_tf.bench.netem import frame_efficiency
     from prophet_tf.predict import (PredictOptions, kernel_autotuned_socket_buffer,
                                     kernel_socket_buffer_cap)
-    options = PredictOptions(ingress_limited=False, payload_efficiency=TBF_FRAME_EFFICIENCY,
+    options = PredictOptions(ingress_limited=False, payload_efficiency=frame_efficiency(mtu),
                              workers_per_host=workers_per_host, hierarchical=hierarchical,
                              fusion_bytes=fusion_bytes, warmup_steps=warmup, steps=steps,
                              max_socket_buffer_bytes=kernel_socket_buffer_cap(),
@@ -115,13 +130,15 @@ def predict_options(workers_per_host: int, hierarchical: str, fusion_bytes: int,
     return apply_costs(options, costs)
 
 
-def tsq_queue_s(workers: int, workers_per_host: int, link_bps: float, gso_max_segs: int) -> float:
+def tsq_queue_s(workers: int, workers_per_host: int, link_bps: float, gso_max_segs: int,
+                mtu: int = 1500) -> float:
     """``PredictOptions.sender_queue_s`` for the emulated hosts: TCP small queues let each busy
-    socket keep two packets of ``gso_max_segs`` segments (1514 bytes on the wire each) in its
-    host's qdisc; ``KernelSendBufferBytes`` (ops/core/simulator.h) gives each of the host's
-    W x (N - W) connections to other hosts 1/(W (N - W)) of ``sender_queue_s`` at the link rate."""
+    socket keep two packets of ``gso_max_segs`` segments (mtu + 14 bytes on the wire each) in
+    its host's qdisc; ``KernelSendBufferBytes`` (ops/core/simulator.h) gives each of the host's
+    W x (N - W) connections to other hosts 1/(W (N - W)) of ``sender_queue_s`` at the link
+    rate."""
     leaving = max(1, workers_per_host * (workers - workers_per_host))
-    return 2 * gso_max_segs * 1514 * leaving / (link_bps / 8)
+    return 2 * gso_max_segs * (mtu + 14) * leaving / (link_bps / 8)
 
 
 @dataclasses.dataclass
@@ -140,6 +157,7 @@ class ReplayRun:
     gradient_bytes: int           # per worker, as replayed
     measured_step_s: float
     predicted_step_s: Optional[float]
+    predicted_free_step_s: Optional[float]  # the same without the CPU charged (None: not asked)
     ideal_step_s: float
     single_step_s: float          # one worker: the profile's step as replayed
     startup_s: float
@@ -148,7 +166,8 @@ class ReplayRun:
     connections: int              # sockets over the job (each worker has one per peer)
     messages_per_worker_per_step: float
     predicted_messages_per_step: Optional[float]
-    stalls: int
+    stalls: int                   # steps over STALL_FACTOR x their worker's median, all workers
+    longest_op_s: float           # the longest round of any worker: submission to completion
     qdisc_drops: int              # packets the hosts' tbf queues dropped (TCP then retransmits)
     ops_failed: int
     sums_checked: int
@@ -196,7 +215,7 @@ def run_replay(profile: Any, *, workers: int, workers_per_host: int, schedule: s
                costs: Optional[dict], model: str, workdir: str, probe: bool = False,
                check_all: bool = False, fusion: str = "scaled", shared_cores: int = 0,
                tbf_latency_ms: float = 1000.0, sysctls: Optional[dict[str, str]] = None,
-               gso_max_segs: int = 4) -> ReplayRun:
+               gso_max_segs: int = 4, mtu: int = 1500) -> ReplayRun:
     """Runs one replay (see the module docstring) and predicts it. Raises RuntimeError naming
     the first worker that failed and its error.
 
@@ -219,7 +238,7 @@ def run_replay(profile: Any, *, workers: int, workers_per_host: int, schedule: s
     played = scale_profile(profile, time_scale, byte_scale)
     link_bps = bandwidth_bps * byte_scale / time_scale
     options = predict_options(workers_per_host, hierarchical, 0 if fusion == "off" else -1,
-                              warmup, steps, costs, None, shared_cores)
+                              warmup, steps, costs, None, shared_cores, mtu)
     request = _request(played, workers, link_bps, schedule, options, None, 0)
     os.makedirs(workdir, exist_ok=True)
     request_path = os.path.join(workdir, "request.txt")
@@ -234,7 +253,8 @@ def run_replay(profile: Any, *, workers: int, workers_per_host: int, schedule: s
     # seconds, and heartbeats declared their workers unresponsive).
     cluster = (cluster_cls(hosts, link_bps) if loopback else
                cluster_cls(hosts, link_bps, prefix=NETNS_PREFIX, latency_ms=tbf_latency_ms,
-                           gso_max_segs=gso_max_segs, sysctls=dict(sysctls or {})))
+                           gso_max_segs=gso_max_segs, sysctls=dict(sysctls or {}),
+                           mtu=None if mtu == 1500 else mtu))
     token = secrets.token_hex(16)
     results: list[dict] = []
     with cluster:
@@ -304,15 +324,24 @@ def run_replay(profile: Any, *, workers: int, workers_per_host: int, schedule: s
                "credit_bytes": int(first["credit_bytes"]),
                "socket_unsent_bytes": int(first["socket_unsent_bytes"])}
     if not loopback:
-        runtime["sender_queue_s"] = tsq_queue_s(workers, workers_per_host, link_bps, gso_max_segs)
+        runtime["sender_queue_s"] = tsq_queue_s(workers, workers_per_host, link_bps, gso_max_segs,
+                                                mtu)
     options = predict_options(workers_per_host, hierarchical, fusion, warmup, steps, costs,
-                              runtime, shared_cores)
+                              runtime, shared_cores, mtu)
     try:
         prediction = predict(played, workers=workers, bandwidth_bps=link_bps, schedule=schedule,
                              options=options)
         predicted, predicted_messages = prediction.step_s, prediction.messages_per_step
     except SimulatedDeadlock:
         predicted, predicted_messages = None, None
+    free = None
+    if costs:
+        try:
+            free = predict(played, workers=workers, bandwidth_bps=link_bps, schedule=schedule,
+                           options=predict_options(workers_per_host, hierarchical, fusion, warmup,
+                                                   steps, None, runtime, 0, mtu)).step_s
+        except SimulatedDeadlock:
+            free = None
     bound = ideal_bound(played, workers=workers, bandwidth_bps=link_bps, options=options)
     cpu_total = sum(r["cpu_s"] for r in results)
     measured_wall = statistics.median(r["wall_s"] for r in results)
@@ -331,6 +360,7 @@ def run_replay(profile: Any, *, workers: int, workers_per_host: int, schedule: s
         hierarchical=hierarchical, bandwidth_bps=bandwidth_bps, link_bps=link_bps,
         time_scale=time_scale, byte_scale=byte_scale, gradient_bytes=int(first["gradient_bytes"]),
         measured_step_s=statistics.median(first["periods_s"]), predicted_step_s=predicted,
+        predicted_free_step_s=free,
         ideal_step_s=bound.step_s, single_step_s=played.step_s,
         startup_s=max(r["startup_s"] for r in results),
         connect_s=max(r["connect_s"] for r in results),
@@ -338,7 +368,8 @@ def run_replay(profile: Any, *, workers: int, workers_per_host: int, schedule: s
         connections=sum(int(r["connections"]) for r in results),
         messages_per_worker_per_step=statistics.mean(r["frames_sent"] for r in results) / steps,
         predicted_messages_per_step=predicted_messages,
-        stalls=sum(int(r["stalls"]) for r in results), qdisc_drops=drops,
+        stalls=sum(count_stalls(r["periods_s"]) for r in results),
+        longest_op_s=max(float(r["longest_op_s"]) for r in results), qdisc_drops=drops,
         ops_failed=sum(int(r["ops_failed"]) for r in results),
         sums_checked=sum(int(r["sums_checked"]) for r in results),
         fusion_bucket_bytes=fusion, fusion_link_bps=float(first["fusion_link_Bps"]) * 8,
@@ -400,6 +431,8 @@ def _define_flags() -> None:
                          "their qdisc (what a socket keeps queued there is two packets). 4: "
                          "0.43 CPU-s per step for 16 workers where 1 took 0.55 (each packet crosses "
                          "two veths, the bridge and tbf).")
+    flags.DEFINE_integer("mtu", 1500, "MTU of the emulated hosts' links (9000: jumbo frames, a "
+                         "sixth of the packets, each of which costs CPU on its way).")
     flags.DEFINE_list("sysctl", ["net.ipv4.tcp_congestion_control=reno"], "KEY=VALUE kernel "
                       "settings of every emulated host. Reno by default: with bbr (this machine's "
                       "default) the slow hosts' queues dropped packets of their 15-63 connections "
@@ -411,6 +444,8 @@ def _define_flags() -> None:
                         "prophet_tf.predict calibrate --out FILE) charged in the predictions.")
     flags.DEFINE_bool("check_all", False, "Check every element of every sum (else a sample).")
     flags.DEFINE_string("json", None, "Write every run's results here.")
+    flags.DEFINE_list("merge", [], "Instead of running, print one table of the runs of these "
+                      "--json files (and their error over the runs with 16 or more workers).")
     flags.DEFINE_string("out", "bench_out", "Output directory (OUT/replay: worker logs, specs).")
 
 
@@ -422,6 +457,41 @@ def _profile_for(model: str, flags_: Any) -> Any:
     return _profiles([model], flags_.out, flags_.accelerator_tflops, None)[model]
 
 
+def load_runs(path: str) -> list[ReplayRun]:
+    """The runs a ``--json`` file holds."""
+    with open(path) as f:
+        data = json.load(f)
+    # Runs written before a field existed get None for it.
+    return [ReplayRun(**{f.name: r.get(f.name) for f in dataclasses.fields(ReplayRun)})
+            for r in data["runs"]]
+
+
+def error_line(runs: Sequence[ReplayRun], label: str) -> str:
+    """``LABEL: median X%, max Y% over K runs`` (absolute relative error)."""
+    errors = [abs(r.error) for r in runs if r.error is not None]
+    if not errors:
+        return f"{label}: no run with a prediction"
+    return (f"{label}: median {100 * statistics.median(errors):.1f}%, max "
+            f"{100 * max(errors):.1f}% over {len(errors)} runs")
+
+
+def _merge(paths: Sequence[str]) -> int:
+    runs = []
+    for path in paths:
+        try:
+            runs += load_runs(path)
+        except (OSError, KeyError, TypeError, ValueError) as e:
+            print(f"error: cannot read {path}: {e}", file=sys.stderr)
+            return 2
+    print(TABLE_HEADER)
+    for r in runs:
+        print(format_row(r))
+    print()
+    print(error_line(runs, "prediction error"))
+    print(error_line([r for r in runs if r.workers >= 16], "prediction error at N >= 16"))
+    return 0
+
+
 def main(argv: Sequence[str]) -> int:
     """Entry point (after absl parsed the flags)."""
     from absl import flags
@@ -431,6 +501,8 @@ def main(argv: Sequence[str]) -> int:
     if len(argv) > 1:
         print(f"unexpected arguments: {' '.join(argv[1:])}", file=sys.stderr)
         return 2
+    if FLAGS.merge:
+        return _merge(FLAGS.merge)
     try:
         workers = [int(w) for w in FLAGS.workers]
         bandwidths = [parse_rate(b) for b in FLAGS.bandwidth]
@@ -472,7 +544,7 @@ def main(argv: Sequence[str]) -> int:
                                          shared_cores=FLAGS.shared_cores,
                                          tbf_latency_ms=FLAGS.tbf_latency_ms,
                                          sysctls=dict(kv.split("=", 1) for kv in FLAGS.sysctl),
-                                         gso_max_segs=FLAGS.gso_max_segs)
+                                         gso_max_segs=FLAGS.gso_max_segs, mtu=FLAGS.mtu)
                     except (RuntimeError, ValueError) as e:
                         print(f"| {model} | {schedule} | N={n} | failed: {e} |", flush=True)
                         status = 1
@@ -484,10 +556,8 @@ def main(argv: Sequence[str]) -> int:
                             json.dump({"command": command, "costs": costs,
                                        "shared_cores": FLAGS.shared_cores,
                                        "runs": [r.to_json() for r in runs]}, f, indent=1)
-    errors = [abs(r.error) for r in runs if r.error is not None]
-    if errors:
-        print(f"\nprediction error: median {100 * statistics.median(errors):.1f}%, max "
-              f"{100 * max(errors):.1f}% over {len(errors)} runs")
+    if runs:
+        print("\n" + error_line(runs, "prediction error"))
     return status
 
 
