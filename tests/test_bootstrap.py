@@ -325,7 +325,7 @@ def test_connect_timeout_is_honoured_against_a_listener_that_never_answers(pool:
             s.close()
     assert not r["ok"] and "could not connect to rank 0" in r["error"] and "within 3 s" in r["error"], r
     # Soon after the deadline (slack for a loaded or much slower machine; the default is 60 s).
-    assert r["seconds"] < 3 + 5, r
+    assert r["seconds"] < 3 + 20, r
 
 
 def test_a_worker_dying_during_startup_is_named_at_once(pool: WorkerPool) -> None:

@@ -51,10 +51,10 @@ FAIL_ONE = textwrap.dedent("""\
     with open(os.path.join(out, f"pid{rank}.tmp"), "w") as f:
         f.write(str(os.getpid()))
     os.rename(os.path.join(out, f"pid{rank}.tmp"), os.path.join(out, f"pid{rank}"))
-    time.sleep(60)
+    time.sleep(600)
     """)
 
-SLEEP = "import time\ntime.sleep(60)\n"
+SLEEP = "import time\ntime.sleep(600)\n"
 
 
 def _script(tmp_path: Path, name: str, text: str) -> str:
@@ -102,13 +102,12 @@ def test_three_workers_prefixes_and_tf_config(tmp_path: Path) -> None:
 
 def test_failing_worker_stops_the_others(tmp_path: Path) -> None:
     out, err = io.StringIO(), io.StringIO()
-    t0 = time.monotonic()
     rc = launch([_script(tmp_path, "fail.py", FAIL_ONE), str(tmp_path)], 3, grace=1.0,
-                timeout=30, stdout=out, stderr=err)
-    elapsed = time.monotonic() - t0
+                timeout=120, stdout=out, stderr=err)
+    # The others sleep 600 s: the job ends with the failed worker's status only if the launcher
+    # stopped them (the job's --timeout would end it with its own status), however loaded the
+    # machine is.
     assert rc == 3
-    # The others sleep 60 s and the job's timeout is 30 s: only stopping them ends it sooner.
-    assert elapsed < 20.0, elapsed
     msg = err.getvalue()
     assert "worker rank 1" in msg and "exited with status 3" in msg
     assert "something went wrong on rank 1" in msg.split("[launch]")[-1]  # stderr tail reported
@@ -122,7 +121,7 @@ def test_timeout_kills_everything(tmp_path: Path) -> None:
     rc = launch([_script(tmp_path, "sleep.py", SLEEP)], 2, timeout=0.7, grace=1.0,
                 stdout=io.StringIO(), stderr=err)
     assert rc == EXIT_TIMEOUT
-    assert time.monotonic() - t0 < 20.0  # the workers sleep 60 s: they were killed
+    assert time.monotonic() - t0 < 120.0  # the workers sleep 600 s: they were killed
     assert "timeout" in err.getvalue()
 
 

@@ -421,12 +421,17 @@ def _node_in(cl, tmp: Path, rank: int, n: int, script: Sequence[str], port: int,
 def test_two_nodes_of_two_workers_train_on_emulated_hosts(cluster, tmp_path: Path, nodes: list) -> None:
     script = [str(ROOT / "examples" / "keras_fit_demo.py"), "--epochs", "1", "--samples", "256"]
     port = free_ports(1)[0]
-    nodes += [_node_in(cluster, tmp_path, r, 2, script, port, ["--threads", "1"]) for r in (0, 1)]
+    logs = tmp_path / "logs"
+    nodes += [_node_in(cluster, tmp_path, r, 2, script, port, ["--threads", "1", "--log-dir", str(logs)])
+              for r in (0, 1)]
     codes = [n.wait(600) for n in nodes]
     assert codes == [0, 0], "\n".join(n.output[-3000:] for n in nodes)
-    text = nodes[0].output + nodes[1].output
-    for rank in range(4):
-        assert f"[rank {rank}] " in text
+    # What the job promises, not what a library happens to log: each launcher started its two
+    # workers (a log file per rank) and saw every one exit 0; rank 0's strategy counted 4 workers,
+    # so fit's collectives, which need every rank, completed with all four.
+    assert sorted(p.name for p in logs.glob("rank.*.log")) == [f"rank.{r}.log" for r in range(4)]
+    assert "[rank 0] 4 worker(s), schedule prophet" in nodes[0].output, nodes[0].output[-3000:]
+    assert "[rank 0] validation: loss" in nodes[0].output, nodes[0].output[-3000:]
     assert f"node 1 ({cluster.host_address(1)}" in nodes[0].output  # the rendezvous crossed hosts
     assert "ranks 2..3 of 4 on " + cluster.host_address(1) in nodes[1].output
 

@@ -12,8 +12,8 @@ Starts 2 workers on loopback. For each tensor size, each worker measures alterna
   * ``raw_tcp``: a second, plain TCP connection between the same two processes that moves the
     same bytes in the same pattern: each worker sends and receives as many bytes as push_pull
     sends and receives (2(N-1)/N of the tensor, i.e. the whole tensor for N = 2), both directions
-    at once, no scheduling, no summation. It uses the runtime's socket options before issue 18
-    (TCP_NODELAY, 4 MiB buffers, no limit on unsent data) and sends straight from, and receives
+    at once, no scheduling, no summation. It uses fixed socket options (TCP_NODELAY, 4 MiB
+    buffers, no limit on unsent data) and sends straight from, and receives
     straight into, numpy buffers from two threads, so it is close to what the kernel can do.
     ``--runtime_options`` passes options to push_pull's runtime (e.g. those socket options).
 The table gives median time per operation, throughput (tensor bytes / time), the ratio
@@ -51,7 +51,7 @@ flags.DEFINE_string("worker", None, "Internal: run as a worker with this JSON co
 flags.DEFINE_string("json", None, "Also write the results to this JSON file.")
 flags.DEFINE_string("runtime_options", "{}", "JSON object of prophet_tf.runtime.init keyword "
                     "arguments for push_pull, e.g. '{\"socket_buffer_bytes\": 4194304, "
-                    "\"socket_unsent_bytes\": 0}' (the socket options before issue 18).")
+                    "\"socket_unsent_bytes\": 0}' (raw_tcp's socket options).")
 flags.DEFINE_list("compression", ["fp16", "bf16"],
                   "Compressed push_pull systems measured beside the others ('' for none).")
 

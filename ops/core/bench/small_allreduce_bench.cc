@@ -1,6 +1,6 @@
 // Latency of a small push_pull among N real engines on loopback, in one process: by exchange
 // (recursive doubling, small_allreduce.h; EngineOptions::kSmallAllreduceAlways) and by owners (the
-// path before issue 19.2, kSmallAllreduceNever), measured alternately in blocks side by side, so
+// push_pull owner path, kSmallAllreduceNever), measured alternately in blocks side by side, so
 // that load on the machine falls on both alike. Also the CPU the whole process spends per frame
 // (every engine's I/O thread, sending and receiving, plus this driver), which is where the
 // simulator's per-message cost (NetworkModel::message_send_ns / message_receive_ns) comes from.
