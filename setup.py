@@ -1,8 +1,9 @@
 """Packaging for prophet_tf.
 
-`pip install .` (and `pip wheel .`) ships prophet_tf (and subpackages) with its native libraries
-as package data: the TensorFlow op library prophet_tf/_prophet_ops.so and the predictor
-prophet_tf/_prophet_predict.so, plus the launcher command `prophetrun`.
+`pip install .` (and `pip wheel .`) ships prophet_tf (and its subpackages but the benchmarks,
+prophet_tf.bench, which run from a source checkout) with its native libraries as package data: the
+TensorFlow op library prophet_tf/_prophet_ops.so and the predictor prophet_tf/_prophet_predict.so,
+plus the launcher command `prophetrun`.
 
 The build step runs `bazel build` for both libraries against the TensorFlow that the target
 environment's interpreter imports (the op library's ABI must match that TensorFlow), and copies
@@ -125,7 +126,12 @@ setup(
     name="prophet_tf",
     version="0.1.0",
     description="Prophet-style gradient communication scheduling for TensorFlow (custom ops)",
-    packages=find_packages(include=["prophet_tf", "prophet_tf.*"]),
+    # The benchmarks (prophet_tf.bench) reproduce the measurements of docs/benchmarks.md and run
+    # from a source checkout (`python -m prophet_tf.bench.X`), where Bazel builds the
+    # benchmark-only ops too. A user of the package runs the strategy, `prophetrun`,
+    # `python -m prophet_tf.predict` and `python -m prophet_tf.timeline`: that is what installs.
+    packages=find_packages(include=["prophet_tf", "prophet_tf.*"],
+                           exclude=["prophet_tf.bench", "prophet_tf.bench.*"]),
     package_data={"prophet_tf": list(LIBRARIES.values())},
     include_package_data=False,
     zip_safe=False,

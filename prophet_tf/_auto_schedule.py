@@ -36,6 +36,11 @@ import math
 import statistics
 from typing import Any, Mapping, Optional, Sequence
 
+from prophet_tf import runtime
+from prophet_tf.predict import (PredictError, PredictOptions, ProfiledTensor,
+                                kernel_autotuned_socket_buffer, kernel_socket_buffer_cap, predict,
+                                profile_from_ready_times)
+
 logger = logging.getLogger("prophet_tf")
 
 __all__ = ["AUTO", "CANDIDATES", "FIRST_DECISION_STEP", "CHECK_EVERY_STEPS", "Decision",
@@ -130,11 +135,10 @@ class AutoSchedule:
     # ---- hooks ---------------------------------------------------------------------------------
     def before_step(self, step: int) -> None:
         if self._extended._rank == 0 and step == self._measure_at and self._extended._cross_barrier:
-            from prophet_tf import _crossing
+            from prophet_tf import _crossing  # loads TensorFlow, which a decision does not need
             _crossing.wait_all()  # this step's forward pass must not wait at the gates
 
     def after_step(self, step: int, begin_ns: int, end_ns: int) -> None:
-        from prophet_tf import runtime
         if self._last_end_ns is not None:
             self._gaps.append((begin_ns - self._last_end_ns) / 1e9)
         # Step 0 traces the function; the clean step waited for the updates before it began.
@@ -187,7 +191,6 @@ class AutoSchedule:
             link = link_rate_matching(lambda rate: self._simulated_goodput(profile, rate),
                                       goodput, goodput * 8 / 4, goodput * 8 * 64)
             basis = f"the runtime measured {goodput * 8 / 1e9:.3g} Gbit/s goodput"
-        from prophet_tf.predict import PredictError
         predicted: dict[str, float] = {}
         failures: dict[str, str] = {}
         for schedule in self._candidates:
@@ -213,7 +216,6 @@ class AutoSchedule:
         return chosen
 
     def _profile(self) -> Any:
-        from prophet_tf.predict import ProfiledTensor, profile_from_ready_times
         measured = self._compute
         assert measured is not None
         origin = min(t["ready_offset_ns"] for t in measured["tensors"])
@@ -226,8 +228,6 @@ class AutoSchedule:
                                         gap_s=max(0.0, gap), source="runtime (schedule=auto)")
 
     def _prediction(self, profile: Any, schedule: str, rate_bps: float) -> Any:
-        from prophet_tf.predict import (PredictOptions, kernel_autotuned_socket_buffer,
-                                        kernel_socket_buffer_cap, predict)
         name = schedule if self._extended._cross_barrier else f"{schedule}_nocross"
         # The runtime as it runs here, on this machine's kernel.
         options = PredictOptions(steps=STEPS, warmup_steps=WARMUP_STEPS,
@@ -240,14 +240,12 @@ class AutoSchedule:
 
     def _predict(self, profile: Any, schedule: str, rate_bps: float) -> Optional[float]:
         """Predicted step time of ``schedule`` at ``rate_bps``; None if it cannot be predicted."""
-        from prophet_tf.predict import PredictError
         try:
             return self._prediction(profile, schedule, rate_bps).step_s
         except PredictError:
             return None
 
     def _simulated_goodput(self, profile: Any, rate_bps: float) -> Optional[float]:
-        from prophet_tf.predict import PredictError
         try:
             return self._prediction(profile, self.current, rate_bps).bandwidth_Bps
         except PredictError:
@@ -257,17 +255,15 @@ class AutoSchedule:
     def _exchange(self, step: int, choice: Optional[str]) -> Optional[str]:
         """Every worker learns rank 0's choice (a sum in which only rank 0 contributes)."""
         import tensorflow as tf
-        from prophet_tf.strategy import CONTROL_PRIORITY
         code = self._candidates.index(choice) + 1 if choice in self._candidates else 0
         total = self._extended._push_pull(tf.constant(code, tf.int32), f"auto_schedule/{step}",
-                                          CONTROL_PRIORITY, False)
+                                          runtime.control_priority(), False)
         value = int(total.numpy())
         return self._candidates[value - 1] if 0 < value <= len(self._candidates) else None
 
     def _apply(self, step: int, schedule: Optional[str]) -> None:
         if schedule is None or schedule == self.current:
             return
-        from prophet_tf import runtime
         runtime.set_schedule(schedule)
         self._periods = []
         if self._extended._rank != 0:

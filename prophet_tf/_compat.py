@@ -3,8 +3,8 @@
 Supported: TensorFlow ``>= TENSORFLOW_MIN, < TENSORFLOW_BELOW`` (the ``tensorflow`` or
 ``tensorflow-cpu`` package) with Keras 3 ``>= KERAS_MIN, < KERAS_BELOW`` as ``tf.keras``. Each
 TensorFlow of that range is built and tested with the newest Keras it installs and the oldest
-Keras it claims to support by ``scripts/test_versions.sh`` (the README's "Supported versions"
-table is its output). ``setup.py`` reads the bounds from here.
+Keras it claims to support by ``scripts/test_versions.sh`` (the table in
+docs/compatibility.md is its output). ``setup.py`` reads the bounds from here.
 
 Where releases differ, the code below detects the feature (an attribute, a module), never a
 version string, and the rest of the package calls the helpers here.
@@ -82,8 +82,8 @@ def _in_range(version: str, minimum: str, below: str) -> bool:
 
 def supported_range_text() -> str:
     return (f"TensorFlow >={TENSORFLOW_MIN},<{TENSORFLOW_BELOW} with Keras 3 "
-            f">={KERAS_MIN},<{KERAS_BELOW} as tf.keras (the tested pairs are in README.md, "
-            f"'Supported versions')")
+            f">={KERAS_MIN},<{KERAS_BELOW} as tf.keras (the tested pairs are in "
+            f"docs/compatibility.md)")
 
 
 def _distribution_version(names: tuple[str, ...]) -> tuple[Optional[str], Optional[str]]:

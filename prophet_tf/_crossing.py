@@ -28,7 +28,8 @@ from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import resource_variable_ops
 
 from prophet_tf._devices import HOST_DEVICE
-from prophet_tf._library import op_module
+from prophet_tf._library import c_api, op_module
+from prophet_tf.ops import compression_attr
 
 _local = threading.local()
 
@@ -55,8 +56,6 @@ def wait_all() -> None:
 
 def pending_updates() -> int:
     """Number of deferred updates of this process that have not been applied yet."""
-    from prophet_tf._library import c_api
-
     return int(c_api().prophet_pending_updates())
 
 
@@ -144,7 +143,6 @@ def deferred_update(var: Any, fn: Callable[..., Any], grad: tf.Tensor, learning_
         tf.TensorSpec(iterations.shape, iterations.dtype),
     )
     args = [learning_rate, iterations] + list(concrete.captured_inputs)
-    from prophet_tf.ops import compression_attr
 
     # A CPU kernel (the gradient is copied from the GPU once, as its input); `f` runs where the
     # variables live (its nodes keep the devices they were traced with).

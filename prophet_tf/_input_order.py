@@ -1,8 +1,8 @@
 """Whether a ``tf.data`` input gives the same batches in the same order in another process.
 
 A resumed ``fit`` skips the batches the checkpoint's weights already contain by counting them
-(``prophet_tf/_fit_session.py``). That is exact only if the restarted program's input yields the
-same batches in the same order as the interrupted one's. :func:`describe` walks a dataset (its
+(``prophet_tf/_keras/fit_session.py``). That is exact only if the restarted program's input yields
+the same batches in the same order as the interrupted one's. :func:`describe` walks a dataset (its
 input datasets and the functions of its ``map``/``flat_map``/``interleave``...) and lists what
 decides the order:
 

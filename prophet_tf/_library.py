@@ -11,6 +11,7 @@ import pathlib
 from types import ModuleType
 from typing import Any
 
+from prophet_tf import _compat
 from prophet_tf.errors import ProphetError
 
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
@@ -48,7 +49,6 @@ def op_module() -> ModuleType:
     """The TensorFlow op module (generated wrappers such as ``prophet_push_pull``)."""
     import tensorflow as tf
 
-    from prophet_tf import _compat
 
     _compat.check_loaded_versions()
     path = library_path()

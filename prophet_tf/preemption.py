@@ -15,7 +15,7 @@ SIGTERM and a short grace period before they are killed. Under a multi-worker
    checkpoint: the ``BackupAndRestore`` backup when the fit has one, otherwise the strategy's own
    (model and optimizer state, in ``checkpoint_dir``); it records the epoch and the number of
    training steps of that epoch already applied, and a resumed ``fit`` continues exactly there
-   (see ``prophet_tf/_fit_session.py``);
+   (see ``prophet_tf/_keras/fit_session.py``);
 4. each worker writes one line to stderr (:class:`Report`, parsed by the launcher) and exits with
    :data:`EXIT_PREEMPTED` by raising :class:`Preempted` (a ``SystemExit``: ``finally`` blocks of
    the program run). When that exception ends the program, the process leaves right after its
@@ -50,6 +50,8 @@ import sys
 import threading
 import time
 from typing import Any, Callable, Optional, Sequence, Union
+
+from prophet_tf import runtime
 
 __all__ = ["EXIT_PREEMPTED", "DEFAULT_GRACE_S", "Preempted", "Report", "parse_report", "Failure",
            "parse_failure", "parse_received", "request", "requested", "SIGNALS_ENV", "GRACE_ENV",
@@ -256,9 +258,9 @@ def request(signum: Optional[int] = None) -> None:
         _state.requested_at = time.monotonic()
         _state.requested_by = signum
     grace = _state.grace_s
-    _write_stderr(f"prophet_tf: rank {_state.rank} received {_signal_name(signum)}: every worker "
-                  f"stops after the next training step of model.fit and writes a checkpoint "
-                  f"(grace period {grace:g} s)")
+    write_stderr(f"prophet_tf: rank {_state.rank} received {_signal_name(signum)}: every worker "
+                 f"stops after the next training step of model.fit and writes a checkpoint "
+                 f"(grace period {grace:g} s)")
     if armed():
         watchdog = threading.Thread(target=_watchdog, args=(_state, grace),
                                     name="prophet-preemption", daemon=True)
@@ -273,7 +275,8 @@ def _on_signal(signum: int, frame: Any) -> None:
         previous(signum, frame)  # the program's handler, installed before the strategy
 
 
-def _write_stderr(text: str) -> None:
+def write_stderr(text: str) -> None:
+    """Writes one line to stderr, also from a signal handler."""
     # os.write: safe where print() may be re-entered (a signal handler runs between bytecodes).
     try:
         os.write(2, (text + "\n").encode(errors="replace"))
@@ -286,16 +289,15 @@ def _watchdog(state: _State, grace_s: float) -> None:
     if state.retired.wait(grace_s):
         return
     if state.checkpoint_done:
-        _write_stderr(f"prophet_tf: rank {state.rank}: still exiting {grace_s:g} s after the "
-                      f"preemption request; leaving now with status {EXIT_PREEMPTED} (the checkpoint "
-                      "is written)")
+        write_stderr(f"prophet_tf: rank {state.rank}: still exiting {grace_s:g} s after the "
+                     f"preemption request; leaving now with status {EXIT_PREEMPTED} (the checkpoint "
+                     "is written)")
         os._exit(EXIT_PREEMPTED)
     signum = state.requested_by or signal.SIGTERM
-    _write_stderr(f"prophet_tf: rank {state.rank}: no step of model.fit came within the grace "
-                  f"period ({grace_s:g} s after {_signal_name(state.requested_by)}): no "
-                  "coordinated checkpoint; leaving as the signal would have ended this worker")
+    write_stderr(f"prophet_tf: rank {state.rank}: no step of model.fit came within the grace "
+                 f"period ({grace_s:g} s after {_signal_name(state.requested_by)}): no "
+                 "coordinated checkpoint; leaving as the signal would have ended this worker")
     try:
-        from prophet_tf import runtime
         runtime.timeline_flush()
     except Exception:  # noqa: BLE001 - leaving anyway
         pass
@@ -331,7 +333,7 @@ def arm(signals: SignalSpec, grace_s: Optional[float], rank: int) -> bool:
         _state.handler = _on_signal
         # Read in every step's metric reduction; assigned once, before the first step after a
         # request (never from the handler, which may run in the middle of TensorFlow's Python).
-        # One per process: traced step functions keep reading it across _reset().
+        # One per process: traced step functions keep reading it across reset().
         global _flag_variable
         if _flag_variable is None:
             _flag_variable = tf.Variable(0.0, trainable=False, dtype=tf.float32,
@@ -442,8 +444,9 @@ def signal_names() -> list[str]:
     return [_signal_name(n) for n in _state.signals]
 
 
-def _reset() -> None:
-    """Tests: back to an unarmed process (handlers restored)."""
+def reset() -> None:
+    """Back to an unarmed process (handlers restored), for tests and benchmarks that arm it
+    several times in one process."""
     global _state
     _state.retired.set()
     for number, previous in _state.previous.items():

@@ -18,8 +18,8 @@ cross-worker communication:
 * variable creation under the scope -> ``broadcast`` of the initial value from rank 0, after the
   workers agreed that they create the same variable (else every worker raises
   ``VariableMismatchError`` naming it, see ``prophet_tf/_variable_agreement.py``);
-* Keras metrics, loss scaling and saving -> see ``prophet_tf/_keras_patches.py`` and
-  ``prophet_tf/_keras_saving.py`` (installed when a multi-worker strategy is created).
+* Keras metrics, loss scaling and saving -> see ``prophet_tf/_keras/patches.py`` and
+  ``prophet_tf/_keras/saving.py`` (installed when a multi-worker strategy is created).
 
 Input pipelines are sharded with global-batch semantics: ``fit(batch_size=B)`` gives every worker
 ``B / N`` rows of every global batch (disjoint shards, equal step counts on all workers).
@@ -51,7 +51,7 @@ import os
 import re
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib
@@ -64,12 +64,12 @@ from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.framework import tensor_util
 from tensorflow.python.util import nest
 
-from prophet_tf import _gradients, _link_probe, _sparse, _variable_agreement
-from prophet_tf._library import runtime_constants
+from prophet_tf import (_auto_schedule, _crossing, _devices, _gradients, _link_probe, _sparse,
+                        _variable_agreement, ops, preemption, runtime)
+from prophet_tf._keras import patches, saving
+from prophet_tf._keras.host import KerasHost
+from prophet_tf._keras.step_report import StepReport, StepReporter, report_every_epoch_default
 from prophet_tf.cluster import JOB_SEED_ENV, resolve_cluster
-
-if TYPE_CHECKING:
-    from prophet_tf._step_report import StepReport
 
 __all__ = ["ProphetStrategy", "SCHEDULES"]
 
@@ -77,30 +77,18 @@ logger = logging.getLogger("prophet_tf")
 
 #: Scheduling policies accepted by ``ProphetStrategy(schedule=...)``: the runtime's, and "auto"
 #: (the one predicted fastest; see prophet_tf/_auto_schedule.py).
-SCHEDULES: tuple[str, ...] = tuple(runtime_constants()["schedules"]) + ("auto",)
+SCHEDULES: tuple[str, ...] = runtime.schedules() + ("auto",)
 # Small collectives a step waits on (metrics, loss-scale flags, strategy.reduce) outrank every
 # gradient (priorities 1..number of gradients): queued behind low-priority gradients they would
 # put a barrier back at the end of every step. The runtime defines the band (never profiled as a
 # gradient); this is its lower end.
-CONTROL_PRIORITY: int = runtime_constants()["control_priority"]
+CONTROL_PRIORITY: int = runtime.control_priority()
 
 # runtime.declare_fusion's bucket size for fusion="auto": sized from N and the link rate.
 _AUTOMATIC_FUSION = -1
 # Sparse gradients are gathered, never densified, unless the user asks for it (see the docstring of
 # ProphetStrategy: densifying changes the result of Adam, RMSprop, Adagrad...).
 _DEFAULT_SPARSE_AS_DENSE_BYTES = 0
-
-
-def _ops():
-    # Lazy: loads the custom-op library. (prophet_tf._library also lets the ops run concurrently
-    # inside tf.function: automatic control dependencies would otherwise chain them.)
-    from prophet_tf import ops
-    return ops
-
-
-def _runtime():
-    from prophet_tf import runtime
-    return runtime
 
 
 # --------------------------------------------------------------------------------------------
@@ -180,8 +168,9 @@ class _ProphetReplicaContext(distribute_lib.ReplicaContext):
 # --------------------------------------------------------------------------------------------
 
 
-class ProphetExtended(one_device_strategy.OneDeviceExtended):
-    """Implementation of :class:`ProphetStrategy` (one device per worker process)."""
+class ProphetExtended(one_device_strategy.OneDeviceExtended, KerasHost):
+    """Implementation of :class:`ProphetStrategy` (one device per worker process); the Keras
+    glue (``prophet_tf._keras``) recognises it as a :class:`KerasHost`."""
 
     def __init__(self, container_strategy, device: str, rank: int, world_size: int,
                  sparse_as_dense_bytes: int = _DEFAULT_SPARSE_AS_DENSE_BYTES,
@@ -202,7 +191,7 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
         # once, so that the trace shows them (see prophet_tf.predict.profile).
         self._recording = bool(recording)
         self._auto_schedule = None  # an _auto_schedule.AutoSchedule with schedule="auto"
-        self._step_reporter = None  # a _step_report.StepReporter with step_report=True
+        self._step_reporter = None  # a step_report.StepReporter with step_report=True
         # Gradients verified so far, by how they were reduced ("summed", "gathered", "deferred"):
         # counted when an optimizer step is traced (or runs eagerly), see _gradients.GradientSite.
         self.gradient_counts: collections.Counter = collections.Counter()
@@ -217,8 +206,8 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
         self._creation_open = False
         self._local = threading.local()
         self._cluster_resolver = None
-        # Preemption (prophet_tf/_fit_session.py): where the strategy's own checkpoint of a fit
-        # without BackupAndRestore goes (None: none), and how many fits this worker started.
+        # Preemption (prophet_tf/_keras/fit_session.py): where the strategy's own checkpoint of a
+        # fit without BackupAndRestore goes (None: none), and how many fits this worker started.
         self._checkpoint_dir: Optional[str] = None
         self._fit_count = 0
 
@@ -304,8 +293,6 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
         return super()._create_variable(next_creator, **kwargs)
 
     def _create_gated_variable(self, **kwargs):
-        from prophet_tf import _crossing
-
         accepted = ("initial_value", "trainable", "collections", "validate_shape", "caching_device",
                     "name", "dtype", "constraint", "distribute_strategy", "import_scope",
                     "initial_value", "synchronization", "aggregation", "shape",
@@ -333,8 +320,8 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
         with tf.init_scope():
             if not tf.executing_eagerly():
                 return  # a graph built outside any eager context: nothing runs before it does
-            gathered = _ops().allgather(tf.constant(record), name=f"init/{index}",
-                                        priority=CONTROL_PRIORITY).numpy()
+            gathered = ops.allgather(tf.constant(record), name=f"init/{index}",
+                                     priority=CONTROL_PRIORITY).numpy()
         try:
             _variable_agreement.check(index, gathered, self._world_size)
         except _variable_agreement.VariableMismatchError:
@@ -368,8 +355,6 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
         site = self._active_site()
         gradient = site.take_for_update(var) if site is not None else None
         if gradient is not None and gradient.reduced == _gradients.DEFERRED:
-            from prophet_tf import _crossing
-
             if len(args) != 2 or kwargs:
                 raise _gradients.GradientReductionError(
                     f"ProphetStrategy: the deferred gradient of '{gradient.path}' must be applied "
@@ -494,13 +479,13 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
                 continue
             deferred = defer
             wire = value.dtype if deferred else _wire_dtype(value.dtype)
-            declared.append(_runtime().FusedTensor(
+            declared.append(runtime.FusedTensor(
                 name=gradient.name, dtype=wire.name, shape=tuple(value.shape.as_list()),
                 bytes=int(value.shape.num_elements()) * wire.size, priority=int(gradient.priority),
                 average=not deferred and reduce_op == reduce_util.ReduceOp.MEAN,
                 compression=self._compression))
-        _runtime().declare_fusion(f"optimizer {id(site.optimizer)}", declared, self._fusion_bytes,
-                                  link_Bps=self._fusion_link_Bps())
+        runtime.declare_fusion(f"optimizer {id(site.optimizer)}", declared, self._fusion_bytes,
+                               link_Bps=self._fusion_link_Bps())
 
     @property
     def fusion_link_rate(self) -> Optional[_link_probe.FusionLinkRate]:
@@ -528,7 +513,7 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
         """$PROPHET_LINK_GBPS when set; else every worker measures the link (eagerly, also when
         called while a step is traced, as _agree_on_variable does) and all take the slowest
         worker's rate, rounded to the 1-2-5 series (prophet_tf/_link_probe.py)."""
-        env_Bps = _runtime().fusion_link_bps()
+        env_Bps = runtime.fusion_link_bps()
         if env_Bps > 0:
             return _link_probe.FusionLinkRate(source="env", gbps=env_Bps * 8 / 1e9)
         # A worker still creating variables hears of it before it waits for the probe.
@@ -537,7 +522,7 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
             if not tf.executing_eagerly():
                 logger.warning("fusion: no eager context to measure the link from; buckets are "
                                "sized for the runtime's assumed 10 Gbit/s (set $%s to the link "
-                               "rate)", _runtime().LINK_GBPS_ENV)
+                               "rate)", runtime.LINK_GBPS_ENV)
                 return _link_probe.FusionLinkRate(source="assumed", gbps=None)
             rate = _link_probe.probe(self._world_size, CONTROL_PRIORITY)
         logger.info("fusion: link rate measured %.3g Gbit/s on rank %d, agreed %.3g Gbit/s (the "
@@ -774,11 +759,11 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
         wire = _wire_dtype(t.dtype)
         x = t if wire == t.dtype else tf.cast(t, wire)
         if mean and not (wire.is_floating):
-            y = _ops().push_pull(x, name=name, priority=int(priority), average=False)
+            y = ops.push_pull(x, name=name, priority=int(priority), average=False)
             y = tf.math.floordiv(y, tf.cast(self._world_size, wire))
         else:
-            y = _ops().push_pull(x, name=name, priority=int(priority), average=bool(mean),
-                                 compression=compression)
+            y = ops.push_pull(x, name=name, priority=int(priority), average=bool(mean),
+                              compression=compression)
         return y if wire == t.dtype else tf.cast(y, t.dtype)
 
     def _broadcast(self, t, name, root_rank=0):
@@ -788,14 +773,14 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended):
     def _broadcast_unchecked(self, t, name, root_rank=0):
         wire = _wire_dtype(t.dtype)
         x = t if wire == t.dtype else tf.cast(t, wire)
-        y = _ops().broadcast(x, name=name, root_rank=int(root_rank))
+        y = ops.broadcast(x, name=name, root_rank=int(root_rank))
         return y if wire == t.dtype else tf.cast(y, t.dtype)
 
     def _allgather(self, t, name, priority=CONTROL_PRIORITY, compression=None):
         self._close_variable_creation()
         wire = _wire_dtype(t.dtype)
         x = t if wire == t.dtype else tf.cast(t, wire)
-        y = _ops().allgather(x, name=name, priority=int(priority), compression=compression)
+        y = ops.allgather(x, name=name, priority=int(priority), compression=compression)
         return y if wire == t.dtype else tf.cast(y, t.dtype)
 
 
@@ -805,8 +790,7 @@ def _gradient_clipping(optimizer):
     if not any(getattr(optimizer, option, None)
                for option in ("clipnorm", "clipvalue", "global_clipnorm")):
         return None
-    from prophet_tf import _keras_patches
-    return functools.partial(_keras_patches.keras_clip_gradients(), optimizer)
+    return functools.partial(patches.keras_clip_gradients(), optimizer)
 
 
 def _check_replication_mode(options) -> None:
@@ -923,7 +907,7 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
         float64 ones travel exactly; metrics, loss-scale flags, ``strategy.reduce`` and every
         other collective are never compressed. fp16 scales each partition by a power of two, so
         no finite value becomes infinite. The difference from exact summation is bounded per
-        element (README, "Gradient compression"; docs/design.md).
+        element (docs/compression.md; docs/design.md, "Compression").
       fusion: ``"auto"`` (the default): the optimizer's small dense gradients travel fused into
         buckets of consecutive priorities sized for the number of workers and the link rate, so
         each bucket is summed by every worker instead of a few; a bucket size in bytes; or
@@ -946,7 +930,7 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
       step_report: measure where the time of every ``fit`` step goes (its wall time, the time it
         waited for gradients, the link rate, the schedule) and add it to the epoch logs under
         ``prophet/...`` keys, the same on every worker (see :meth:`step_report` and
-        ``prophet_tf/_step_report.py``).
+        ``prophet_tf/_keras/step_report.py``).
       report_every_epoch: with ``step_report``, rank 0 prints one line per epoch of ``fit``
         (not with ``verbose=0``); default ``$PROPHET_REPORT_EVERY_EPOCH``, on unless 0.
       preemption_signals: signals that make every worker stop at the same step of ``fit``, write
@@ -983,9 +967,7 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
                  compression: Optional[str] = None,
                  fusion: Any = "auto",
                  **runtime_options):
-        from prophet_tf import _auto_schedule
-        runtime = _runtime()
-        _ops().compression_attr(compression)  # a bad value fails before the runtime starts
+        ops.compression_attr(compression)  # a bad value fails before the runtime starts
         fusion_bytes = _fusion_setting(fusion)
         auto = schedule == _auto_schedule.AUTO
         if not auto and schedule is not None and schedule not in SCHEDULES:
@@ -1003,7 +985,6 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
         recording = bool(profile_path) and info.world_size == 1
         runtime.init(info.rank, info.world_size, list(info.addresses), info.token, schedule=policy,
                      **runtime_options)
-        from prophet_tf import _devices
         extended = ProphetExtended(self, device or _devices.default_device(), info.rank, info.world_size,
                                    sparse_as_dense_bytes=sparse_as_dense_bytes,
                                    cross_barrier=cross_barrier and (info.world_size > 1 or recording),
@@ -1011,9 +992,8 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
                                    fusion_bytes=fusion_bytes)
         extended._cluster_resolver = cluster_resolver or _resolver_for(info)
         if step_report:
-            from prophet_tf import _step_report
-            extended._step_reporter = _step_report.StepReporter(
-                extended, _step_report.report_every_epoch_default() if report_every_epoch is None
+            extended._step_reporter = StepReporter(
+                extended, report_every_epoch_default() if report_every_epoch is None
                 else report_every_epoch)
         if auto and info.world_size > 1:
             extended._auto_schedule = _auto_schedule.AutoSchedule(
@@ -1024,17 +1004,14 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
         if info.world_size > 1 and sync_random_seed:
             _sync_global_seed(extended)
         if info.world_size > 1:
-            from prophet_tf import preemption
             if preemption_signals is None:
                 preemption_signals = os.environ.get(preemption.SIGNALS_ENV, "SIGTERM")
             preemption.arm(preemption_signals, preemption_grace_s, info.rank)
             extended._checkpoint_dir = (checkpoint_dir
                                         or os.environ.get(preemption.CHECKPOINT_DIR_ENV) or None)
-        from prophet_tf import _keras_patches
-        _keras_patches.install()  # each hook acts only for the strategies it concerns
+        patches.install()  # each hook acts only for the strategies it concerns
         if extended._communicates:
-            from prophet_tf import _keras_saving
-            _keras_saving.install(extended)
+            saving.install(extended)
 
     # Convenience accessors -------------------------------------------------------------------
     @property
@@ -1078,9 +1055,9 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
 
     def step_report(self) -> StepReport:
         """Where the time of this worker's ``fit`` steps went since the start of the current (or
-        last) epoch: a ``prophet_tf._step_report.StepReport`` (mean step time, time waiting for
-        gradients and its parts, compute time, link rate, schedule and Prophet's blocks, the last
-        step's figures). The epoch logs hold the same figures averaged over the workers.
+        last) epoch: a ``prophet_tf._keras.step_report.StepReport`` (mean step time, time waiting
+        for gradients and its parts, compute time, link rate, schedule and Prophet's blocks, the
+        last step's figures). The epoch logs hold the same figures averaged over the workers.
 
         Raises:
           ValueError: the strategy was created with ``step_report=False``.

@@ -72,7 +72,7 @@ log "python: $PY ($("$PY" -c 'import platform; print(platform.python_version())'
 REQ_HASH="$(sha256sum requirements.txt | cut -c1-16)"
 STAMP="# setup.sh: python=$PY requirements=$REQ_HASH"
 OLD_STAMP="$(head -n1 .bazelrc.user 2>/dev/null || true)"
-MODULES="tensorflow tensorboard matplotlib absl pytest numpy"
+MODULES="tensorflow tensorboard matplotlib absl pytest xdist numpy"
 
 STEP="installing python requirements"
 need_pip=""

@@ -31,9 +31,13 @@ if [ ! -d tests ]; then
   log "no tests/ directory; skipping pytest"
   exit 0
 fi
-log "$PY -m pytest -q tests/"
+# Test files run side by side (pytest-xdist), a file's tests in one process so that its shared
+# launches run once. Most multi-worker tests wait on sockets, timeouts and sleeps as much as they
+# compute, so more processes than cores shortens the run; PROPHET_TEST_JOBS=1 runs them in turn.
+JOBS="${PROPHET_TEST_JOBS:-3}"
+log "$PY -m pytest -q -n $JOBS --dist loadfile tests/"
 rc=0
-"$PY" -m pytest -q --durations=12 tests/ || rc=$?  # the slowest tests: where suite time goes
+"$PY" -m pytest -q -n "$JOBS" --dist loadfile --durations=12 tests/ || rc=$?  # the slowest tests: where suite time goes
 if [ "$rc" -eq 5 ]; then
   # 5 = no tests collected: an error only if there are test files to collect.
   if [ -n "$(find tests \( -name 'test_*.py' -o -name '*_test.py' \) -print -quit)" ]; then

@@ -208,3 +208,29 @@ def run_programs_against_one_process(script: str, workdir: str, programs: list, 
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return ProgramRuns(workdir, distributed, parse_results(proc.stdout, default_rank=0)[0],
                        time.monotonic() - start)
+
+
+# Files that run the most multi-worker launches start first: with the files run side by side
+# (scripts/test.sh: pytest -n JOBS --dist loadfile) the suite then does not end waiting on one
+# long file that started last. Order only; every file still runs.
+SLOW_FILES_FIRST = (
+    "test_conformance.py",
+    "test_unseen_programs.py",
+    "test_multinode.py",
+    "test_saving.py",
+    "test_netem.py",
+    "test_preemption.py",
+    "test_strategy_equivalence.py",
+    "test_bench_train.py",
+    "test_crossing.py",
+    "test_compression.py",
+    "test_fusion.py",
+    "test_strategy_failures.py",
+    "test_gradient_identity.py",
+    "test_input_pipeline.py",
+)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(rank)))  # stable

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import run_programs_against_one_process
-from prophet_tf._step_report import LOG_KEYS, is_report_key
+from prophet_tf._keras.step_report import LOG_KEYS, is_report_key
 
 WORKERS_N = 2
 TOLERANCE = 1e-5

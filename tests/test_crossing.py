@@ -34,9 +34,9 @@ def test_crossing_gives_exactly_the_synchronous_result(equivalence, case: str) -
 
 def test_train_functions_end_while_updates_are_pending(run_workers) -> None:
     """Recompile, clear_session() and a deleted model while deferred updates still wait, with
-    several models, evaluate/predict in between, steps_per_execution > 1 and a retrace. Pending
-    updates used to run through the dropped train function's freed FunctionLibraryRuntime
-    (SIGSEGV, or heap-use-after-free under ASan: see README, "Sanitizers")."""
+    several models, evaluate/predict in between, steps_per_execution > 1 and a retrace. A pending
+    update run through the dropped train function's freed FunctionLibraryRuntime would crash
+    (SIGSEGV, or heap-use-after-free under ASan: see docs/development.md, "Sanitizers")."""
     run = run_workers("crossing_stress.py", 2, timeout=600,
                       env={"PROPHET_TEST_APPLY_DELAY_MS": "100"}).check_ok()
     for rank in range(2):

@@ -1,9 +1,10 @@
 """A gradient's identity travels with it: keyed by the variable object from the all-reduce to the
 update, summed across workers exactly once, and the run fails closed otherwise.
 
-Regression tests for nested-layer variables under crossing (their updates used to apply the local
-gradient), sparse gradients with Adam (small tables used to be densified), and optimizer steps
-outside ``strategy.run`` (used to update every worker with its own gradient, silently).
+Covers the cases where that can go wrong silently: nested-layer variables under crossing (an
+update must not apply the local gradient), sparse gradients with Adam (small tables must not be
+densified), and optimizer steps outside ``strategy.run`` (which would update every worker with
+its own gradient).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def _site(variables):
 def test_gradients_are_keyed_by_variable_object_not_name():
     with tf.name_scope("block"):
         a = tf.Variable(1.0, name="kernel")
-        b = tf.Variable(2.0, name="kernel")   # same TF name: the case that used to be confused
+        b = tf.Variable(2.0, name="kernel")   # same TF name: keyed by name they would be confused
     site = _site([a, b])
     site.reduced = True
     site.gradients[0].reduced = _gradients.DEFERRED

@@ -19,7 +19,7 @@ from prophet_tf import timeline
 from prophet_tf.predict import (SCHEDULES, PredictError, PredictOptions, Profile, ProfiledLayer,
                                 ProfiledTensor, ProfileError, ideal_bound, load_profile, predict,
                                 profile_from_trace)
-from prophet_tf.predict.__main__ import parse_duration, parse_rate
+from prophet_tf.predict.cli import parse_duration, parse_rate
 
 REPO = Path(__file__).resolve().parents[1]
 CONTROL = 1 << 40
@@ -123,8 +123,9 @@ def late_gradient_trace(steps: int = 5) -> list[dict]:
 
 
 def test_gradient_handed_over_after_the_step_returns_keeps_its_ready_time():
-    # BERT-base's word embedding: its gradient used to take the previous step's ready time
-    # (before the backward pass, clamped to its start), so no all-reduce of its 94 MB was exposed.
+    # BERT-base's word embedding: its gradient is handed over after the step's span ends; taking
+    # the previous step's hand-over instead (before the backward pass, clamped to its start) would
+    # hide the all-reduce of its 94 MB.
     profile = profile_from_trace(late_gradient_trace(), source="late")
     by_name = {t.name: t for t in profile.tensors}
     assert by_name["grad/dense/kernel"].ready_s == pytest.approx(0.067)

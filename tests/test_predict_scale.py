@@ -1,4 +1,4 @@
-"""The predictor at scale (issue 19): time scale conversion of emulated profiles, workers per
+"""The predictor at scale: time scale conversion of emulated profiles, workers per
 host and the two-level path through the Python API and the command line, and the scaling
 table's arithmetic. Each test takes about a second."""
 

@@ -73,7 +73,7 @@ def test_a_failed_save_of_the_chief_fails_every_worker_with_its_error(resumed):
 # ---- the pieces, without workers ---------------------------------------------------------------
 
 def test_replace_atomically_keeps_the_target_when_the_write_fails(tmp_path):
-    from prophet_tf import _keras_saving
+    from prophet_tf._keras import saving
 
     target = tmp_path / "model.keras"
     target.write_bytes(b"previous checkpoint")
@@ -84,10 +84,10 @@ def test_replace_atomically_keeps_the_target_when_the_write_fails(tmp_path):
         raise OSError("disk full")
 
     with pytest.raises(OSError, match="disk full"):
-        _keras_saving.replace_atomically(broken_write, str(target))
+        saving.replace_atomically(broken_write, str(target))
     assert target.read_bytes() == b"previous checkpoint"
     assert os.listdir(tmp_path) == ["model.keras"]  # the temporary file is gone too
-    _keras_saving.replace_atomically(lambda p: open(p, "wb").write(b"new"), str(target))
+    saving.replace_atomically(lambda p: open(p, "wb").write(b"new"), str(target))
     assert target.read_bytes() == b"new" and os.listdir(tmp_path) == ["model.keras"]
 
 
@@ -95,38 +95,38 @@ def test_backup_metadata_follows_the_weights_in_place(tmp_path):
     """A kill between BackupAndRestore's two renames: '.next' describes the weights in place."""
     from types import SimpleNamespace
 
-    from prophet_tf import _keras_saving
+    from prophet_tf._keras import saving
 
     weights, metadata = tmp_path / "latest.weights.h5", tmp_path / "training_metadata.json"
     callback = SimpleNamespace(_weights_path=str(weights), _training_metadata_path=str(metadata))
     weights.write_bytes(b"weights of epoch 3")
     metadata.write_text('{"epoch": 2, "batch": 0}')
-    assert _keras_saving._backup_metadata_path(callback) == str(metadata)
+    assert saving._backup_metadata_path(callback) == str(metadata)
     next_metadata = tmp_path / "training_metadata.json.next"
     # Killed before the weights were renamed: '.next' names another file, the old pair stands.
     next_metadata.write_text(f'{{"epoch": 3, "weights_inode": {weights.stat().st_ino + 1}}}')
-    assert _keras_saving._backup_metadata_path(callback) == str(metadata)
+    assert saving._backup_metadata_path(callback) == str(metadata)
     # Killed after the weights were renamed: '.next' names the weights in place.
     next_metadata.write_text(f'{{"epoch": 3, "weights_inode": {weights.stat().st_ino}}}')
-    assert _keras_saving._backup_metadata_path(callback) == str(next_metadata)
+    assert saving._backup_metadata_path(callback) == str(next_metadata)
     next_metadata.write_text('{"epoch": 3, "weights_ino')  # truncated: ignored
-    assert _keras_saving._backup_metadata_path(callback) == str(metadata)
+    assert saving._backup_metadata_path(callback) == str(metadata)
 
 
 def test_other_workers_raise_the_failing_workers_error_type():
-    from prophet_tf import _keras_saving
+    from prophet_tf._keras import saving
     from prophet_tf.errors import SaveError
 
     missing = FileNotFoundError(2, "No such file or directory")
-    outcomes = [_keras_saving.encode_outcome(0, missing), b""]
+    outcomes = [saving.encode_outcome(0, missing), b""]
     with pytest.raises(FileNotFoundError, match=r"rank 0 \(the chief\).*No such file"):
-        _keras_saving.raise_first_failure(1, None, outcomes)
-    _keras_saving.raise_first_failure(0, missing, outcomes)  # rank 0 re-raises its own error
+        saving.raise_first_failure(1, None, outcomes)
+    saving.raise_first_failure(0, missing, outcomes)  # rank 0 re-raises its own error
 
     class CustomError(Exception):
         pass
 
-    outcomes = [b"", _keras_saving.encode_outcome(1, CustomError("quota"))]
+    outcomes = [b"", saving.encode_outcome(1, CustomError("quota"))]
     with pytest.raises(SaveError, match="rank 1.*CustomError: quota"):
-        _keras_saving.raise_first_failure(0, None, outcomes)
-    _keras_saving.raise_first_failure(0, None, [b"", b""])
+        saving.raise_first_failure(0, None, outcomes)
+    saving.raise_first_failure(0, None, [b"", b""])

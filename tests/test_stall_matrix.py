@@ -1,5 +1,5 @@
-"""Every schedule finishes every step (issue 18: ``priority`` on 4 workers never finished its first
-step, because a push's byte credit waited for its sum, which waits for the other workers' pushes).
+"""Every schedule finishes every step. A byte credit that waited for a push's sum, which waits for
+the other workers' pushes, would stall ``priority`` on 4 workers in its first step.
 
 Here: ProphetStrategy on 4 workers trains an emulated model (one large first-layer gradient, many
 small ones; fixed compute times, no CPU) with each schedule in turn, ``auto`` included, the credit,

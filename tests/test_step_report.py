@@ -16,10 +16,10 @@ import sys
 
 import pytest
 
-from prophet_tf import _step_report
-from prophet_tf._step_report import (COMPUTE_MS, LINK_GBPS, LOG_KEYS, PLAN_BLOCKS, SCHEDULE, STEP_MS,
-                                     WAIT_MS, StepReport, StepTimes, parse_timeline_label,
-                                     timeline_label)
+from prophet_tf._keras import step_report
+from prophet_tf._keras.step_report import (COMPUTE_MS, LINK_GBPS, LOG_KEYS, PLAN_BLOCKS,
+                                           SCHEDULE, STEP_MS, WAIT_MS, StepReport, StepTimes,
+                                           parse_timeline_label, timeline_label)
 from prophet_tf.bench import step_report_check
 from conftest import ROOT, WORKERS, _worker_env, parse_results
 
@@ -43,7 +43,7 @@ def test_the_keys_are_in_history_csv_and_tensorboard_the_same_on_every_worker(tw
     for r in results:
         assert set(LOG_KEYS) <= set(r["history"]), r["history"].keys()
         assert set(LOG_KEYS) <= set(r["csv_header"]), r["csv_header"]  # CSVLogger on each worker
-    runtime_logs = [{k: v for k, v in r["history"].items() if _step_report.is_report_key(k)}
+    runtime_logs = [{k: v for k, v in r["history"].items() if step_report.is_report_key(k)}
                     for r in results]
     assert runtime_logs[0] == runtime_logs[1], runtime_logs  # the same values everywhere
     assert results[0]["csv_header"] == results[1]["csv_header"]
@@ -113,11 +113,11 @@ def test_the_line_names_the_schedule():
 
 
 def test_report_every_epoch_follows_the_environment(monkeypatch):
-    monkeypatch.setenv(_step_report.REPORT_EVERY_EPOCH_ENV, "0")
-    assert not _step_report.report_every_epoch_default()
-    monkeypatch.delenv(_step_report.REPORT_EVERY_EPOCH_ENV)
-    assert _step_report.report_every_epoch_default()
-    assert _step_report.is_report_key(PLAN_BLOCKS) and not _step_report.is_report_key("loss")
+    monkeypatch.setenv(step_report.REPORT_EVERY_EPOCH_ENV, "0")
+    assert not step_report.report_every_epoch_default()
+    monkeypatch.delenv(step_report.REPORT_EVERY_EPOCH_ENV)
+    assert step_report.report_every_epoch_default()
+    assert step_report.is_report_key(PLAN_BLOCKS) and not step_report.is_report_key("loss")
 
 
 def test_the_check_against_the_emulated_accelerator_reads_its_idle_time(tmp_path):

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import WORKERS, run_programs_against_one_process
-from prophet_tf._step_report import is_report_key
+from prophet_tf._keras.step_report import is_report_key
 
 WORKERS_N = 2
 TOLERANCE = 1e-5
@@ -51,7 +51,7 @@ def _max_diff(a_list, b_list) -> float:
 
 def _close(got, want, where) -> None:
     """``got`` (a worker's logs) matches ``want`` (one process's), leaving out the step report's
-    keys (prophet_tf/_step_report.py: timings, not results)."""
+    keys (prophet_tf/_keras/step_report.py: timings, not results)."""
     if isinstance(want, dict):
         assert isinstance(got, dict), (where, got, want)
         got = {k: v for k, v in got.items() if not is_report_key(k)}

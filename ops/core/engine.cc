@@ -14,6 +14,7 @@
 #include "ops/core/failures.h"
 #include "ops/core/fuser.h"
 #include "ops/core/hosts.h"
+#include "ops/core/output_pool.h"
 #include "ops/core/timeouts.h"
 #include "ops/core/transport.h"
 
@@ -429,7 +430,8 @@ std::string Engine::StatsJson() const {
      << ", \"ops_done\": " << m.ops_done.load() << ", \"ops_failed\": " << m.ops_failed.load()
      << ", \"fusion_questions\": " << m.fusion_questions.load()
      << ", \"fused_submitted\": " << m.fused_submitted.load()
-     << ", \"two_level_hosts\": " << (m.two_level ? m.two_level->hosts() : 0) << "}";
+     << ", \"two_level_hosts\": " << (m.two_level ? m.two_level->hosts() : 0)
+     << ", \"outputs_recycled\": " << GlobalOutputPool().reused() << "}";
   return os.str();
 }
 

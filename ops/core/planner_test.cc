@@ -114,9 +114,9 @@ TEST(TensorBiggerThanBudgetJoinsNoBlock) {
 }
 
 // VGG16's shape: a big gradient of low priority (fc1's kernel) is ready early, in a stage of its
-// own, and the more urgent small ones follow in later stages. Planned as a block of its own (the
-// old rule), it held the link until it had left, the small ones waiting behind it, and the first
-// layer went out late; held for the credit phase it fills the link while nothing planned is ready.
+// own, and the more urgent small ones follow in later stages. Planned as a block of its own, it
+// would hold the link until it had left, the small ones waiting behind it, and the first layer
+// would go out late; held for the credit phase it fills the link while nothing planned is ready.
 TEST(BigEarlyTensorDoesNotDelayTheFirstLayer) {
   const Profile profile = ProfileOf({{"fc", 0, 40 * kMB, 0},        {"c3", 1, kMB, 10 * kMs},
                                      {"c2", 2, kMB, 10 * kMs + kMs / 10},
@@ -234,7 +234,8 @@ TEST(ForecastOfAStepByHand) {
 // Ready times jitter when the CPU delays the backward ops: L4 ready at 5 ms instead of 10 merges
 // stages 0 and 1 (gaps of 4.8 and 5.1 ms, below twice the mean gap). The plan made for three
 // stages ({L5}, {L4}) still sends this step as well as a plan for two stages ({L4, L5}) would, so
-// it is kept; the old rule re-planned on any change of the stage count.
+// it is kept: re-planning on any change of the stage count would re-plan whenever jitter moves a
+// boundary.
 TEST(JitterThatMovesStageBoundariesKeepsThePlan) {
   const Plan plan = MakePlan(ProfileOf(ThreeStageTrace()), 100e6);
   std::vector<TraceTensor> trace = ThreeStageTrace();

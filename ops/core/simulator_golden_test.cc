@@ -1,15 +1,10 @@
 // Fixed predictions of the step simulator on small settings: every schedule, N = 2-16, links with
-// and without ingress limits, latency and what the kernel's socket holds. The numbers were
-// printed by the simulator before its event loop and link model were made faster for N = 256
-// (commit "simulator: golden predictions"), before small tensors went by exchange (so they run
-// with RuntimeModel::small_allreduce off), and before the runtime's bandwidth estimate became the
-// link's rate while a socket is full (issue 19: 7 prophet rows moved, its plans being made for
-// the link's rate instead of the round trips' goodput; no other row moved); a change of any of them is a change of the model,
-// which must be intended and stated, never a side effect of an optimisation.
-// Changed on purpose (gap100): N >= 3 with a TCP_NOTSENT_LOWAT (networks 0 and 1), when what TCP
-// queues below the sockets became each connection's share of the link instead of the whole link
-// per connection, and the default credit one partition per peer (ResolveCreditBytes). On a mismatch the
-// test prints the whole table as it is now, ready to paste after such an intended change.
+// and without ingress limits, latency and what the kernel's socket holds. They pin the model, so
+// that making the event loop or the link model faster cannot change a prediction: a change of any
+// of them is a change of the model, which must be intended and stated in the change that makes
+// it, never a side effect of an optimisation. They run with RuntimeModel::small_allreduce off (the
+// owner path for every tensor; simulator_test checks the exchange). On a mismatch the test prints
+// the whole table as it is now, ready to paste after such an intended change.
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -171,8 +166,8 @@ TEST(PredictionsAreUnchanged) {
         const Setting setting{schedule, n, network};
         RuntimeModel runtime;
         runtime.schedule = schedule;
-        // The owner path for every tensor, as when the table was printed: small tensors go by
-        // exchange since issue 19.2 (simulator_test checks that path); these pin the rest.
+        // The owner path for every tensor: the exchange of small tensors is checked by
+        // simulator_test; these pin the rest.
         runtime.small_allreduce = EngineOptions::kSmallAllreduceNever;
         SimulationOptions options;
         options.warmup_steps = 4;

@@ -24,8 +24,9 @@
 //   F - (lower bound) seen since Reset() as the forward pass's compute, and reports
 //   F - that reference, clamped to [lower bound, upper bound]. Exact when some step since Reset()
 //   ran its forward pass without an interior stall: the strategy resets the meter before
-//   reference steps that start once every pending update is applied (prophet_tf/_step_report.py);
-//   a validation, which waits for every update, or gates that opened in time do the same.
+//   reference steps that start once every pending update is applied
+//   (prophet_tf/_keras/step_report.py); a validation, which waits for every update, or gates
+//   that opened in time do the same.
 //   Without one, the reference contains stall and the report is low (never below the lower
 //   bound). Noise in the compute time makes it high by about that noise (never above the upper
 //   bound).

@@ -389,7 +389,8 @@ TEST(StrangersAreRejectedWithTheReasonAndCannotStopTheJob) {
   CaptureStderr capture;
   std::vector<Worker> w(2);
   w[0].Start(o[0]);
-  // Each of these used to end rank 0's start-up: 8 bytes of another version were enough.
+  // Each of these must not end rank 0's start-up: a stranger that has not proven the token could
+  // otherwise stop a job with 8 bytes of another version.
   ClientHello other_version = GoodHello(1, 2, 0);
   other_version.prefix.version = kProtocolVersion + 1;
   ClientHello world5 = GoodHello(1, 5, 0);

@@ -136,8 +136,8 @@ __attribute__((visibility("default"))) long long prophet_pending_updates() {
   return static_cast<long long>(prophet::GlobalGates().pending());
 }
 
-// The step report (ops/core/step_meter.h; prophet_tf/_step_report.py). A step is a call of the
-// train function: begin before it, end after it returns.
+// The step report (ops/core/step_meter.h; prophet_tf/_keras/step_report.py). A step is a call of
+// the train function: begin before it, end after it returns.
 __attribute__((visibility("default"))) void prophet_step_meter_reset() { prophet::GlobalStepMeter().Reset(); }
 
 __attribute__((visibility("default"))) void prophet_step_begin() {

@@ -122,7 +122,7 @@ def main(argv: Sequence[str]) -> int:
     import sys
     from absl import flags
     from prophet_tf.predict import PredictError, PredictOptions, ProfileError, load_profile
-    from prophet_tf.predict.__main__ import parse_duration, parse_rate
+    from prophet_tf.predict.cli import parse_duration, parse_rate
     FLAGS = flags.FLAGS
     if len(argv) != 2:
         print("usage: python -m prophet_tf.bench.control_latency PROFILE [flags]", file=sys.stderr)

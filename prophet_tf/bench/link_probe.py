@@ -99,7 +99,7 @@ def _define_flags() -> None:
 def main(argv: Sequence[str]) -> int:
     """Entry point (after absl parsed the flags)."""
     from absl import flags
-    from prophet_tf.predict.__main__ import parse_rate
+    from prophet_tf.predict.cli import parse_rate
 
     FLAGS = flags.FLAGS
     if FLAGS.worker:

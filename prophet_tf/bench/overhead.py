@@ -64,7 +64,7 @@ def run_worker(config: dict) -> None:
     import keras
 
     import prophet_tf
-    from prophet_tf import _step_report
+    from prophet_tf._keras import step_report
 
     strategy = prophet_tf.ProphetStrategy(schedule="prophet", cross_barrier=config["cross"],
                                           report_every_epoch=False)
@@ -76,7 +76,7 @@ def run_worker(config: dict) -> None:
     steps = config["warmup"] + config["steps"]
     x = np.random.default_rng(0).normal(size=(config["batch"] * steps, 8)).astype("float32")
     epoch_end_s: list[float] = []
-    end_epoch = _step_report.StepReporter.end_epoch
+    end_epoch = step_report.StepReporter.end_epoch
 
     def timed_end_epoch(self, logs):
         start = time.perf_counter()
@@ -85,7 +85,7 @@ def run_worker(config: dict) -> None:
         finally:
             epoch_end_s.append(time.perf_counter() - start)
 
-    _step_report.StepReporter.end_epoch = timed_end_epoch
+    step_report.StepReporter.end_epoch = timed_end_epoch
 
     class StepTimer(keras.callbacks.Callback):
         def __init__(self) -> None:
@@ -156,7 +156,7 @@ def run_preemption_worker(config: dict) -> None:
     batch = np.random.default_rng(0).normal(size=(config["batch"], 8)).astype("float32")
     checked = model()
     checked.train_on_batch(batch, batch)  # traced with the check
-    preemption._reset()
+    preemption.reset()
     unchecked = model()
     unchecked.train_on_batch(batch, batch)  # traced without it
     for _ in range(config["warmup"]):

@@ -453,8 +453,8 @@ def _profile_for(model: str, flags_: Any) -> Any:
     from prophet_tf.predict import load_profile
     if flags_.profile:
         return load_profile(flags_.profile)
-    from prophet_tf.bench.schedule_map import _profiles
-    return _profiles([model], flags_.out, flags_.accelerator_tflops, None)[model]
+    from prophet_tf.bench.schedule_map import emulated_profiles
+    return emulated_profiles([model], flags_.out, flags_.accelerator_tflops, None)[model]
 
 
 def load_runs(path: str) -> list[ReplayRun]:

@@ -145,7 +145,7 @@ def scaling_points(profiles: dict[str, Any], bandwidths: Sequence[float], worker
 
 
 def _rate(bps: float) -> str:
-    from prophet_tf.predict.__main__ import format_rate
+    from prophet_tf.predict.cli import format_rate
     return format_rate(bps)
 
 
@@ -292,9 +292,9 @@ def main(argv: Sequence[str]) -> int:
     """Entry point (after absl parsed the flags)."""
     from absl import flags
 
-    from prophet_tf.bench.schedule_map import _profiles, check_models
+    from prophet_tf.bench.schedule_map import check_models, emulated_profiles
     from prophet_tf.predict import SCHEDULES, PredictOptions
-    from prophet_tf.predict.__main__ import parse_fusion, parse_rate
+    from prophet_tf.predict.cli import parse_fusion, parse_rate
     FLAGS = flags.FLAGS
     if len(argv) > 1:
         print(f"unexpected arguments: {' '.join(argv[1:])}", file=sys.stderr)
@@ -326,7 +326,7 @@ def main(argv: Sequence[str]) -> int:
     if FLAGS.merge:
         return _merge(FLAGS.merge, out)
     t0 = time.monotonic()
-    profiles = _profiles(FLAGS.models, FLAGS.out, FLAGS.accelerator_tflops, None)
+    profiles = emulated_profiles(FLAGS.models, FLAGS.out, FLAGS.accelerator_tflops, None)
     from prophet_tf.predict.costs import apply_costs, describe
     options = apply_costs(PredictOptions(steps=FLAGS.steps, warmup_steps=FLAGS.warmup,
                                          workers_per_host=k, fusion_bytes=fusion_bytes),

@@ -188,7 +188,7 @@ def map_points(profiles: dict[str, Any], workers: Sequence[int], bandwidths: Seq
 
 
 def _rate(bps: float) -> str:
-    from prophet_tf.predict.__main__ import format_rate
+    from prophet_tf.predict.cli import format_rate
     return format_rate(bps)
 
 
@@ -312,7 +312,7 @@ def plot(points: Sequence[MapPoint], path: str, title: str = "") -> None:
     plt.close(fig)
 
 
-def _profiles(models: Sequence[str], out: str, tflops: float, batch: Optional[int]) -> dict:
+def emulated_profiles(models: Sequence[str], out: str, tflops: float, batch: Optional[int]) -> dict:
     """model -> the emulated step (layer specs built once per model and kept in OUT/specs)."""
     from prophet_tf.bench import emulated
     from prophet_tf.bench import models as models_mod
@@ -377,7 +377,7 @@ def main(argv: Sequence[str]) -> int:
     from absl import flags
 
     from prophet_tf.predict import PredictOptions
-    from prophet_tf.predict.__main__ import parse_duration, parse_rate
+    from prophet_tf.predict.cli import parse_duration, parse_rate
     FLAGS = flags.FLAGS
     if len(argv) > 1:
         print(f"unexpected arguments: {' '.join(argv[1:])}", file=sys.stderr)
@@ -404,7 +404,7 @@ def main(argv: Sequence[str]) -> int:
     out = os.path.join(FLAGS.out, "schedule_map")
     os.makedirs(out, exist_ok=True)
     t0 = time.monotonic()
-    profiles = _profiles(FLAGS.models, FLAGS.out, FLAGS.accelerator_tflops, FLAGS.batch)
+    profiles = emulated_profiles(FLAGS.models, FLAGS.out, FLAGS.accelerator_tflops, FLAGS.batch)
     log = PointLog(os.path.join(out, "points.jsonl"), _header(options, profiles, FLAGS),
                    FLAGS.resume)
     if log.kept:

@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 from absl import app, flags
 
 from prophet_tf import timeline
-from prophet_tf._step_report import TIMELINE_TRACK, parse_timeline_label
+from prophet_tf._keras.step_report import TIMELINE_TRACK, parse_timeline_label
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("skip", 4, "Steps left out at the start of every trace (tracing, warm-up).")

@@ -15,7 +15,7 @@ import time
 from typing import Callable, Optional, TextIO
 
 from prophet_tf.cluster import JOB_SEED_ENV
-from prophet_tf.launch.rendezvous import Master, NodeLink, _Failed
+from prophet_tf.launch.rendezvous import Master, NodeLink, JoinFailed
 from prophet_tf.launch.restarts import RestartPolicy
 from prophet_tf.launch.workers import (EXIT_JOB_FAILED, Controls, Failure, JobSpec, Placement,
                                        reserve_ports, run_workers, with_job_seed)
@@ -63,7 +63,7 @@ def run_node(spec: JobSpec, controls: Controls, *, master: str, nnodes: int, nod
         round_, header = 0, None
         try:
             own_address, deadline = link.connect()
-        except _Failed as e:
+        except JoinFailed as e:
             return _rendezvous_failed(e, node_rank, server, say)
         host = host or own_address
         while True:
@@ -72,7 +72,7 @@ def run_node(spec: JobSpec, controls: Controls, *, master: str, nnodes: int, nod
                          if base_port is not None else reserve_ports(nproc, host))
                 with ports as chosen:
                     plan = link.join(chosen, host, deadline, round_)
-            except _Failed as e:
+            except JoinFailed as e:
                 return _rendezvous_failed(e, node_rank, server, say)
             ranks = list(range(plan.first_rank, plan.first_rank + nproc))
             say(f"node {node_rank}: ranks {ranks[0]}..{ranks[-1]} of {plan.world_size} on {host}"
@@ -144,7 +144,7 @@ def run_node(spec: JobSpec, controls: Controls, *, master: str, nnodes: int, nod
         link.close()
 
 
-def _rendezvous_failed(e: _Failed, node_rank: int, server: Optional[Master],
+def _rendezvous_failed(e: JoinFailed, node_rank: int, server: Optional[Master],
                        say: Callable[[str], None]) -> int:
     say(f"node {node_rank}: {e}")
     failure = e.failure or Failure(EXIT_JOB_FAILED, f"node {node_rank}: {e}",

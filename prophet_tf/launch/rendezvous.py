@@ -720,10 +720,10 @@ class NodeLink:
                 problem, pause = str(e), 0.5
             self._check_interrupted()
             if time.monotonic() + pause >= deadline:
-                raise _Failed(f"could not reach the master at {self.master} within "
-                              f"{self.timeout:g} s ({attempts} attempt(s); last problem: {problem}): "
-                              "is node 0's launcher started with the same --master, and is that "
-                              "port reachable from here?")
+                raise JoinFailed(f"could not reach the master at {self.master} within "
+                                 f"{self.timeout:g} s ({attempts} attempt(s); last problem: {problem}): "
+                                 "is node 0's launcher started with the same --master, and is that "
+                                 "port reachable from here?")
             time.sleep(pause)
         sock.settimeout(_SEND_TIMEOUT_S)
         self.sock = sock
@@ -731,10 +731,10 @@ class NodeLink:
         _send(sock, {"t": "hello", "proto": PROTOCOL, "version": VERSION, "nonce": nonce_n})
         reply = self._receive(min(deadline, time.monotonic() + HANDSHAKE_TIMEOUT_S), "its challenge")
         if reply.get("t") == "reject":
-            raise _Failed(f"the master at {self.master} rejected this node: {reply.get('reason')}")
+            raise JoinFailed(f"the master at {self.master} rejected this node: {reply.get('reason')}")
         if reply.get("t") != "challenge" or not _is_hex(reply.get("nonce"), 64):
-            raise _Failed(f"{self.master} did not answer as a prophet_tf master: is --master the "
-                          "address of node 0's launcher?")
+            raise JoinFailed(f"{self.master} did not answer as a prophet_tf master: is --master the "
+                             "address of node 0's launcher?")
         master_proved = hmac.compare_digest(
             _mac(self.token, "master", nonce_n, reply["nonce"]), str(reply.get("mac", "")))
         self._nonces = (nonce_n, reply["nonce"])
@@ -752,13 +752,13 @@ class NodeLink:
         reply = self._receive(min(deadline, time.monotonic() + HANDSHAKE_TIMEOUT_S),
                               "its answer to the join", allow_ping=True)
         if not self._master_proved:
-            raise _Failed(f"job token mismatch: the master at {self.master} could not prove that it "
-                          "holds this job's token: PROPHET_JOB_TOKEN must be identical on every node"
-                          + (f" (it says: {reply.get('reason')})" if reply.get("t") == "reject" else ""))
+            raise JoinFailed(f"job token mismatch: the master at {self.master} could not prove that it "
+                             "holds this job's token: PROPHET_JOB_TOKEN must be identical on every node"
+                             + (f" (it says: {reply.get('reason')})" if reply.get("t") == "reject" else ""))
         if reply.get("t") == "reject":
-            raise _Failed(f"the master at {self.master} rejected this node: {reply.get('reason')}")
+            raise JoinFailed(f"the master at {self.master} rejected this node: {reply.get('reason')}")
         if reply.get("t") != "joined":
-            raise _Failed(f"the master at {self.master} answered the join with {reply.get('t')!r}")
+            raise JoinFailed(f"the master at {self.master} answered the join with {reply.get('t')!r}")
         waiting = reply.get("waiting_for") or []
         if waiting:
             self.say(f"joined the master at {self.master}; waiting for node(s) "
@@ -777,16 +777,16 @@ class NodeLink:
                             job_seed=int(seed) if isinstance(seed, int) else None)
             if message.get("t") in ("abort", "verdict"):
                 failure = message.get("failure") or {}
-                raise _Failed(f"the rendezvous failed at the master: {failure.get('description')}",
-                              Failure.from_json(failure) if failure else None)
+                raise JoinFailed(f"the rendezvous failed at the master: {failure.get('description')}",
+                                 Failure.from_json(failure) if failure else None)
 
     def _check_interrupted(self) -> None:
         sig = self.interrupted()
         if sig is not None:
             name = signal.Signals(sig).name
-            raise _Failed(f"the launcher got {name} during the rendezvous",
-                          Failure(128 + sig, f"the launcher of node {self.node_rank} got {name}",
-                                  node=self.node_rank, at=time.time(), cause=CAUSE_INTERRUPTED))
+            raise JoinFailed(f"the launcher got {name} during the rendezvous",
+                             Failure(128 + sig, f"the launcher of node {self.node_rank} got {name}",
+                                     node=self.node_rank, at=time.time(), cause=CAUSE_INTERRUPTED))
 
     def _receive(self, deadline: float, what: str, allow_ping: bool = False) -> dict:
         assert self.sock is not None
@@ -799,8 +799,8 @@ class NodeLink:
             self._check_interrupted()
             left = deadline - time.monotonic()
             if left <= 0:
-                raise _Failed(f"the rendezvous did not complete within {self.timeout:g} s: waited "
-                              f"for {what} from the master at {self.master}")
+                raise JoinFailed(f"the rendezvous did not complete within {self.timeout:g} s: waited "
+                                 f"for {what} from the master at {self.master}")
             self.sock.settimeout(min(left, 1.0))
             try:
                 data = self.sock.recv(65536)
@@ -811,13 +811,13 @@ class NodeLink:
             else:
                 error = None
             if not data:
-                raise _Failed(f"the master at {self.master} closed the connection while this node "
-                              f"waited for {what}" + (f" ({error})" if error else "")
-                              + ": node 0's launcher exited or gave up; see its output")
+                raise JoinFailed(f"the master at {self.master} closed the connection while this node "
+                                 f"waited for {what}" + (f" ({error})" if error else "")
+                                 + ": node 0's launcher exited or gave up; see its output")
             try:
                 self._queue.extend(self._inbox.feed(data))
             except (ValueError, UnicodeDecodeError) as e:
-                raise _Failed(f"the master at {self.master} sent a malformed message ({e})") from None
+                raise JoinFailed(f"the master at {self.master} sent a malformed message ({e})") from None
 
     # -- while the workers run ----------------------------------------------------------------
     def watch(self, on_stop: Callable[[str, Optional[int]], None]) -> None:
@@ -910,7 +910,7 @@ class NodeLink:
                 self.sock.close()
 
 
-class _Failed(Exception):
+class JoinFailed(Exception):
     """A node's rendezvous failed; the message says why (and ``failure`` is the master's)."""
 
     def __init__(self, message: str, failure: Optional[Failure] = None) -> None:

@@ -15,6 +15,7 @@ import json
 import math
 from typing import Any, Optional, Sequence, Union
 
+from prophet_tf._library import predict_api, runtime_constants
 from prophet_tf.errors import ProphetError
 from prophet_tf.predict.profile import Profile
 
@@ -45,7 +46,6 @@ _FAILED_PRECONDITION = 9
 
 
 def _runtime_default(key: str) -> Any:
-    from prophet_tf._library import runtime_constants
     return runtime_constants()["defaults"][key]
 
 
@@ -265,7 +265,6 @@ class IdealBound:
 
 def _call(entry: str, request: str, what: str) -> dict[str, Any]:
     """Runs a C entry point of the predictor library on ``request``; its JSON answer."""
-    from prophet_tf._library import predict_api
     api = predict_api()
     result = ctypes.c_void_p()
     code = getattr(api, entry)(request.encode(), ctypes.byref(result))

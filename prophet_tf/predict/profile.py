@@ -38,6 +38,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
+from prophet_tf import timeline
 from prophet_tf.errors import ProphetError
 from prophet_tf.runtime import control_priority
 
@@ -223,8 +224,6 @@ def load_profile(path: Union[str, Path], *, worker: Optional[int] = None) -> Pro
       ProfileError: the file is neither, or lacks what the predictor needs (the message says what
         to record).
     """
-    from prophet_tf import timeline
-
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -292,8 +291,6 @@ def profile_from_trace(events: Sequence[dict], *, worker: Optional[int] = None,
     "backward" spans per layer. Every step but the first ``skip_steps`` and the last (whose gap is
     unknown) contributes; each time is the median over those steps.
     """
-    from prophet_tf import timeline
-
     pids = sorted({int(e.get("pid", 0)) for e in events if e.get("ph") in ("X", "i", "I")})
     if not pids:
         raise ProfileError(f"{source}: the trace has no events")

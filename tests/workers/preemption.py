@@ -180,7 +180,7 @@ def rearm(strategy, program_handler=None):
     """Tests only: the process handles the next SIGTERM as a new preemption (with
     ``program_handler`` installed first, as a program would before creating the strategy)."""
     from prophet_tf import preemption
-    preemption._reset()
+    preemption.reset()
     if program_handler is not None:
         signal.signal(signal.SIGTERM, program_handler)
     preemption.arm("SIGTERM", 60.0, strategy.rank)

@@ -3,11 +3,12 @@ credit, partitions and socket buffers at their smallest, and reports each run's 
 
 Run: python -m prophet_tf.launch -n 4 tests/workers/stall_matrix.py fifo,priority,prophet,auto
 
-The model (prophet_tf/bench/emulated.py) has the shape that stalled ``priority`` on 4 workers
-(issue 18): one large first-layer gradient, the most urgent and the last one the backward pass
-makes, and many small ones; its layers take fixed times on the emulated accelerator and no CPU,
-so 8 workers fit on 2 cores. Each schedule gets a runtime of its own (started, used, shut down).
-A stall fails the step within ``timeout_s`` on every worker, naming what did not arrive.
+The model (prophet_tf/bench/emulated.py) has the shape that stalls ``priority`` on 4 workers when
+the credit waits for sums: one large first-layer gradient, the most urgent and the last one the
+backward pass makes, and many small ones; its layers take fixed times on the emulated
+accelerator and no CPU, so 8 workers fit on 2 cores. Each schedule gets a runtime of its own
+(started, used, shut down). A stall fails the step within ``timeout_s`` on every worker, naming
+what did not arrive.
 
 Prints one ``RESULT`` per schedule: the steps trained (and how many were asked for), the schedule
 in use at the end and a digest of the weights (equal on every worker when every step completed).

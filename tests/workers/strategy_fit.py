@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 import keras
 
-from prophet_tf import _keras_saving
+from prophet_tf._keras import saving
 from prophet_tf.strategy import ProphetStrategy
 
 GLOBAL_BATCH = 24
@@ -112,7 +112,7 @@ def main():
     plain_path = ckpt.save(os.path.join(workdir, "plain", "ckpt"))
     strategy.barrier()  # rank 0's files are complete from here on
     redirected = []
-    root = _keras_saving.temp_root()
+    root = saving.temp_root()
     if root:
         for d, _, files in os.walk(root):
             redirected += [os.path.relpath(os.path.join(d, f), root) for f in files]

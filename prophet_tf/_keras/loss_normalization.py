@@ -27,6 +27,10 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from prophet_tf import runtime
+from prophet_tf._keras.host import communicating_host
+from prophet_tf._keras.patching import patch
+
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
 
 
@@ -35,23 +39,19 @@ def _replica_extended() -> Optional[Any]:
     (where every worker runs the same computation); None elsewhere, e.g. in a callback or in the
     cross-replica context of ``strategy.scope()``, where a collective could run on one worker."""
     import tensorflow as tf
-    from prophet_tf.strategy import ProphetStrategy
 
-    strategy = tf.distribute.get_strategy()
-    if not isinstance(strategy, ProphetStrategy) or not strategy.extended._communicates:
+    extended = communicating_host(tf.distribute.get_strategy())
+    if extended is None or tf.distribute.in_cross_replica_context():
         return None
-    if tf.distribute.in_cross_replica_context():
-        return None
-    return strategy.extended
+    return extended
 
 
 def _global_sum(ext, values: list, kind: str) -> list:
     """Sums scalar ``values`` across the workers (float64; no gradient flows through counts)."""
     import tensorflow as tf
-    from prophet_tf.strategy import CONTROL_PRIORITY
 
     local = tf.stop_gradient(tf.stack([tf.cast(v, tf.float64) for v in values]))
-    total = ext._push_pull(local, ext._namer.site(kind), CONTROL_PRIORITY, False)
+    total = ext._push_pull(local, ext._namer.site(kind), runtime.control_priority(), False)
     return tf.unstack(total)
 
 
@@ -120,11 +120,9 @@ def _update_loss_tracker(original, values, sample_weight=None):
 
 
 def _compile(original, self, *args, **kwargs):
-    from prophet_tf._keras_patches import _patch
-
     result = original(self, *args, **kwargs)
     if getattr(self, "_loss_tracker", None) is not None:
-        _patch(self._loss_tracker, "update_state", _update_loss_tracker)
+        patch(self._loss_tracker, "update_state", _update_loss_tracker)
     return result
 
 
@@ -132,8 +130,7 @@ def install() -> None:
     """Patches Keras' loss reduction and loss tracker (idempotent)."""
     from keras.src.losses import loss as loss_module
     from keras.src.trainers import trainer as base_trainer
-    from prophet_tf._keras_patches import _patch
 
-    _patch(loss_module, "reduce_values", _reduce_values)
-    _patch(loss_module, "apply_mask", _apply_mask)
-    _patch(base_trainer.Trainer, "compile", _compile)
+    patch(loss_module, "reduce_values", _reduce_values)
+    patch(loss_module, "apply_mask", _apply_mask)
+    patch(base_trainer.Trainer, "compile", _compile)

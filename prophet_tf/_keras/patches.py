@@ -17,7 +17,8 @@ idempotent.
   clipped; the strategy clips the reduced ones (``clipnorm``, ``clipvalue`` and
   ``global_clipnorm`` then act on the global batch's gradient, as in one process).
 * ``keras.src.losses.loss.reduce_values``/``apply_mask`` and each model's loss tracker: losses
-  are averaged over the global batch's count, not each worker's (``prophet_tf/_loss_normalization.py``).
+  are averaged over the global batch's count, not each worker's
+  (``prophet_tf/_keras/loss_normalization.py``).
 * ``LossScaleOptimizer.check_finite``: finiteness is reduced across workers, so either every
   worker applies the step (and makes its gradient all-reduce) or none does.
 * ``TensorFlowTrainer.predict``: the input is sharded like fit's, so the per-step outputs are
@@ -30,12 +31,12 @@ idempotent.
   marks, ``schedule="auto"``, and the preemption request carried in the step's metric reduction).
 * ``TensorFlowTrainer.fit``, ``TFEpochIterator``, ``EpochIterator._enumerate_iterator``: a fit
   knows its position, resumes step-exactly from a backup and stops for a preemption
-  (``prophet_tf/_fit_session.py``).
+  (``prophet_tf/_keras/fit_session.py``).
 * ``Trainer._symbolic_build``: a model that defines ``train_step`` but no ``call()`` (a GAN, a
   VAE) is not traced symbolically (Keras would fail with "Unable to automatically build the
   model" under any strategy); like without a strategy, it builds in its first step.
 * ``TensorFlowTrainer.fit``, ``CallbackList.on_epoch_end`` and the train function: the step
-  report (``prophet_tf/_step_report.py``; any ProphetStrategy with ``step_report=True``, one
+  report (``prophet_tf/_keras/step_report.py``; any ProphetStrategy with ``step_report=True``, one
   worker included) measures every step and adds its ``prophet/...`` keys to the epoch logs.
 """
 
@@ -47,22 +48,20 @@ import time
 import threading
 import weakref
 
-from prophet_tf import _loss_normalization
+from prophet_tf import preemption, runtime
+from prophet_tf._gradients import tf_variable
+from prophet_tf._keras import fit_session, loss_normalization, step_report
+from prophet_tf._keras.fit_session import STOP_KEY
+from prophet_tf._keras.host import communicating_host, host_of
+from prophet_tf._keras.patching import patch
 
 _installed = False
 _lock = threading.Lock()
 
 
-def _prophet_extended(strategy):
-    from prophet_tf.strategy import ProphetStrategy
-    if isinstance(strategy, ProphetStrategy) and strategy.extended._communicates:
-        return strategy.extended
-    return None
-
-
 def _current_extended():
     import tensorflow as tf
-    return _prophet_extended(tf.distribute.get_strategy())
+    return communicating_host(tf.distribute.get_strategy())
 
 
 def _model_extended(model):
@@ -70,22 +69,7 @@ def _model_extended(model):
         strategy = model.distribute_strategy
     except Exception:  # noqa: BLE001 - not a TF trainer
         return None
-    return _prophet_extended(strategy)
-
-
-def _patch(owner, name: str, wrapper) -> None:
-    """Replaces ``owner.<name>`` (a class's method or a module's function) by one that calls
-    ``wrapper(original, *args, **kwargs)``, once: a second call finds it patched already."""
-    original = getattr(owner, name)
-    if getattr(original, "_prophet_patched", False):
-        return
-
-    @functools.wraps(original)
-    def patched(*args, **kwargs):
-        return wrapper(original, *args, **kwargs)
-
-    patched._prophet_patched = True
-    setattr(owner, name, patched)
+    return communicating_host(strategy)
 
 
 def install() -> None:
@@ -102,7 +86,7 @@ def install() -> None:
         _patch_fit()
         _patch_step_outputs()
         _patch_build_without_call()
-        _loss_normalization.install()
+        loss_normalization.install()
         _installed = True
 
 
@@ -115,7 +99,7 @@ def _patch_step_functions():
     * measures it for the step report (train; prophet_tf/_step_report);
     * gives ``schedule="auto"`` its occasion to choose the schedule (prophet_tf/_auto_schedule);
     * carries this worker's preemption request in the step's reductions and acts on the agreed
-      one (prophet_tf/preemption.py, prophet_tf/_fit_session.py).
+      one (prophet_tf/preemption.py, prophet_tf/_keras/fit_session.py).
 
     Forward and backward progress inside a step are already on the trace: a layer's forward pass
     starts when its "gate" span ends, and the backward pass emits a "ready" instant per gradient.
@@ -132,17 +116,15 @@ def _patch_step_functions():
         self.test_function = _wrap_step_function(self, self.test_function, training=False)
         return result
 
-    _patch(tf_trainer.TensorFlowTrainer, "make_train_function", make_train_function)
-    _patch(tf_trainer.TensorFlowTrainer, "make_test_function", make_test_function)
+    patch(tf_trainer.TensorFlowTrainer, "make_train_function", make_train_function)
+    patch(tf_trainer.TensorFlowTrainer, "make_test_function", make_test_function)
 
 
 def _wrap_step_function(model, function, training: bool):
-    from prophet_tf import _fit_session, _step_report, preemption, runtime
-
     if function is None or getattr(function, "_prophet_wrapped", False):
         return function
     ext = _model_extended(model)
-    reporter = _step_report.reporter_of(model) if training else None  # one worker included
+    reporter = step_report.reporter_of(model) if training else None  # one worker included
     auto = ext._auto_schedule if training and ext is not None else None
     marking = training and ext is not None and runtime.timeline_enabled()
     coordinating = ext is not None and ext._multi and preemption.armed()
@@ -173,7 +155,7 @@ def _wrap_step_function(model, function, training: bool):
         if auto is not None:
             auto.after_step(step, start, time.monotonic_ns())
         if coordinating:
-            _fit_session.after_step(out, training, per_call)
+            fit_session.after_step(out, training, per_call)
         return out
 
     wrapped._prophet_wrapped = True
@@ -184,7 +166,7 @@ def _wrap_step_function(model, function, training: bool):
 
 def _patch_fit():
     """``fit`` (one patch: ``_patch`` wraps a method once) runs, on several workers, in a session
-    (prophet_tf/_fit_session.py: its position, a step-exact resume from a restored backup, the
+    (prophet_tf/_keras/fit_session.py: its position, a step-exact resume from a restored backup, the
     preemption stop), and inside it gets the step report's callback first among its callbacks
     (its keys reach every other callback). The training epoch iterator resumes step-exactly.
     The report's line is printed once every callback's ``on_epoch_end`` ran, after Keras's
@@ -193,33 +175,31 @@ def _patch_fit():
     from keras.src.callbacks import callback_list
     from keras.src.trainers import epoch_iterator
 
-    from prophet_tf import _fit_session, _step_report
-
     def fit(original, self, *args, **kwargs):
         @functools.wraps(original)
         def with_report(model, *a, **k):
-            return _step_report.fit_with_report(original, model, a, k)
+            return step_report.fit_with_report(original, model, a, k)
 
         ext = _model_extended(self)
         if ext is None or not ext._multi:
             return with_report(self, *args, **kwargs)
-        return _fit_session.run_fit(with_report, self, ext, args, kwargs)
+        return fit_session.run_fit(with_report, self, ext, args, kwargs)
 
     def epoch_iterator_init(original, self, *args, **kwargs):
         original(self, *args, **kwargs)
-        _fit_session.claim_iterator(self)
+        fit_session.claim_iterator(self)
 
     def enumerate_iterator(original, self):
-        return _fit_session.enumerate_epoch(original, self)
+        return fit_session.enumerate_epoch(original, self)
 
     def on_epoch_end(original, self, epoch, logs=None):
         original(self, epoch, logs)
-        _step_report.after_epoch_end(self)
+        step_report.after_epoch_end(self)
 
-    _patch(tf_trainer.TensorFlowTrainer, "fit", fit)
-    _patch(tf_trainer.TFEpochIterator, "__init__", epoch_iterator_init)
-    _patch(epoch_iterator.EpochIterator, "_enumerate_iterator", enumerate_iterator)
-    _patch(callback_list.CallbackList, "on_epoch_end", on_epoch_end)
+    patch(tf_trainer.TensorFlowTrainer, "fit", fit)
+    patch(tf_trainer.TFEpochIterator, "__init__", epoch_iterator_init)
+    patch(epoch_iterator.EpochIterator, "_enumerate_iterator", enumerate_iterator)
+    patch(callback_list.CallbackList, "on_epoch_end", on_epoch_end)
 
 
 # ---- metrics ------------------------------------------------------------------------------
@@ -234,8 +214,6 @@ def _patch_metrics():
         metrics = list(self.metrics)
         per_metric = [list(m.variables) for m in metrics]
         flat = [v for vs in per_metric for v in vs]
-        from prophet_tf import preemption
-        from prophet_tf._fit_session import STOP_KEY
 
         stop_flag = preemption.flag_to_carry() if ext._multi else None
         reduced, agreed_stop = ext._reduce_metric_state(flat, stop_flag)
@@ -255,7 +233,7 @@ def _patch_metrics():
             _mark_global(value)
         return return_metrics
 
-    _patch(base_trainer.Trainer, "get_metrics_result", get_metrics_result)
+    patch(base_trainer.Trainer, "get_metrics_result", get_metrics_result)
 
 
 # ---- the optimizer step ---------------------------------------------------------------------
@@ -271,20 +249,18 @@ def _patch_optimizer():
             self, grads, trainable_variables,
             lambda: original(self, grads, trainable_variables, learning_rate))
 
-    _patch(tf_optimizer.TFOptimizer, "_backend_update_step", _backend_update_step)
+    patch(tf_optimizer.TFOptimizer, "_backend_update_step", _backend_update_step)
 
 
 def _optimizer_extended(optimizer, variables):
     """The multi-worker ProphetExtended that owns these variables (or this optimizer, or the
     current scope), whatever context the optimizer step runs in: a step outside the strategy's
     replica context must be caught, not passed through."""
-    from prophet_tf._gradients import tf_variable
-
     for v in variables:
-        ext = _prophet_extended(getattr(tf_variable(v), "_distribute_strategy", None))
+        ext = communicating_host(getattr(tf_variable(v), "_distribute_strategy", None))
         if ext is not None:
             return ext
-    return (_prophet_extended(getattr(optimizer, "_distribution_strategy", None))
+    return (communicating_host(getattr(optimizer, "_distribution_strategy", None))
             or _current_extended())
 
 
@@ -307,7 +283,7 @@ def _patch_clipping():
             return grads  # clipped once reduced (ProphetExtended._reduce_gradients)
         return original(self, grads)
 
-    _patch(base_optimizer.BaseOptimizer, "_clip_gradients", _clip_gradients)
+    patch(base_optimizer.BaseOptimizer, "_clip_gradients", _clip_gradients)
 
 
 # ---- loss scaling -------------------------------------------------------------------------
@@ -322,7 +298,7 @@ def _patch_loss_scale():
             return finite
         return ext._all_finite(finite)
 
-    _patch(lso.LossScaleOptimizer, "check_finite", check_finite)
+    patch(lso.LossScaleOptimizer, "check_finite", check_finite)
 
 
 # ---- predict ------------------------------------------------------------------------------
@@ -352,7 +328,7 @@ def _patch_predict():
             _gathering_predict_functions[self] = (key, self.predict_function)
             self.predict_function = plain
 
-    _patch(tf_trainer.TensorFlowTrainer, "predict", predict)
+    patch(tf_trainer.TensorFlowTrainer, "predict", predict)
 
 
 # ---- values returned by train/test steps ------------------------------------------------------
@@ -373,7 +349,6 @@ def _average_step_outputs(ext, values):
     other dtypes take rank 0's value. Outputs marked global are returned unchanged."""
     import tensorflow as tf
     from keras.src import tree
-    from prophet_tf.strategy import CONTROL_PRIORITY
 
     flat = tree.flatten(values)
     groups: dict = {}
@@ -390,7 +365,7 @@ def _average_step_outputs(ext, values):
         joined = tf.concat(parts, axis=0)
         name = f"{site}/{dtype.name}/{len(idx)}"
         if dtype.is_floating:
-            reduced = ext._push_pull(joined, name, CONTROL_PRIORITY, True)
+            reduced = ext._push_pull(joined, name, runtime.control_priority(), True)
         else:
             reduced = ext._broadcast(joined, name, root_rank=0)
         for i, part in zip(idx, tf.split(reduced, tf.stack(sizes))):
@@ -403,13 +378,12 @@ def _patch_step_outputs():
     from keras.src.backend.tensorflow import trainer as tf_trainer
 
     def reduce_per_replica(original, values, strategy, reduction):
-        ext = _prophet_extended(strategy)
+        ext = communicating_host(strategy)
         if ext is None or reduction not in ("auto", "mean"):
             return original(values, strategy, reduction)  # "concat" (predict) is gathered
-        from prophet_tf import _fit_session
-        return _fit_session.carry_stop_flag(ext, _average_step_outputs(ext, values))
+        return fit_session.carry_stop_flag(ext, _average_step_outputs(ext, values))
 
-    _patch(tf_trainer, "reduce_per_replica", reduce_per_replica)
+    patch(tf_trainer, "reduce_per_replica", reduce_per_replica)
 
 
 # ---- models without call() --------------------------------------------------------------------
@@ -423,13 +397,11 @@ def _patch_build_without_call():
     from keras.src.trainers import trainer as base_trainer
 
     def _symbolic_build(original, self, iterator=None, data_batch=None):
-        from prophet_tf.strategy import ProphetStrategy
-
-        if (isinstance(getattr(self, "_distribute_strategy", None), ProphetStrategy)
+        if (host_of(getattr(self, "_distribute_strategy", None)) is not None
                 and not _defines_call(self)):
             # Keras would trace call() on a symbolic batch; there is none. Without a strategy
             # Keras does not build here either: the first train step creates what is missing.
             return None
         return original(self, iterator=iterator, data_batch=data_batch)
 
-    _patch(base_trainer.Trainer, "_symbolic_build", _symbolic_build)
+    patch(base_trainer.Trainer, "_symbolic_build", _symbolic_build)

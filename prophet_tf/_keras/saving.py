@@ -46,6 +46,11 @@ import tempfile
 import threading
 from typing import Any, Callable, Iterator, Optional
 
+from prophet_tf import runtime
+from prophet_tf._keras import fit_session
+from prophet_tf._keras.patching import patch
+from prophet_tf.errors import SaveError
+
 _lock = threading.Lock()
 _root: Optional[str] = None
 _rank: Optional[int] = None
@@ -160,14 +165,13 @@ def _agree_through(extended: Any, error: Optional[BaseException]) -> None:
     """Every worker's outcome to every worker (one all-gather); raises the first failure."""
     import numpy as np
     import tensorflow as tf
-    from prophet_tf.strategy import CONTROL_PRIORITY
 
     mine = encode_outcome(extended._rank, error)
     # Rank order, each entry [length, bytes...] (all-gather concatenates along dim 0).
     local = np.concatenate([[len(mine)], np.frombuffer(mine, np.uint8)]).astype(np.int32)
     try:
         gathered = extended._allgather(tf.constant(local), extended._namer.site("save_outcome"),
-                                       CONTROL_PRIORITY).numpy()
+                                       runtime.control_priority()).numpy()
     except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError) as failure:
         failure.add_note(_NOT_EVERY_WORKER_SAVED)
         raise
@@ -197,8 +201,6 @@ def raise_first_failure(rank: int, own_error: Optional[BaseException],
     the others get an exception of the same built-in type (so the same ``except`` clauses run on
     every worker), or a ``prophet_tf.errors.SaveError``, whose message names the rank.
     """
-    from prophet_tf.errors import SaveError
-
     for failing_rank, raw in enumerate(outcomes):
         if not raw:
             continue
@@ -363,9 +365,8 @@ def _backup_save(callback: Any) -> None:
 
     The metadata holds the position (:func:`backup_position`: ``epoch`` and ``steps_done``, with
     Keras' ``batch``) and what decides the order of the training input (``input_order``), from
-    which a resumed fit continues step-exactly (``prophet_tf/_fit_session.py``).
+    which a resumed fit continues step-exactly (``prophet_tf/_keras/fit_session.py``).
     """
-    from prophet_tf import _fit_session
     from keras.src.utils import file_utils
 
     os.makedirs(callback.backup_dir, exist_ok=True)
@@ -383,7 +384,7 @@ def _backup_save(callback: Any) -> None:
         epoch, steps = backup_position(callback)
         state = {"epoch": epoch, "batch": max(steps - 1, 0), "steps_done": steps,
                  "weights_inode": os.stat(temporary).st_ino}
-        session = _fit_session.current()
+        session = fit_session.current()
         order = session.input_order() if session is not None else None
         if order is not None:
             state["input_order"] = order.to_json()
@@ -420,9 +421,7 @@ def _backup_metadata_path(callback: Any) -> str:
 
 def _register_resume(callback: Any, metadata_path: str) -> None:
     """Tells the running fit where the backup just loaded continues (step-exactly)."""
-    from prophet_tf import _fit_session
-
-    session = _fit_session.current()
+    session = fit_session.current()
     if session is None or not os.path.exists(callback._weights_path):
         return
     try:
@@ -481,8 +480,6 @@ def _backup_restore(callback: Any) -> None:
 def _patch_callbacks() -> None:
     from keras.src.callbacks import backup_and_restore, csv_logger
 
-    from prophet_tf._keras_patches import _patch
-
     @agreed
     def save_model(_original, self):
         with _attributes_redirected(self, _BACKUP_WRITE_PATHS):
@@ -524,19 +521,19 @@ def _patch_callbacks() -> None:
         return original(self, epoch, logs)
 
     backup = backup_and_restore.BackupAndRestore
-    _patch(backup, "on_epoch_begin", on_epoch_begin)
-    _patch(backup, "on_train_batch_end", on_train_batch_end)
-    _patch(backup, "on_epoch_end", on_epoch_end)
-    _patch(backup, "_save_model", save_model)
-    _patch(backup, "_load_model", load_model)
-    _patch(backup, "on_train_end", on_train_end)
-    _patch(backup, "on_train_begin", on_train_begin)
+    patch(backup, "on_epoch_begin", on_epoch_begin)
+    patch(backup, "on_train_batch_end", on_train_batch_end)
+    patch(backup, "on_epoch_end", on_epoch_end)
+    patch(backup, "_save_model", save_model)
+    patch(backup, "_load_model", load_model)
+    patch(backup, "on_train_end", on_train_end)
+    patch(backup, "on_train_begin", on_train_begin)
 
     def csv_on_train_begin(original, self, logs=None):
         with _attributes_redirected(self, ("filename",)):
             return original(self, logs)
 
-    _patch(csv_logger.CSVLogger, "on_train_begin", csv_on_train_begin)
+    patch(csv_logger.CSVLogger, "on_train_begin", csv_on_train_begin)
 
 
 # ---- TensorFlow checkpoints, SavedModel, summaries ------------------------------------------

@@ -5,7 +5,7 @@ stops for a preemption.
   step functions (wrapped in ``_keras_patches``) count the steps; an internal callback, last in
   the fit's list, starts each epoch's count.
 * **Step-exact resume**: ``BackupAndRestore`` records the position with its weights
-  (``_keras_saving._backup_save``). Keras records only the epoch and, on restore, runs that epoch
+  (``saving._backup_save``). Keras records only the epoch and, on restore, runs that epoch
   again from its first batch on top of weights that already contain some of its updates. Here,
   loading a backup registers a :class:`ResumePlan`; when the resumed epoch starts, the training
   epoch iterator reads the batches already applied without training on them, so the first step
@@ -33,7 +33,8 @@ import os
 import threading
 from typing import Any, Optional
 
-from prophet_tf import _compat, _input_order, preemption
+from prophet_tf import _compat, _input_order, preemption, runtime
+from prophet_tf.errors import ResumeError
 
 logger = logging.getLogger("prophet_tf")
 
@@ -128,7 +129,6 @@ class FitSession:
         if os.environ.get(INEXACT_RESUME_ENV, "").strip().lower() in ("1", "true", "yes"):
             logger.warning("prophet_tf: %s", message)
             return
-        from prophet_tf.errors import ResumeError
         raise ResumeError(message)
 
     # ---- preemption ---------------------------------------------------------------------------
@@ -148,10 +148,8 @@ class FitSession:
 
 def leave(report: preemption.Report) -> None:
     """Says where this worker stopped and leaves with EXIT_PREEMPTED."""
-    from prophet_tf import runtime
-
     preemption.mark_checkpoint_written()
-    preemption._write_stderr(report.line())
+    preemption.write_stderr(report.line())
     runtime.timeline_flush()
     preemption.leaving()
     raise preemption.Preempted(report)
@@ -178,7 +176,6 @@ def after_step(outputs: Any, training: bool, steps: int) -> None:
     if signals <= 0:
         return
     if session is None:  # train_on_batch, evaluate outside fit: nothing to resume
-        import prophet_tf.runtime as runtime
         leave(preemption.Report(runtime.rank(), signals))
     session.stop_for_preemption(signals)
 
@@ -194,9 +191,9 @@ def carry_stop_flag(extended: Any, values: Any) -> Any:
                        "agree on a preemption stop in it (a signal then ends the worker after "
                        "the grace period)", type(values).__name__)
         return values
-    from prophet_tf.strategy import CONTROL_PRIORITY
 
-    agreed = extended._push_pull(flag, extended._namer.site("preemption"), CONTROL_PRIORITY, False)
+    agreed = extended._push_pull(flag, extended._namer.site("preemption"),
+                                 runtime.control_priority(), False)
     return dict(values, **{STOP_KEY: agreed[0]})
 
 
@@ -240,7 +237,7 @@ def run_fit(original: Any, model: Any, extended: Any, args: tuple, kwargs: dict)
         raise
     except Exception as error:
         if session.began:  # where, for the launcher (a failure repeating there is not a fault)
-            preemption._write_stderr(preemption.Failure(
+            preemption.write_stderr(preemption.Failure(
                 extended._rank, session.epoch, session.steps_done,
                 preemption.describe_error(error)).line())
         raise
@@ -354,7 +351,6 @@ def _replay_epoch(original: Any, iterator: Any) -> None:
 
 
 def _short_input(plan: ResumePlan, read: int) -> Exception:
-    from prophet_tf.errors import ResumeError
     return ResumeError(
         f"cannot resume at epoch {plan.epoch} step {plan.steps}: the training input ran out "
         f"after {read} batches of that epoch. The resumed fit must get the input of the "

@@ -59,6 +59,10 @@ import re
 import time
 from typing import Any, Optional
 
+from prophet_tf import runtime
+from prophet_tf._keras.host import host_of
+from prophet_tf._library import c_api
+
 __all__ = ["LOG_PREFIX", "LOG_KEYS", "REPORT_EVERY_EPOCH_ENV", "StepTimes", "StepReport",
            "StepReporter", "is_report_key"]
 
@@ -177,7 +181,6 @@ class StepReporter:
     """Per-strategy state: the current epoch's measured steps."""
 
     def __init__(self, extended: Any, report_every_epoch: bool) -> None:
-        from prophet_tf._library import c_api
         self._extended = extended
         self._lib = c_api()  # the runtime is up: its library is loaded
         self.report_every_epoch = bool(report_every_epoch)
@@ -192,7 +195,6 @@ class StepReporter:
 
     # ---- fit's lifecycle (the callback) -----------------------------------------------------------
     def begin_fit(self) -> None:
-        from prophet_tf import runtime
         self._lib.prophet_step_meter_reset()  # the forward-pass reference is per fit
         self._timeline = runtime.timeline_enabled()
         self._fit_step = 0
@@ -219,8 +221,8 @@ class StepReporter:
         if self._crossing and step >= REFERENCE_STEP and (step - REFERENCE_STEP) % REFERENCE_EVERY == 0:
             # A reference step: its forward pass waits at no gate, so its time to the first
             # gradient is the compute the meter compares the next steps' with.
-            from prophet_tf import _crossing
             start = time.monotonic_ns()
+            from prophet_tf import _crossing  # loads TensorFlow: not for the report's parsers
             _crossing.wait_all()
             self._held_ns = time.monotonic_ns() - start
             c_api.prophet_step_meter_reset()
@@ -242,7 +244,6 @@ class StepReporter:
             self._sums[key] += getattr(step, key)
         self._last = step
         if self._timeline:  # an instant at the step's end on the "report" track
-            from prophet_tf import runtime
             runtime.timeline_event(TIMELINE_TRACK, timeline_label(step), self._last_step_end_ns)
 
     # ---- reports ------------------------------------------------------------------------------
@@ -267,7 +268,6 @@ class StepReporter:
         the line to print once every callback has seen them."""
         local = self.report()
         job = self._job_report(local)
-        from prophet_tf import runtime
         logs.update({
             STEP_MS: job.step_ms, WAIT_MS: job.wait_ms, COMPUTE_MS: job.compute_ms,
             LINK_GBPS: job.link_gbps,
@@ -289,14 +289,13 @@ class StepReporter:
         if not ext._multi:
             return local
         import tensorflow as tf
-        from prophet_tf.strategy import CONTROL_PRIORITY
         n = ext._world_size
         rank0 = 1.0 if ext._rank == 0 else 0.0
         contribution = [local.step_ms / n, local.wait_ms / n, local.gate_wait_ms / n,
                         local.barrier_wait_ms / n, local.link_gbps / n,
                         rank0 * (local.plan_blocks if local.plan_blocks is not None else -1)]
         summed = ext._push_pull(tf.constant(contribution, tf.float64), ext._namer.site("step_report"),
-                                CONTROL_PRIORITY, False).numpy().tolist()
+                                runtime.control_priority(), False).numpy().tolist()
         blocks = int(round(summed[5]))
         return dataclasses.replace(
             local, step_ms=summed[0], wait_ms=summed[1], gate_wait_ms=summed[2],
@@ -311,7 +310,6 @@ class StepReporter:
     @staticmethod
     def _scheduler_state() -> dict:
         """The policy's state (planned_blocks, bandwidth_Bps; one round trip to the runtime)."""
-        from prophet_tf import runtime
         try:
             return runtime.scheduler_state()
         except Exception:  # noqa: BLE001 - a stopped runtime has no plan to show
@@ -326,18 +324,16 @@ def _bit_rate(gbps: float) -> str:
     return f"{gbps / 1e-6:.3g} kbit/s"
 
 
-# ---- Keras hooks (installed by prophet_tf._keras_patches) ------------------------------------------
+# ---- Keras hooks (installed by prophet_tf._keras.patches) ------------------------------------------
 
 def reporter_of(model: Any) -> Optional[StepReporter]:
     """The step reporter of the ProphetStrategy ``model`` trains under, if it reports."""
-    from prophet_tf.strategy import ProphetStrategy
     try:
         strategy = model.distribute_strategy
     except Exception:  # noqa: BLE001 - not a TF trainer
         return None
-    if not isinstance(strategy, ProphetStrategy):
-        return None
-    return getattr(strategy.extended, "_step_reporter", None)
+    host = host_of(strategy)
+    return getattr(host, "_step_reporter", None) if host is not None else None
 
 
 def _report_callback(reporter: StepReporter) -> Any:
