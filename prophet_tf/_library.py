@@ -1,5 +1,6 @@
 """Finds and loads the compiled libraries once per process: the op library (`_prophet_ops.so`,
-TensorFlow ops and the runtime) and the predictor (`_prophet_predict.so`, no TensorFlow)."""
+TensorFlow ops and the runtime), the predictor (`_prophet_predict.so`, no TensorFlow) and, for the
+benchmarks only, their emulated compute ops (`_prophet_bench_ops.so`)."""
 
 from __future__ import annotations
 
@@ -17,14 +18,15 @@ from prophet_tf.errors import ProphetError
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 # name -> (Bazel package, environment variable that may point at a build)
 _LIBRARIES = {"_prophet_ops.so": ("ops/tf", "PROPHET_OPS_LIBRARY"),
-              "_prophet_predict.so": ("ops/predict", "PROPHET_PREDICT_LIBRARY")}
+              "_prophet_predict.so": ("ops/predict", "PROPHET_PREDICT_LIBRARY"),
+              "_prophet_bench_ops.so": ("ops/tf_bench", "PROPHET_BENCH_OPS_LIBRARY")}
 
 
 def library_path(name: str = "_prophet_ops.so") -> pathlib.Path:
     """Returns the path of library `name`, or raises ProphetError saying how to build it.
 
     Looked up in order: the environment variable (``$PROPHET_OPS_LIBRARY``,
-    ``$PROPHET_PREDICT_LIBRARY``), the package directory (``pip install .`` and
+    ``$PROPHET_PREDICT_LIBRARY``, ``$PROPHET_BENCH_OPS_LIBRARY``), the package directory (``pip install .`` and
     ``scripts/setup.sh`` put it there), then ``bazel-bin`` of a source checkout.
     """
     package, variable = _LIBRARIES[name]
@@ -56,6 +58,20 @@ def op_module() -> ModuleType:
     module = tf.load_op_library(str(path))
     _run_independently(_OP_TYPES)
     return module
+
+
+@functools.lru_cache(maxsize=None)
+def bench_op_module() -> ModuleType:
+    """The benchmark-only op module (``prophet_emulated_compute`` and its gradient).
+
+    Loaded after the op library: it links against ``_prophet_ops.so`` for the process's one
+    engine (its ops write to that engine's timeline), and TensorFlow must have registered the
+    op library's ops from that library's own load.
+    """
+    import tensorflow as tf
+
+    op_module()
+    return tf.load_op_library(str(library_path("_prophet_bench_ops.so")))
 
 
 # The ops are stateful (never constant-folded, merged or pruned), and tf.function's automatic

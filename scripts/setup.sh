@@ -129,8 +129,9 @@ start=$(date +%s)
 bazel build //ops/... || die "bazel build //ops/... failed (see the compiler output above)"
 log "bazel build finished in $(( $(date +%s) - start ))s"
 
-# The op library (TensorFlow ops + runtime) and the predictor (no TensorFlow), next to the package.
-for LIB in tf/_prophet_ops.so predict/_prophet_predict.so; do
+# The op library (TensorFlow ops + runtime), the predictor (no TensorFlow) and the benchmarks'
+# emulated compute ops, next to the package.
+for LIB in tf/_prophet_ops.so predict/_prophet_predict.so tf_bench/_prophet_bench_ops.so; do
   STEP="copying $(basename "$LIB")"
   SO_SRC="bazel-bin/ops/$LIB"
   SO_DST="prophet_tf/$(basename "$LIB")"

@@ -188,11 +188,12 @@ build_libs() {  # V -> builds and copies the libraries to $CACHE/libs/tf-V
   local v="$1" out bin
   out="$CACHE/libs/tf-$v"
   bazel_v "$v" build //ops/tf:_prophet_ops.so //ops/predict:_prophet_predict.so \
-    >"$RUN/build-tf-$v.log" 2>&1 || return 1
+    //ops/tf_bench:_prophet_bench_ops.so >"$RUN/build-tf-$v.log" 2>&1 || return 1
   bin="$(bazel_v "$v" info bazel-bin 2>>"$RUN/build-tf-$v.log")" || return 1
   mkdir -p "$out"
   install -m 0755 "$bin/ops/tf/_prophet_ops.so" "$out/_prophet_ops.so" &&
-  install -m 0755 "$bin/ops/predict/_prophet_predict.so" "$out/_prophet_predict.so"
+  install -m 0755 "$bin/ops/predict/_prophet_predict.so" "$out/_prophet_predict.so" &&
+  install -m 0755 "$bin/ops/tf_bench/_prophet_bench_ops.so" "$out/_prophet_bench_ops.so"
 }
 
 check_foreign_library() {  # V -> prints "refused X" / "FAILED X" / "-": another TF's library
@@ -228,6 +229,7 @@ run_tests() {  # V K -> prints "PASSED FAILED" (from pytest's JUnit XML)
   # shellcheck disable=SC2086
   with_lock "${PROPHET_VERSIONS_LOCK:-}" env PROPHET_OPS_LIBRARY="$CACHE/libs/tf-$v/_prophet_ops.so" \
       PROPHET_PREDICT_LIBRARY="$CACHE/libs/tf-$v/_prophet_predict.so" \
+      PROPHET_BENCH_OPS_LIBRARY="$CACHE/libs/tf-$v/_prophet_bench_ops.so" \
       nice -n "$NICE" "$py" -m pytest -q -p no:cacheprovider --junitxml="$xml" $TESTS \
       >"$RUN/pytest-tf-$v-keras-$k.log" 2>&1
   "$BASE_PY" - "$xml" <<'EOF'
@@ -252,7 +254,8 @@ run_launches() {  # V K -> prints "prophet=0.845s priority=... fifo=..." (median
   # One process, one launch per schedule (the model's layer specs are made once).
   with_lock "${PROPHET_VERSIONS_BENCH_LOCK:-}" env \
     PROPHET_OPS_LIBRARY="$CACHE/libs/tf-$v/_prophet_ops.so" \
-    PROPHET_PREDICT_LIBRARY="$CACHE/libs/tf-$v/_prophet_predict.so" TF_CPP_MIN_LOG_LEVEL=2 \
+    PROPHET_PREDICT_LIBRARY="$CACHE/libs/tf-$v/_prophet_predict.so" \
+    PROPHET_BENCH_OPS_LIBRARY="$CACHE/libs/tf-$v/_prophet_bench_ops.so" TF_CPP_MIN_LOG_LEVEL=2 \
     nice -n "$NICE" "$py" -m prophet_tf.bench.train --compute emulated --models resnet50 \
     --workers 2 --ratios 1 --systems "$systems" --steps "$STEPS" --warmup 2 --retries 0 \
     --netns_prefix "$NETNS_PREFIX" --out "$out" --json "$out.json" "${net[@]}" \

@@ -5,8 +5,14 @@ how fast anything runs."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 
+from prophet_tf import timeline
 from prophet_tf.bench import emulated
 from prophet_tf.bench.emulated import (BACKWARD_FLOPS_FACTOR, LayerSpec, WeightSpec,
                                        accelerator_step_s, layer_specs, layer_times, step_flops)
@@ -214,8 +220,30 @@ def test_emulated_graph_orders_layers_as_real_training():
 
 
 def test_grad_op_rejects_mismatched_attributes():
-    from prophet_tf._library import op_module
+    from prophet_tf._library import bench_op_module
     with pytest.raises((tf.errors.InvalidArgumentError, ValueError, TypeError)):
-        op_module().prophet_emulated_compute_grad(
+        bench_op_module().prophet_emulated_compute_grad(
             tf.zeros([2, 1]), tf.zeros([2, 1]), Tgrads=[tf.float32, tf.float32],
             grad_shapes=[[3, 3]], backward_ns=0, layer="bad")
+
+
+def test_emulated_compute_spans_reach_the_runtimes_timeline(tmp_path):
+    # The emulated ops live in a library of their own, linked against the op library: their spans
+    # must land on the timeline of the process's one engine, which the op library holds.
+    path = tmp_path / "trace.json"
+    code = textwrap.dedent(f"""
+        import tensorflow as tf
+        from prophet_tf import runtime
+        from prophet_tf.bench import emulated
+        runtime.init(0, 1, timeline_path={str(path)!r})
+        emulated.emulated_compute(tf.zeros([2, 3]), [tf.zeros([3, 4])], forward_s=1e-3,
+                                  backward_s=1e-3, units=4, layer="dense_x")
+        runtime.shutdown()
+    """)
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                          timeout=120, env={"PYTHONPATH": str(root), "TF_CPP_MIN_LOG_LEVEL": "3",
+                                            "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    tracks = timeline.events_by_track(timeline.load_trace(path))
+    assert [e["name"] for e in tracks.get("forward", [])] == ["dense_x"], tracks.keys()

@@ -68,7 +68,7 @@ def test_emulated_profile_scaled_back_is_the_accelerators():
 
 
 def test_workers_per_host_and_the_two_level_path():
-    # The cases ops/core/simulator_test.cc computes by hand, through the Python API.
+    # The cases ops/sim/simulator_test.cc computes by hand, through the Python API.
     profile = one_tensor_profile()
     local = dataclasses.replace(EXACT, workers_per_host=2, loopback_bytes_per_s=1e9)
     p = predict(profile, workers=2, bandwidth_bps=8e6, schedule="priority", options=local)

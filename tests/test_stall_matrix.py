@@ -7,7 +7,7 @@ partitions and socket buffers at their smallest (tests/workers/stall_matrix.py).
 step on every worker within the runtime's ``timeout_s`` (60 s), whatever the machine's speed.
 The same model runs on 4 and 8 real engines for every schedule with the credit, partitions and
 socket buffers at both extremes in ``//ops/core:engine_stress_test``, and on 16-128 simulated
-workers in ``//ops/core:stall_matrix_test`` (C++, no TensorFlow: an 8-worker launch of TensorFlow
+workers in ``//ops/sim:stall_matrix_test`` (C++, no TensorFlow: an 8-worker launch of TensorFlow
 processes costs about a minute of CPU before the first step).
 """
 

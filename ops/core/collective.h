@@ -82,8 +82,6 @@ struct Payload {
 
 class Collective {
  public:
-  // A new collective of request.kind.
-  static std::unique_ptr<Collective> Make(CollectiveHost* host, uint64_t id, OpRequest request, uint64_t round);
   virtual ~Collective() = default;
 
   uint64_t id() const { return id_; }

@@ -9,12 +9,14 @@
 #include <sstream>
 
 #include "ops/core/collective.h"
+#include "ops/core/collectives.h"
 #include "ops/core/connection.h"
 #include "ops/core/early_frames.h"
 #include "ops/core/failures.h"
 #include "ops/core/fuser.h"
 #include "ops/core/hosts.h"
 #include "ops/core/output_pool.h"
+#include "ops/core/policies.h"
 #include "ops/core/timeouts.h"
 #include "ops/core/transport.h"
 
@@ -626,7 +628,7 @@ void Engine::Impl::Route(OpRequest request, uint64_t round, std::vector<uint64_t
 }
 
 uint64_t Engine::Impl::StartOperation(OpRequest req, uint64_t round) {
-  std::unique_ptr<Collective> owned = Collective::Make(this, next_op_id++, std::move(req), round);
+  std::unique_ptr<Collective> owned = MakeCollective(this, next_op_id++, std::move(req), round);
   Collective* op = owned.get();
   if (timeline.enabled()) timeline.Instant("ready", op->request().name, op->submit_ns());
   if (const Status* failed = failures.FailedWith(op->key())) {

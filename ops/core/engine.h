@@ -99,7 +99,7 @@ class Engine {
   // Schedules with policy `schedule` from the next moment no partition is queued (between steps),
   // keeping the bandwidth measured so far. Fails for an unknown name.
   Status SetSchedule(const std::string& schedule);
-  // PolicyStateJson of the current policy (scheduler.h), read on the engine thread; "{}" if the
+  // PolicyStateJson of the current policy (policies.h), read on the engine thread; "{}" if the
   // engine does not answer within 10 s.
   std::string SchedulerStateJson();
   int rank() const { return options_.rank; }

@@ -5,7 +5,7 @@
 // collective at the end of each step. The byte credit, the partition size and the socket buffers
 // are at their extremes. Sums are checked exactly. Waits are bounded by conditions, not by how
 // fast this machine is: a stall is named (rank, step, layer) within kStallSeconds.
-// ops/core/stall_matrix_test.cc runs the same matrix on 16-128 simulated workers. Fused (fuser.h):
+// ops/sim/stall_matrix_test.cc runs the same matrix on 16-128 simulated workers. Fused (fuser.h):
 // every schedule, both credit extremes, on 4 and 8 engines.
 #include <chrono>
 #include <condition_variable>

@@ -11,7 +11,6 @@
 #include <vector>
 
 #include "ops/core/partition.h"
-#include "ops/core/simulator.h"
 #include "ops/core/testing.h"
 
 namespace prophet {
@@ -29,39 +28,6 @@ FusionInput In(const std::string& name, uint64_t bytes, int64_t priority, uint64
 }
 
 // Every input once; members contiguous in the bucket; members in priority order.
-struct SmallGradient {
-  std::string name;
-  uint64_t bytes;
-  int64_t priority;
-  int64_t ready_ns;
-};
-
-// A model of one layer (forward_ns) whose `count` gradients are described by gradient(i).
-template <typename Gradient>
-StepProfile OneLayerOfSmallGradients(int64_t forward_ns, int64_t backward_ns, int count, Gradient gradient) {
-  StepProfile profile;
-  profile.layers = {{"all", forward_ns, 0}};
-  for (int i = 0; i < count; ++i) {
-    const SmallGradient g = gradient(i);
-    ModelTensor t;
-    t.name = g.name;
-    t.bytes = g.bytes;
-    t.priority = g.priority;
-    t.layer = 0;
-    t.ready_ns = g.ready_ns;
-    profile.tensors.push_back(t);
-  }
-  profile.backward_ns = backward_ns;
-  return profile;
-}
-
-NetworkModel SixteenWorkersAt1Gbit() {
-  NetworkModel network;
-  network.workers = 16;
-  network.link_Bps = 125e6;
-  return network;
-}
-
 bool Covers(const std::vector<FusionInput>& in, const std::vector<FusionBucket>& plan) {
   std::vector<int> seen(in.size(), 0);
   for (const FusionBucket& b : plan) {
@@ -181,28 +147,6 @@ TEST(BucketSizesDoubleFromTheMostUrgent) {
 // what the next step's first layer waits for is the most urgent bucket, sent when the backward
 // pass ends: one owner's share (22.5 kB, about 0.4 ms there and back). With buckets of the full
 // size (360 kB) it held every gradient back until the backward pass ended: about 6 ms.
-TEST(TheMostUrgentBucketFinishesSoonAfterTheBackwardPass) {
-  const StepProfile profile = OneLayerOfSmallGradients(
-      5'000'000, 30'000'000, 120, [](int i) {
-        return SmallGradient{"grad/" + std::to_string(1000 + i), 3000, 1000 - i, 30'000'000 - 250'000 * int64_t{i}};
-      });
-  const NetworkModel network = SixteenWorkersAt1Gbit();
-  SimulationOptions options;
-  options.warmup_steps = 2;
-  options.steps = 3;
-  RuntimeModel runtime;
-  runtime.schedule = "priority";
-  runtime.cross_barrier = false;
-  runtime.fusion_bytes = kFusionAuto;
-  StepPrediction p;
-  EXPECT_TRUE(Simulate(profile, network, runtime, options, &p).ok());
-  const double backward_end_s = 5e-3 + 30e-3;
-  const double tail_s = p.tensor_times[0].done_s - backward_end_s;
-  std::printf("16 workers: the most urgent gradient is summed %.2f ms after the backward pass\n", tail_s * 1e3);
-  EXPECT_TRUE(tail_s > 0);
-  EXPECT_TRUE(tail_s < 1.5e-3);
-}
-
 TEST(KeysAndUnfusableSplitRuns) {
   std::vector<FusionInput> in = {In("a", 100, 9, 1), In("b", 100, 8, 2), In("c", 100, 7, 2), In("d", 100, 6, 2),
                                  In("e", 100, 5, 2)};
@@ -247,38 +191,6 @@ TEST(SamePlanWhateverTheInputOrder) {
   std::vector<FusionInput> shuffled = in;
   std::shuffle(shuffled.begin(), shuffled.end(), rng);
   EXPECT_EQ(describe(in, plan), describe(shuffled, PlanFusion(shuffled, 16, FusionBucketBytes(16, 125e6))));
-}
-
-// The simulator replays the plan: 40 small gradients on 16 workers at 1 Gbit/s. Fused, each
-// bucket's members finish together, every gradient finishes, and the step is shorter than
-// unfused (each tensor alone has one owner, which receives 15 pushes while other links idle).
-TEST(SimulatorFusesAsTheEnginePlans) {
-  const StepProfile profile = OneLayerOfSmallGradients(1'000'000, 400'000, 40, [](int i) {
-    return SmallGradient{"grad/" + std::to_string(i), 4 * static_cast<uint64_t>(1000 + 500 * (i % 7)), 40 - i,
-                         (40 - int64_t{i}) * 10'000};
-  });
-  const NetworkModel network = SixteenWorkersAt1Gbit();
-  SimulationOptions options;
-  options.warmup_steps = 2;
-  options.steps = 3;
-  StepPrediction unfused, fused;
-  RuntimeModel runtime;
-  runtime.schedule = "priority";
-  EXPECT_TRUE(Simulate(profile, network, runtime, options, &unfused).ok());
-  runtime.fusion_bytes = kFusionAuto;
-  EXPECT_TRUE(Simulate(profile, network, runtime, options, &fused).ok());
-  std::printf("16 workers, 40 gradients: %.2f ms unfused, %.2f ms fused\n", unfused.step_s * 1e3, fused.step_s * 1e3);
-  EXPECT_TRUE(fused.step_s < unfused.step_s);
-  std::vector<FusionInput> inputs;
-  for (const ModelTensor& t : profile.tensors) inputs.push_back(In(t.name, t.bytes, t.priority));
-  const std::vector<FusionBucket> plan = PlanFusion(inputs, 16, FusionBucketBytes(16, 125e6));
-  EXPECT_TRUE(plan.size() > 1 && plan.size() < profile.tensors.size());
-  for (const FusionBucket& b : plan) {
-    for (const int m : b.members) {
-      EXPECT_TRUE(fused.tensor_times[m].done_s > 0);
-      EXPECT_NEAR(fused.tensor_times[m].done_s, fused.tensor_times[b.members.front()].done_s, 1e-12);
-    }
-  }
 }
 
 }  // namespace

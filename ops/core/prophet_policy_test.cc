@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "ops/core/policies.h"
 #include "ops/core/testing.h"
 
 namespace prophet {

@@ -7,10 +7,10 @@
 #include <string>
 
 #include "ops/core/engine_options.h"
-#include "ops/core/ideal_bound.h"
-#include "ops/core/simulation_request.h"
-#include "ops/core/simulator.h"
 #include "ops/predict/calibrate.h"
+#include "ops/sim/ideal_bound.h"
+#include "ops/sim/simulation_request.h"
+#include "ops/sim/simulator.h"
 
 namespace {
 char* CopyOut(const std::string& text) {
@@ -22,7 +22,7 @@ char* CopyOut(const std::string& text) {
 
 extern "C" {
 
-// Runs the simulation that `request` describes (see ops/core/simulation_request.h). Returns 0 and
+// Runs the simulation that `request` describes (see ops/sim/simulation_request.h). Returns 0 and
 // sets *result to the prediction as JSON, or returns the status code and sets *result to the error
 // message. Free *result with prophet_predict_free.
 __attribute__((visibility("default"))) int prophet_predict(const char* request, char** result) {
@@ -38,7 +38,7 @@ __attribute__((visibility("default"))) int prophet_predict(const char* request, 
   return 0;
 }
 
-// The ideal bound of the setting that `request` describes (ops/core/ideal_bound.h; the runtime's
+// The ideal bound of the setting that `request` describes (ops/sim/ideal_bound.h; the runtime's
 // options and the simulation's are ignored). Same conventions as prophet_predict.
 __attribute__((visibility("default"))) int prophet_predict_ideal(const char* request, char** result) {
   prophet::SimulationRequest parsed;

@@ -1,5 +1,5 @@
 // The CPU costs the predictor charges on a worker's I/O thread (NetworkModel in
-// ops/core/simulator.h), measured on the machine at hand: `python -m prophet_tf.predict
+// ops/sim/simulator.h), measured on the machine at hand: `python -m prophet_tf.predict
 // calibrate --out costs.json`, so that a user predicts with their own hosts' costs.
 //
 // What is measured (CPU time of the threads doing the work, not wall time, so that other load

@@ -21,7 +21,7 @@
 #include "ops/core/engine.h"
 #include "ops/core/fusion.h"
 #include "ops/core/scheduler.h"
-#include "ops/core/simulation_request.h"
+#include "ops/sim/simulation_request.h"
 
 namespace prophet {
 

@@ -1,7 +1,7 @@
 // A replay worker: the real engine (transport, scheduler, planner, fusion, credit, two-level
 // path, heartbeats) driven by a recorded step profile instead of TensorFlow, so that many workers
 // fit on one machine and their measured steps can be set beside the predictor's (which reads the
-// same profile: ops/core/simulation_request.h).
+// same profile: ops/sim/simulation_request.h).
 //
 // Per step, as the simulator models the strategy (simulator.h):
 //  - the accelerator is emulated on a virtual clock: launch, then the forward pass layer by
@@ -26,7 +26,7 @@
 #include "ops/core/codec.h"
 #include "ops/core/common.h"
 #include "ops/core/engine_options.h"
-#include "ops/core/simulator.h"
+#include "ops/sim/simulator.h"
 
 namespace prophet {
 

@@ -4,7 +4,7 @@
 //       [--link_gbps=G] [--heartbeat_s=S] [--timeout_s=S] [--launched_at=EPOCH_S] [--check_all] [--probe]
 //       [--fusion_scale=F] [--byte_scale=F]
 //
-// FILE is the predictor's request (ops/core/simulation_request.h): the profile as this run plays
+// FILE is the predictor's request (ops/sim/simulation_request.h): the profile as this run plays
 // it, the schedule and the runtime's options, warm-up and measured steps. Writes its result
 // (ReplayResultJson) to --out, or stdout; exits 1 naming the error when the run fails.
 // --link_gbps: the rate automatic fusion sizes for (else the start-up probe's); --probe: run the

@@ -9,7 +9,7 @@ costs one owner N-1 frames in and N-1 out; by exchange (ops/core/small_allreduce
 handles about log2(N) stages of one frame each way, one link latency each. Which is faster
 depends on N, on the CPU a frame costs (``--message_cost``, at each end: the simulator's
 ``message_send_ns``/``message_receive_ns``; 6 us each, about what a frame costs the engine on
-this project's test machine, ops/core/simulator.h) and on the link latency (``--latency``, one
+this project's test machine, ops/sim/simulator.h) and on the link latency (``--latency``, one
 way).
 
 For each N the table gives the latency of the step's control collectives alone (the profile's

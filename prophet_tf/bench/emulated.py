@@ -16,14 +16,14 @@ layers' forward and backward passes take a fixed time on an emulated accelerator
   backward = :data:`BACKWARD_FLOPS_FACTOR` x forward (the gradients of the input and of the
   weights each cost about one forward pass), both multiplied by the time scale.
 * :func:`build_emulated_model` makes a chain of :class:`EmulatedLayer` s. Layer k's forward op
-  (``ProphetEmulatedCompute``, ops/tf/emulated_compute_ops.cc) takes layer k-1's output and the
+  (``ProphetEmulatedCompute``, ops/tf_bench/emulated_compute_ops.cc) takes layer k-1's output and the
   reads of layer k's variables as inputs, so it waits for both (under ProphetStrategy those reads
   wait for the variables' pending updates: the barrier-crossing gates). Its registered gradient
   (``ProphetEmulatedComputeGrad``) waits for the gradient of layer k's output, takes the backward
   time and returns one gradient per variable of the variable's shape and dtype: gradients become
   ready layer by layer in backward order, as in real training.
 
-The emulated accelerator runs one operation at a time, in issue order (ops/core/emulated_device.h),
+The emulated accelerator runs one operation at a time, in issue order (ops/tf_bench/emulated_device.h),
 like a GPU's compute stream. Activations between layers are ``[batch, 1]`` placeholders (the
 last layer returns ``[batch, classes]`` logits for the loss); gradients are zeros.
 
@@ -296,9 +296,9 @@ def _seconds_to_ns(seconds: float) -> int:
 def emulated_compute(x: Any, weights: Sequence[Any], forward_s: float, backward_s: float,
                      units: int, layer: str) -> Any:
     """One layer's forward pass on the emulated accelerator (differentiable; see module doc)."""
-    from prophet_tf._library import op_module
+    from prophet_tf._library import bench_op_module
     _register_gradient()
-    return op_module().prophet_emulated_compute(
+    return bench_op_module().prophet_emulated_compute(
         x, list(weights), forward_ns=_seconds_to_ns(forward_s),
         backward_ns=_seconds_to_ns(backward_s), units=int(units), layer=layer)
 
@@ -315,7 +315,7 @@ def _register_gradient() -> None:
 
     @tf.RegisterGradient("ProphetEmulatedCompute")
     def _emulated_compute_grad(op: Any, dy: Any) -> list:
-        from prophet_tf._library import op_module
+        from prophet_tf._library import bench_op_module
         weights = list(op.inputs[1:])
         shapes = []
         for w in weights:
@@ -324,7 +324,7 @@ def _register_gradient() -> None:
                                  f"{w.name} has no static shape ({w.shape}); the emulated "
                                  "gradient needs the variables' shapes")
             shapes.append(w.shape)
-        outs = op_module().prophet_emulated_compute_grad(
+        outs = bench_op_module().prophet_emulated_compute_grad(
             dy, op.inputs[0], Tgrads=[w.dtype for w in weights], grad_shapes=shapes,
             backward_ns=op.get_attr("backward_ns"), layer=op.get_attr("layer"))
         return [outs[0]] + list(outs[1])

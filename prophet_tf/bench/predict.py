@@ -26,7 +26,7 @@ setting:
    ``--inter_threads`` threads, and each socket commits what this machine's kernel lets it hold
    (the runtime's unsent limit plus what TCP queues below the socket, within the send buffer:
    autotuned up to ``net.ipv4.tcp_wmem``'s maximum, or twice a fixed ``socket_buffer_bytes``
-   capped at ``net.core.wmem_max``; ``KernelSendBufferBytes`` in ``ops/core/simulator.h``).
+   capped at ``net.core.wmem_max``; ``KernelSendBufferBytes`` in ``ops/sim/simulator.h``).
 
 ``--measured RESULTS.json`` skips step 1: it predicts the settings that a run of ``python -m
 prophet_tf.bench.train`` measured (its ``results.json``, e.g. the default sweep's), recording the

@@ -134,7 +134,7 @@ def tsq_queue_s(workers: int, workers_per_host: int, link_bps: float, gso_max_se
                 mtu: int = 1500) -> float:
     """``PredictOptions.sender_queue_s`` for the emulated hosts: TCP small queues let each busy
     socket keep two packets of ``gso_max_segs`` segments (mtu + 14 bytes on the wire each) in
-    its host's qdisc; ``KernelSendBufferBytes`` (ops/core/simulator.h) gives each of the host's
+    its host's qdisc; ``KernelSendBufferBytes`` (ops/sim/simulator.h) gives each of the host's
     W x (N - W) connections to other hosts 1/(W (N - W)) of ``sender_queue_s`` at the link
     rate."""
     leaving = max(1, workers_per_host * (workers - workers_per_host))
@@ -496,7 +496,7 @@ def main(argv: Sequence[str]) -> int:
     """Entry point (after absl parsed the flags)."""
     from absl import flags
 
-    from prophet_tf.predict.__main__ import parse_rate
+    from prophet_tf.predict.cli import parse_rate
     FLAGS = flags.FLAGS
     if len(argv) > 1:
         print(f"unexpected arguments: {' '.join(argv[1:])}", file=sys.stderr)

@@ -3,7 +3,7 @@
     python -m prophet_tf.predict PROFILE.json --workers 2,4,8,16,64 --bandwidth 1G,10G,25G \
         --schedule all
 
-A discrete-event model of the runtime (``ops/core/simulator.h``) replays the runtime's own
+A discrete-event model of the runtime (``ops/sim/simulator.h``) replays the runtime's own
 scheduling policies, partitioning and owner assignment over a model of the links and the owners'
 summation, and TensorFlow's MultiWorkerMirroredStrategy as the baseline. See
 :mod:`prophet_tf.predict.profile` for how a profile is recorded, and :func:`predict`.

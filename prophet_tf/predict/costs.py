@@ -4,7 +4,7 @@
     python -m prophet_tf.predict PROFILE.json ... --costs costs.json [--cost_scale 0.5]
 
 The predictor charges, per worker, the CPU its runtime's one I/O thread spends (``NetworkModel``
-in ops/core/simulator.h): per frame sent and received (header, system calls, the engine's turn),
+in ops/sim/simulator.h): per frame sent and received (header, system calls, the engine's turn),
 and per byte: the payload's copy into and out of the socket, adding a contribution into a sum,
 casting float32 to or from 16 bits when compressing, and fusion's copies. :func:`calibrate` runs
 ``ops/predict/calibrate.cc`` in the predictor's library (no TensorFlow): the summation and codec

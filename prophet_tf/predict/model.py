@@ -1,6 +1,6 @@
 """Predicted step time of N workers from a one-worker profile: Python side of the simulator.
 
-The simulation itself is ``ops/core/simulator.cc`` (driving the runtime's own scheduling
+The simulation itself is ``ops/sim/simulator.cc`` (driving the runtime's own scheduling
 policies, partitioning and owner assignment with simulated time), reached through the predictor's
 C entry points (``_prophet_predict.so``, no TensorFlow needed). This module turns a
 :class:`~prophet_tf.predict.profile.Profile` and a cluster description into a request and the
@@ -106,7 +106,7 @@ class PredictOptions:
         kernel's autotuning, -1 the runtime's default: sized for the workers; TCP_NOTSENT_LOWAT,
         0: none). A connection commits what the kernel
         lets its socket hold ahead of the NIC, and frames queued later cannot overtake those
-        bytes (``KernelSendBufferBytes`` in ops/core/simulator.h): Linux doubles an SO_SNDBUF
+        bytes (``KernelSendBufferBytes`` in ops/sim/simulator.h): Linux doubles an SO_SNDBUF
         request (socket(7)), so a 4 MiB buffer commits up to 8 MiB; with TCP_NOTSENT_LOWAT the
         socket holds that much unsent plus what TCP keeps queued below it (``sender_queue_s``).
       max_socket_buffer_bytes: the kernel's cap on an SO_SNDBUF request on the workers' hosts
@@ -132,7 +132,7 @@ class PredictOptions:
         kernel's copies); shared memory would be faster.
       hierarchical: the runtime's ``hierarchical`` option, ``"off"``, ``"on"`` or ``"auto"``
         (``True``/``False``: on/off): the two-level path (``RuntimeModel::hierarchical`` in
-        ops/core/simulator.h, the engine's ops/core/two_level.h): every partition is summed on
+        ops/sim/simulator.h, the engine's ops/core/two_level.h): every partition is summed on
         each host first (by the partition's leader there, over loopback), then across hosts
         between the leaders (the runtime's push_pull, under its policy and credit), and the sum
         goes back to each host's workers from their leader. ``"auto"`` takes it with several
@@ -141,7 +141,7 @@ class PredictOptions:
       compression: ``ProphetStrategy(compression=...)``: None, ``"fp16"`` or ``"bf16"``. The
         gradients of 4-byte elements travel in half the bytes (pushes, sums, the credit, the
         bandwidth estimate and the plan count those), control collectives exactly; the profile
-        keeps the tensors' bytes (``CompressGradients`` in ops/core/simulator.h). ``mwms`` never
+        keeps the tensors' bytes (``CompressGradients`` in ops/sim/simulator.h). ``mwms`` never
         compresses. The ideal bound counts the compressed bytes too.
       fusion_bytes: small gradients travel fused into buckets (ops/core/fusion.h): -1 (the
         default, as ``ProphetStrategy``'s) sizes the
@@ -149,7 +149,7 @@ class PredictOptions:
         on its own, otherwise the bucket size in bytes. Control collectives and ``mwms`` never
         fuse.
       message_send_s, message_receive_s: CPU time of one frame on a worker's one I/O thread,
-        sending and receiving (``NetworkModel::message_send_ns`` in ops/core/simulator.h); 0
+        sending and receiving (``NetworkModel::message_send_ns`` in ops/sim/simulator.h); 0
         (the default): free. ``python -m prophet_tf.predict calibrate`` measures them (and the
         costs per byte) on the machine at hand.
       send_byte_s, receive_byte_s, sum_byte_s, cast_byte_s, copy_byte_s: CPU time per byte on
@@ -244,7 +244,7 @@ class Prediction:
 
 @dataclasses.dataclass
 class IdealBound:
-    """The best step time any schedule could reach on a setting (``ops/core/ideal_bound.h``;
+    """The best step time any schedule could reach on a setting (``ops/sim/ideal_bound.h``;
     docs/design.md, "The ideal bound"): the profile's compute, with every gradient's all-reduce
     as a fluid on the pooled links, served in the order the next forward pass needs it, without
     per-message costs or update times."""

@@ -3,7 +3,7 @@
 // kernel's socket holds ahead of an urgent push, the credit returning when a push leaves, crossing the
 // barrier (the next step's first layer waits only for its own update), an owner's incast with and
 // without ingress limits, and MultiWorkerMirroredStrategy's ring all-reduce.
-#include "ops/core/simulator.h"
+#include "ops/sim/simulator.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -12,11 +12,11 @@
 #include <string>
 #include <utility>
 
-#include "ops/core/ideal_bound.h"
 #include "ops/core/partition.h"
 #include "ops/core/scheduler.h"
 #include "ops/core/small_allreduce.h"
 #include "ops/core/testing.h"
+#include "ops/sim/ideal_bound.h"
 
 namespace prophet {
 namespace {

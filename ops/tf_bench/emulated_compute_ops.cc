@@ -2,7 +2,7 @@
 //
 // ProphetEmulatedCompute stands for one layer's forward pass: it waits for the previous layer's
 // output and for the reads of the layer's variables (its inputs), then occupies the emulated
-// device (ops/core/emulated_device.h) for `forward_ns` and outputs zeros of shape [batch, units].
+// device (ops/tf_bench/emulated_device.h) for `forward_ns` and outputs zeros of shape [batch, units].
 // Its gradient, ProphetEmulatedComputeGrad, occupies the device for `backward_ns` and outputs the
 // gradient of the layer input and one gradient per variable, of the variables' real shapes and
 // dtypes. Both are AsyncOpKernels: no TensorFlow thread is held and no CPU is used while the time
@@ -16,8 +16,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "ops/core/emulated_device.h"
 #include "ops/core/engine.h"
+#include "ops/tf_bench/emulated_device.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"

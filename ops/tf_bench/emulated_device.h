@@ -2,7 +2,7 @@
 // CPU, executed one at a time in issue order like the kernels of a GPU's compute stream.
 //
 // The benchmark replaces every layer's forward and backward computation with such an operation
-// (ops/tf/emulated_compute_ops.cc) so that, on a machine without accelerators, the CPU is left to
+// (ops/tf_bench/emulated_compute_ops.cc) so that, on a machine without accelerators, the CPU is left to
 // what it does on a real cluster: the framework, the optimizer and the communication.
 //
 // Start rule (StartNs): an operation issued while the device is busy starts when the previous one
@@ -15,8 +15,8 @@
 // One timer thread per process completes the operations; it sleeps until the earliest deadline
 // and runs the completion callbacks outside the lock. Because the device is in-order, deadlines
 // are non-decreasing and a FIFO is enough.
-#ifndef PROPHET_OPS_CORE_EMULATED_DEVICE_H_
-#define PROPHET_OPS_CORE_EMULATED_DEVICE_H_
+#ifndef PROPHET_OPS_TF_BENCH_EMULATED_DEVICE_H_
+#define PROPHET_OPS_TF_BENCH_EMULATED_DEVICE_H_
 
 #include <condition_variable>
 #include <cstdint>
@@ -71,4 +71,4 @@ EmulatedDevice& GlobalEmulatedDevice();
 
 }  // namespace prophet
 
-#endif  // PROPHET_OPS_CORE_EMULATED_DEVICE_H_
+#endif  // PROPHET_OPS_TF_BENCH_EMULATED_DEVICE_H_

@@ -2,7 +2,7 @@
 // last; preemption by a more urgent layer; latency, payload efficiency, control collectives,
 // gradients no layer reads, one worker), against the naive bound max(compute, communication),
 // and against the step simulator: no simulated schedule of the runtime steps faster.
-#include "ops/core/ideal_bound.h"
+#include "ops/sim/ideal_bound.h"
 
 #include <cmath>
 #include <algorithm>

@@ -30,8 +30,8 @@
 // ingress, or the host's loopback); connections starting at one instant are rescheduled together
 // when time next moves, so an owner sending its sum to N-1 peers costs one pass, not N-1. The next
 // frame to finish is found through each sending worker's earliest frame and a heap of workers.
-#ifndef PROPHET_OPS_CORE_LINK_MODEL_H_
-#define PROPHET_OPS_CORE_LINK_MODEL_H_
+#ifndef PROPHET_OPS_SIM_LINK_MODEL_H_
+#define PROPHET_OPS_SIM_LINK_MODEL_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -210,4 +210,4 @@ class LinkModel {
 
 }  // namespace prophet
 
-#endif  // PROPHET_OPS_CORE_LINK_MODEL_H_
+#endif  // PROPHET_OPS_SIM_LINK_MODEL_H_

@@ -8,8 +8,8 @@
 #include <utility>
 #include <vector>
 
-#include "ops/core/simulator.h"
 #include "ops/core/testing.h"
+#include "ops/sim/simulator.h"
 
 namespace prophet {
 namespace {

@@ -29,13 +29,13 @@
 //     x_1 = max(max(backward, D_control) + tail + gap + launch, D_1)
 //     x_k = max(x_{k-1} + forward_{k-1}, D_k)          period = x_L + forward_L
 // and at least every gradient's bytes over the link (gradients no layer reads).
-#ifndef PROPHET_OPS_CORE_IDEAL_BOUND_H_
-#define PROPHET_OPS_CORE_IDEAL_BOUND_H_
+#ifndef PROPHET_OPS_SIM_IDEAL_BOUND_H_
+#define PROPHET_OPS_SIM_IDEAL_BOUND_H_
 
 #include <vector>
 
 #include "ops/core/common.h"
-#include "ops/core/simulator.h"
+#include "ops/sim/simulator.h"
 
 namespace prophet {
 
@@ -55,4 +55,4 @@ Status ComputeIdealBound(const StepProfile& profile, const NetworkModel& network
 
 }  // namespace prophet
 
-#endif  // PROPHET_OPS_CORE_IDEAL_BOUND_H_
+#endif  // PROPHET_OPS_SIM_IDEAL_BOUND_H_

@@ -1,4 +1,4 @@
-#include "ops/core/simulation_request.h"
+#include "ops/sim/simulation_request.h"
 
 #include <cmath>
 #include <cstdio>

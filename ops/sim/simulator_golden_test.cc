@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "ops/core/simulator.h"
 #include "ops/core/testing.h"
+#include "ops/sim/simulator.h"
 
 namespace prophet {
 namespace {

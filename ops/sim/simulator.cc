@@ -1,4 +1,4 @@
-#include "ops/core/simulator.h"
+#include "ops/sim/simulator.h"
 
 #include <algorithm>
 #include <cmath>
@@ -9,12 +9,13 @@
 #include <unordered_map>
 #include <utility>
 
-#include "ops/core/link_model.h"
 #include "ops/core/partition.h"
+#include "ops/core/policies.h"
 #include "ops/core/scheduler.h"
 #include "ops/core/small_allreduce.h"
 #include "ops/core/timeline.h"
 #include "ops/core/wire.h"
+#include "ops/sim/link_model.h"
 
 namespace prophet {
 

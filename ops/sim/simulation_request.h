@@ -9,14 +9,14 @@
 // Option keys are the fields of StepProfile (launch_ns, backward_ns, tail_ns, gap_ns),
 // NetworkModel, RuntimeModel and SimulationOptions, by their C++ names, and compression
 // (SimulationRequest::compression).
-#ifndef PROPHET_OPS_CORE_SIMULATION_REQUEST_H_
-#define PROPHET_OPS_CORE_SIMULATION_REQUEST_H_
+#ifndef PROPHET_OPS_SIM_SIMULATION_REQUEST_H_
+#define PROPHET_OPS_SIM_SIMULATION_REQUEST_H_
 
 #include <string>
 
 #include "ops/core/common.h"
-#include "ops/core/ideal_bound.h"
-#include "ops/core/simulator.h"
+#include "ops/sim/ideal_bound.h"
+#include "ops/sim/simulator.h"
 
 namespace prophet {
 
@@ -41,4 +41,4 @@ std::string IdealBoundJson(const IdealBound& bound);
 
 }  // namespace prophet
 
-#endif  // PROPHET_OPS_CORE_SIMULATION_REQUEST_H_
+#endif  // PROPHET_OPS_SIM_SIMULATION_REQUEST_H_

@@ -38,8 +38,8 @@
 // Not modelled: CPU contention between compute, the runtime and the kernel's network stack, the
 // engine thread's own CPU time apart from summation and the per-message cost, TCP dynamics other
 // than fair sharing.
-#ifndef PROPHET_OPS_CORE_SIMULATOR_H_
-#define PROPHET_OPS_CORE_SIMULATOR_H_
+#ifndef PROPHET_OPS_SIM_SIMULATOR_H_
+#define PROPHET_OPS_SIM_SIMULATOR_H_
 
 #include <cstdint>
 #include <string>
@@ -254,4 +254,4 @@ Status Simulate(const StepProfile& profile, const NetworkModel& network, const R
 
 }  // namespace prophet
 
-#endif  // PROPHET_OPS_CORE_SIMULATOR_H_
+#endif  // PROPHET_OPS_SIM_SIMULATOR_H_

@@ -1,6 +1,6 @@
 // LinkModel: frames in the runtime's queue order (priority, never ahead of bytes already in the
 // socket), the socket window (written vs sent), and fair sharing of egress and ingress.
-#include "ops/core/link_model.h"
+#include "ops/sim/link_model.h"
 
 #include <vector>
 

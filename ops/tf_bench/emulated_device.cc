@@ -1,4 +1,4 @@
-#include "ops/core/emulated_device.h"
+#include "ops/tf_bench/emulated_device.h"
 
 #include <algorithm>
 #include <chrono>

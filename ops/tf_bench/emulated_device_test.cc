@@ -1,6 +1,6 @@
 // Emulated accelerator: start rule, in-order completion, callbacks never before their deadline.
 // (Only lower bounds on time are asserted: a loaded machine may complete operations late.)
-#include "ops/core/emulated_device.h"
+#include "ops/tf_bench/emulated_device.h"
 
 #include <condition_variable>
 #include <mutex>

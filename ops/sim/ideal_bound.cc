@@ -1,4 +1,4 @@
-#include "ops/core/ideal_bound.h"
+#include "ops/sim/ideal_bound.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,4 +1,4 @@
-#include "ops/core/link_model.h"
+#include "ops/sim/link_model.h"
 
 #include <algorithm>
 #include <cmath>
