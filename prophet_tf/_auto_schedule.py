@@ -37,6 +37,7 @@ import statistics
 from typing import Any, Mapping, Optional, Sequence
 
 from prophet_tf import runtime
+from prophet_tf._options import predicted_options
 from prophet_tf.predict import (PredictError, PredictOptions, ProfiledTensor,
                                 kernel_autotuned_socket_buffer, kernel_socket_buffer_cap, predict,
                                 profile_from_ready_times)
@@ -101,9 +102,10 @@ def link_rate_matching(value_at: Any, target: float, low_bps: float, high_bps: f
     return math.exp((low + high) / 2)
 
 
-#: The runtime options that the predictions take from the running runtime.
-PREDICTED_RUNTIME_OPTIONS = ("partition_bytes", "credit_bytes", "socket_buffer_bytes",
-                             "socket_unsent_bytes")
+def _modelled(name: str) -> bool:
+    """Whether the predictions take option ``name`` from the running runtime: the options the
+    predictor models, but the two-level path (the predictions place one worker per host)."""
+    return name in predicted_options() and name != "hierarchical"
 
 
 class AutoSchedule:
@@ -111,15 +113,14 @@ class AutoSchedule:
     :meth:`after_step` around every call of the train function.
 
     ``runtime_options`` are the runtime's settings (``runtime.config()``); predictions simulate
-    the runtime with those of :data:`PREDICTED_RUNTIME_OPTIONS` it has, the defaults otherwise."""
+    the runtime with those the predictor models, the defaults otherwise."""
 
     def __init__(self, extended: Any, replan_threshold: float,
                  candidates: Sequence[str] = CANDIDATES,
                  runtime_options: Optional[Mapping[str, Any]] = None) -> None:
         self._extended = extended
         self._threshold = float(replan_threshold)
-        self._runtime_options = {k: int(v) for k, v in (runtime_options or {}).items()
-                                 if k in PREDICTED_RUNTIME_OPTIONS}
+        self._runtime_options = {k: v for k, v in (runtime_options or {}).items() if _modelled(k)}
         self._candidates = tuple(candidates)
         self.current = "prophet"
         self.decisions: list[Decision] = []

@@ -133,17 +133,29 @@ def runtime_constants() -> dict[str, Any]:
     """What the core defines once and Python must agree with, read from the core itself (through
     the TensorFlow-free library, which links the same core as the op library).
 
-    ``{"schedules": [...], "control_priority": int, "defaults": {"schedule": ..., "partition_bytes":
-    ..., "credit_bytes": ..., "replan_threshold": ..., "timeout_s": ..., "connect_timeout_s": ...,
-    "socket_buffer_bytes": ..., "socket_unsent_bytes": ..., "max_early_bytes": ...}}``
+    ``{"schedules": [...], "compressions": [...], "control_priority": int, "protocol_version":
+    int, "options": [...]}``: ``options`` is the engine's option table (ops/core/engine_options.def;
+    prophet_tf/_options.py reads it).
     """
     lib = predict_api()
-    buf = ctypes.create_string_buffer(1024)
+    buf = ctypes.create_string_buffer(1 << 14)
     needed = lib.prophet_runtime_constants(buf, len(buf))
     if needed >= len(buf):
         buf = ctypes.create_string_buffer(needed + 1)
         lib.prophet_runtime_constants(buf, len(buf))
     return json.loads(buf.value.decode())
+
+
+def call_returning_text(entry: Any, request: str) -> tuple[int, str]:
+    """Calls an entry point of the TensorFlow-free library that answers with text it allocates
+    (``prophet_predict``'s conventions): its status code (0: done) and that text."""
+    result = ctypes.c_void_p()
+    code = entry(request.encode(), ctypes.byref(result))
+    try:
+        text = ctypes.string_at(result.value).decode() if result.value else ""
+    finally:
+        predict_api().prophet_predict_free(result)
+    return int(code), text
 
 
 @functools.lru_cache(maxsize=None)
@@ -158,4 +170,6 @@ def predict_api() -> ctypes.CDLL:
     lib.prophet_predict_free.restype = None
     lib.prophet_runtime_constants.argtypes = [ctypes.c_char_p, ctypes.c_int]
     lib.prophet_runtime_constants.restype = ctypes.c_int
+    lib.prophet_runtime_resolve.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)]
+    lib.prophet_runtime_resolve.restype = ctypes.c_int
     return lib

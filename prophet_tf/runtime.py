@@ -13,14 +13,10 @@ import json
 import os
 from typing import Any, Optional, Sequence
 
-from prophet_tf._library import c_api, runtime_constants
+from prophet_tf._library import c_api, call_returning_text, predict_api, runtime_constants
+from prophet_tf._options import RuntimeOption, from_environment, runtime_options, to_text, user_options
 from prophet_tf.cluster import check_distinct_addresses
 from prophet_tf.errors import ProphetError
-
-#: Set to 1 to run a multi-worker job without a job token (see ``allow_no_token``).
-ALLOW_NO_TOKEN_ENV = "PROPHET_ALLOW_NO_TOKEN"
-#: Address to listen on instead of the host of this worker's own address (see ``bind_host``).
-BIND_HOST_ENV = "PROPHET_BIND_HOST"
 
 _config: Optional[dict[str, Any]] = None
 
@@ -29,14 +25,26 @@ class RuntimeInitError(ProphetError):
     """The runtime could not start: the message says why (port in use, peer unreachable, ...)."""
 
 
+class RuntimeOptionError(RuntimeInitError, ValueError):
+    """An option of the runtime is unknown or has a value the runtime does not accept; the
+    message names the option, what it accepts and what came. Also a ``ValueError``: the problem
+    is in what the caller gave."""
+
+
 def schedules() -> tuple[str, ...]:
     """The scheduling policies the runtime knows (``prophet``, ``priority``, ``fifo``)."""
     return tuple(runtime_constants()["schedules"])
 
 
+def options() -> dict[str, RuntimeOption]:
+    """The runtime's options that :func:`init` takes by keyword (name, type, default, what it
+    accepts, its environment variable, one line of meaning), from the runtime's own table."""
+    return user_options()
+
+
 def defaults() -> dict[str, Any]:
-    """The runtime's default settings: what :func:`init` uses for an option left as ``None``."""
-    return dict(runtime_constants()["defaults"])
+    """The runtime's default settings: what :func:`init` uses for an option left out."""
+    return {name: option.default for name, option in options().items()}
 
 
 def control_priority() -> int:
@@ -45,41 +53,9 @@ def control_priority() -> int:
     return int(runtime_constants()["control_priority"])
 
 
-def check_schedule(schedule: Optional[str]) -> str:
-    """Returns the policy ``schedule`` names (``None``: the default); ValueError if unknown."""
-    if schedule is None:
-        return defaults()["schedule"]
-    if schedule not in schedules():
-        raise ValueError(f"schedule must be one of {schedules()}, got {schedule!r}")
-    return schedule
-
-
-def init(
-    rank: int,
-    world_size: int,
-    addresses: Sequence[str] = (),
-    token: Optional[str] = None,
-    *,
-    schedule: Optional[str] = None,
-    partition_bytes: Optional[int] = None,
-    credit_bytes: Optional[int] = None,
-    timeout_s: Optional[float] = None,
-    replan_threshold: Optional[float] = None,
-    connect_timeout_s: Optional[float] = None,
-    heartbeat_s: Optional[float] = None,
-    socket_buffer_bytes: Optional[int] = None,
-    socket_unsent_bytes: Optional[int] = None,
-    max_early_bytes: Optional[int] = None,
-    timeline_path: Optional[str] = None,
-    allow_no_token: Optional[bool] = None,
-    bind_host: Optional[str] = None,
-    hierarchical: Optional[str] = None,
-    hosts: Optional[Sequence[str]] = None,
-) -> None:
+def init(rank: int, world_size: int, addresses: Sequence[str] = (), token: Optional[str] = None,
+         **settings: Any) -> None:
     """Starts the runtime: listens on ``addresses[rank]`` and connects to every other worker.
-
-    Options left as ``None`` take the runtime's defaults (:func:`defaults`; the schedule is
-    ``prophet``).
 
     Args:
       rank: this worker's index in ``[0, world_size)``.
@@ -87,111 +63,32 @@ def init(
       addresses: ``host:port`` of every worker, in rank order, identical on all workers.
       token: job token every worker must share (default: ``$PROPHET_JOB_TOKEN``). Workers prove
         to each other that they hold it (HMAC-SHA256 over fresh nonces; it never travels).
-      schedule: one of :func:`schedules`.
-      partition_bytes: tensors are cut into partitions of at most this size.
-      credit_bytes: bytes of released partitions that may wait to leave this worker at once
-        (0, the default: max(16 MiB, (world_size - 1) x partition_bytes)).
-      replan_threshold: the ``prophet`` policy re-plans when the measured bandwidth or a stage
-        interval moves by more than this fraction.
-      timeout_s: an operation not completed within this time fails instead of hanging
-        (default ``$PROPHET_TIMEOUT_S``, else 60): every worker then asks the others whether they
-        reached it and fails it with ``DeadlineExceededError`` naming the ranks that did not (or
-        did not answer); every worker names the same ranks.
-      connect_timeout_s: how long to wait for all peers at start-up. A peer that is seen and then
-        goes away, or that cannot join (another token, world size or version), ends the start-up
-        at once on every worker instead.
-      heartbeat_s: when > 0, a peer from which nothing arrived for this long (a stopped or frozen
-        process, an unreachable host) is declared lost and pending operations fail, naming it,
-        long before ``timeout_s``. A program that is merely slow is not affected (its runtime
-        thread keeps answering). Every worker must use the same value. Default 0 (off).
-      socket_buffer_bytes: SO_SNDBUF/SO_RCVBUF of each connection; 0: the kernel's autotuning,
-        which sizes them for each link's bandwidth-delay product; default -1: with 3 or more
-        workers each send buffer gets max(512 KiB, 4 MiB / (N - 1)) so that the kernel holds
-        little ahead of an urgent gradient (docs/design.md, "Transport"), receive buffers and
-        2-worker jobs the autotuning, and so does a kernel whose net.core.wmem_max is lower.
-      socket_unsent_bytes: TCP_NOTSENT_LOWAT of each connection: how much data a socket may hold
-        that TCP has not sent yet (0: no limit). The kernel sends what it holds in the order it
-        was written, before any more urgent gradient written later; the runtime keeps the rest
-        in its own priority-ordered queues.
-      max_early_bytes: memory for frames that arrive before this worker submits their operation
-        (a faster peer's gradients, a broadcast to a worker that starts late), and the largest
-        allgather contribution accepted from a peer. Beyond it the operation fails on every worker
-        with an error naming this option, and the sender's connection is dropped.
-      timeline_path: write a Chrome trace of this worker there (default ``$PROPHET_TIMELINE``,
-        with ``{rank}`` replaced by the rank).
-      allow_no_token: a job of several workers refuses to start without a token unless this is
-        true (default ``$PROPHET_ALLOW_NO_TOKEN`` = 1): then any process that can reach the
-        workers' ports can join the job.
-      bind_host: listen on this address instead of the host of ``addresses[rank]`` (default
-        ``$PROPHET_BIND_HOST``), e.g. the pod IP or ``0.0.0.0`` in Kubernetes, where the address
-        in ``TF_CONFIG`` may be a Service that no pod can bind. Without it, a worker whose own
-        address is not an address of its machine listens on every interface and logs a warning.
-      hierarchical: ``"off"``, ``"on"`` or ``"auto"`` (default ``$PROPHET_HIERARCHICAL``, else
-        off): the two-level push_pull sums on each host first (the host's workers push to one
-        leader per partition over loopback), then across hosts, so the network carries each
-        host's share once. ``"auto"`` takes it when the job spans several hosts and some host has
-        several workers. Every worker must use the same (checked at start-up).
-      hosts: one host label per rank (ranks with equal labels share a host), for the two-level
-        path; default: workers whose addresses have the same host part share a host.
+      **settings: the runtime's options (:func:`options`; the README's table of the runtime's
+        options lists each with its default and meaning), e.g. ``schedule``,
+        ``partition_bytes``, ``credit_bytes``, ``timeout_s``, ``socket_buffer_bytes``,
+        ``hierarchical``. An option left out (or None) takes its environment variable where it
+        has one (``$PROPHET_TIMEOUT_S``, ``$PROPHET_TIMELINE``, ``$PROPHET_HIERARCHICAL``,
+        ``$PROPHET_BIND_HOST``, ``$PROPHET_ALLOW_NO_TOKEN``), else the runtime's default; only
+        the options set travel to the runtime. In ``timeline_path``, ``{rank}`` is replaced by
+        the rank (with several workers and no ``{rank}``, the rank goes before the extension).
 
-    Calling it again with the same arguments does nothing; with different ones it raises.
+    Calling it again with the same settings does nothing; with different ones it raises.
+
+    Raises:
+      TypeError: an option the runtime does not have.
+      RuntimeOptionError: an option's value is not one the runtime accepts (before anything
+        starts).
+      RuntimeInitError: the runtime could not start.
     """
     global _config
-    schedule = check_schedule(schedule)
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside [0, world_size={world_size})")
     if world_size > 1 and len(addresses) != world_size:
         raise ValueError(f"{len(addresses)} addresses given for {world_size} workers")
     if world_size > 1:
         check_distinct_addresses(list(addresses), "runtime.init")
-    if allow_no_token is None:
-        allow_no_token = os.environ.get(ALLOW_NO_TOKEN_ENV, "").strip().lower() in ("1", "true", "yes")
-    if bind_host is None:
-        bind_host = os.environ.get(BIND_HOST_ENV, "").strip() or None
-    default = defaults()
-    if timeout_s is None:
-        timeout_s = float(os.environ.get("PROPHET_TIMEOUT_S", default["timeout_s"]))
-    if hierarchical is None:
-        hierarchical = os.environ.get("PROPHET_HIERARCHICAL", "").strip().lower() or default["hierarchical"]
-    if hierarchical not in ("off", "on", "auto"):
-        raise ValueError(f"hierarchical must be 'off', 'on' or 'auto', got {hierarchical!r}")
-    if hosts is not None and len(hosts) != world_size:
-        raise ValueError(f"hosts names {len(hosts)} host(s) for {world_size} workers: give one label per rank")
-
-    def pick(value: Any, key: str) -> Any:
-        return default[key] if value is None else value
-
-    if timeline_path is None:
-        timeline_path = os.environ.get("PROPHET_TIMELINE") or None
-    if timeline_path:
-        timeline_path = timeline_path.replace("{rank}", str(rank))
-        if world_size > 1 and "{rank}" not in timeline_path and not timeline_path.endswith(f".{rank}.json"):
-            root, ext = os.path.splitext(timeline_path)
-            timeline_path = f"{root}.{rank}{ext or '.json'}"
-    config = dict(
-        rank=rank,
-        world_size=world_size,
-        addresses=",".join(addresses),
-        token=os.environ.get("PROPHET_JOB_TOKEN", "") if token is None else token,
-        schedule=schedule,
-        partition_bytes=int(pick(partition_bytes, "partition_bytes")),
-        credit_bytes=int(pick(credit_bytes, "credit_bytes")),
-        timeout_s=float(timeout_s),
-        replan_threshold=float(pick(replan_threshold, "replan_threshold")),
-        connect_timeout_s=float(pick(connect_timeout_s, "connect_timeout_s")),
-        heartbeat_s=float(pick(heartbeat_s, "heartbeat_s")),
-        socket_buffer_bytes=int(pick(socket_buffer_bytes, "socket_buffer_bytes")),
-        socket_unsent_bytes=int(pick(socket_unsent_bytes, "socket_unsent_bytes")),
-        max_early_bytes=int(pick(max_early_bytes, "max_early_bytes")),
-        timeline_path=timeline_path or "",
-        allow_no_token=int(bool(allow_no_token)),
-        bind_host=bind_host or "",
-        hierarchical=hierarchical,
-        hosts=",".join(hosts or ()),
-    )
-    for key, value in config.items():
-        if "\n" in str(value):
-            raise ValueError(f"runtime option {key} must not contain a newline")
+    text = _settings_text(rank, world_size, addresses, token, settings)
+    config = _resolve(text)
     if _config is not None and c_api().prophet_is_initialized():
         if config == _config:
             return
@@ -199,12 +96,57 @@ def init(
             "the prophet_tf runtime is already running with different settings "
             f"({_diff(_config, config)}); call prophet_tf.runtime.shutdown() first"
         )
-    text = "\n".join(f"{k}={v}" for k, v in config.items() if v != "" or k == "token")
     error = ctypes.create_string_buffer(2048)
     code = c_api().prophet_init(text.encode(), error, len(error))
     if code != 0:
         raise RuntimeInitError(error.value.decode(errors="replace"))
     _config = config
+
+
+def _settings_text(rank: int, world_size: int, addresses: Sequence[str], token: Optional[str],
+                   settings: dict[str, Any]) -> str:
+    """The runtime's "key=value" lines: the job's identity, and the options the caller or the
+    environment set (nothing else: the runtime has its defaults)."""
+    known = options()
+    unknown = sorted(set(settings) - set(known))
+    if unknown:
+        raise TypeError(f"unknown runtime option(s) {', '.join(unknown)}; the runtime's options are "
+                        f"{', '.join(known)}")
+    given: dict[str, Any] = {"rank": rank, "world_size": world_size}
+    if addresses:
+        given["addresses"] = list(addresses)
+    token = from_environment("token") if token is None else token
+    if token is not None:
+        given["token"] = token
+    for name in known:
+        value = settings.get(name)
+        given[name] = from_environment(name) if value is None else value
+    path = given.get("timeline_path")
+    if path:
+        path = os.fspath(path).replace("{rank}", str(rank))
+        if world_size > 1 and "{rank}" not in os.fspath(given["timeline_path"]) and \
+                not path.endswith(f".{rank}.json"):
+            root, ext = os.path.splitext(path)
+            path = f"{root}.{rank}{ext or '.json'}"
+        given["timeline_path"] = path
+    return "".join(f"{name}={to_text(name, value)}\n" for name, value in given.items()
+                   if value is not None)
+
+
+def _resolve(text: str) -> dict[str, Any]:
+    """Every option's value with the settings ``text`` gives, checked by the runtime's own parser
+    (in the TensorFlow-free library: a bad option fails before TensorFlow loads)."""
+    code, answer = call_returning_text(predict_api().prophet_runtime_resolve, text)
+    if code != 0:
+        raise RuntimeOptionError(answer + _environment_note(answer))
+    return json.loads(answer)
+
+
+def _environment_note(message: str) -> str:
+    """Where a refused value came from the environment, says so."""
+    notes = [f"${o.env}={os.environ[o.env]!r}" for name, o in runtime_options().items()
+             if o.env and f"option {name} " in message and from_environment(name) is not None]
+    return f" (set by {', '.join(notes)})" if notes else ""
 
 
 def _diff(old: dict[str, Any], new: dict[str, Any]) -> str:
@@ -246,7 +188,8 @@ def size() -> int:
 
 
 def config() -> dict[str, Any]:
-    """The settings the runtime was started with (token omitted)."""
+    """Every setting the runtime runs with, those left to their defaults included (token
+    omitted)."""
     _require()
     assert _config is not None
     return {k: v for k, v in _config.items() if k != "token"}

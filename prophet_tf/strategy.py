@@ -944,8 +944,9 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
         at a preemption (model and optimizer state, position) and resumes from it (default
         ``$PROPHET_CHECKPOINT_DIR``, which ``prophetrun --checkpoint-dir`` sets; none:
         such a fit stops without a checkpoint).
-      **runtime_options: passed to ``prophet_tf.runtime.init`` (``partition_bytes``,
-        ``credit_bytes``, ``timeout_s``, ``timeline_path``...).
+      **runtime_options: the runtime's options, passed to ``prophet_tf.runtime.init``
+        (``partition_bytes``, ``credit_bytes``, ``timeout_s``, ``timeline_path``...; the README's
+        table of the runtime's options, ``prophet_tf.runtime.options()``).
 
     Raises:
       prophet_tf.errors.ClusterConfigError: the cluster description is unusable.
@@ -972,10 +973,12 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
         auto = schedule == _auto_schedule.AUTO
         if not auto and schedule is not None and schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-        policy = "prophet" if auto else runtime.check_schedule(schedule)
+        if auto:
+            runtime_options["schedule"] = "prophet"  # where AutoSchedule starts
+        elif schedule is not None:
+            runtime_options["schedule"] = schedule
         info = resolve_cluster(cluster_resolver)
         self._cluster_info = info
-        self._schedule = _auto_schedule.AUTO if auto else policy
         profile_path = profile_path or os.environ.get("PROPHET_PROFILE") or None
         if profile_path:
             if runtime_options.get("timeline_path"):
@@ -983,8 +986,8 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
                                  "timeline_path: a profile is the run's timeline")
             runtime_options["timeline_path"] = profile_path
         recording = bool(profile_path) and info.world_size == 1
-        runtime.init(info.rank, info.world_size, list(info.addresses), info.token, schedule=policy,
-                     **runtime_options)
+        runtime.init(info.rank, info.world_size, list(info.addresses), info.token, **runtime_options)
+        self._schedule = _auto_schedule.AUTO if auto else runtime.config()["schedule"]
         extended = ProphetExtended(self, device or _devices.default_device(), info.rank, info.world_size,
                                    sparse_as_dense_bytes=sparse_as_dense_bytes,
                                    cross_barrier=cross_barrier and (info.world_size > 1 or recording),

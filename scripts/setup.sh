@@ -123,10 +123,12 @@ else
 fi
 
 # --- 4. Build the libraries --------------------------------------------------------------------
-STEP="bazel build //ops/..."
-log "bazel build //ops/..."
+# Only the libraries the package loads: the C++ tests are built by `bazel test` (scripts/test.sh).
+LIB_TARGETS="//ops/tf:_prophet_ops.so //ops/predict:_prophet_predict.so //ops/tf_bench:_prophet_bench_ops.so"
+STEP="bazel build $LIB_TARGETS"
+log "bazel build $LIB_TARGETS"
 start=$(date +%s)
-bazel build //ops/... || die "bazel build //ops/... failed (see the compiler output above)"
+bazel build $LIB_TARGETS || die "bazel build failed (see the compiler output above)"
 log "bazel build finished in $(( $(date +%s) - start ))s"
 
 # The op library (TensorFlow ops + runtime), the predictor (no TensorFlow) and the benchmarks'

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Full test run: setup (build), C++ tests through Bazel, Python tests through pytest.
+# Full test run: setup (install, build the libraries), then the C++ tests through Bazel and the
+# Python tests through pytest, side by side.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -12,23 +13,47 @@ bash scripts/setup.sh || die "scripts/setup.sh failed"
 
 PY="${PYTHON_BIN_PATH:-python3}"
 
-# --- C++ tests (one cc_test per ops/**/*_test.cc) ------------------------------------------------
-log "bazel test //ops/..."
-rc=0
-bazel test //ops/... || rc=$?
-if [ "$rc" -eq 4 ] && [ -z "$(find ops -name '*_test.cc' -print -quit)" ]; then
-  log "no C++ tests yet (no ops/**/*_test.cc)"           # bazel: 4 = no test targets found
-elif [ "$rc" -ne 0 ]; then
-  die "bazel test //ops/... failed (exit $rc)"
-fi
-
-# --- Fuzz targets with AddressSanitizer + UBSan (short fixed-seed runs; see ops/core/fuzz/BUILD) ---
-log "bazel test --config=asan //ops/core/fuzz/..."
-bazel test --config=asan //ops/core/fuzz/... || die "fuzz targets failed under the sanitizers"
+# --- C++ tests, beside the Python tests ---------------------------------------------------------
+# One cc_test per ops/**/*_test.cc, then the fuzz targets with AddressSanitizer + UBSan (short
+# fixed-seed runs; see ops/core/fuzz/BUILD). They need nothing from the Python tests nor these
+# from them, so they build and run at the same time, at a lower priority: the compiler takes the
+# cores the Python tests leave while their workers wait on sockets and each other.
+cc_tests() {
+  local rc=0
+  # Bazel's server runs the compilers: the one setup.sh started has the normal priority, a new one
+  # started from here has this job's.
+  bazel shutdown
+  log "bazel test //ops/..."
+  bazel test //ops/... || rc=$?
+  if [ "$rc" -eq 4 ] && [ -z "$(find ops -name '*_test.cc' -print -quit)" ]; then
+    log "no C++ tests yet (no ops/**/*_test.cc)"         # bazel: 4 = no test targets found
+  elif [ "$rc" -ne 0 ]; then
+    log "bazel test //ops/... failed (exit $rc)"; return 1
+  fi
+  log "bazel test --config=asan //ops/core/fuzz/..."
+  bazel test --config=asan //ops/core/fuzz/... || { log "fuzz targets failed under the sanitizers"; return 1; }
+}
+CC_LOG="$(mktemp "${TMPDIR:-/tmp}/prophet_tf-cc-tests.XXXXXX")"
+log "C++ tests in the background (output: $CC_LOG)"
+nice -n 10 bash -c "$(declare -f log cc_tests); cc_tests" >"$CC_LOG" 2>&1 &
+CC_PID=$!
+trap 'pkill -P "$CC_PID" 2>/dev/null; kill "$CC_PID" 2>/dev/null || true' EXIT  # a failed pytest ends them
+cc_result() {  # waits for the C++ tests; prints their outcome; dies if they failed
+  local rc=0
+  wait "$CC_PID" || rc=$?
+  trap - EXIT
+  if [ "$rc" -ne 0 ]; then
+    cat "$CC_LOG" >&2
+    die "C++ tests failed (exit $rc; output above, also in $CC_LOG)"
+  fi
+  grep -E '\[test\]|Executed|PASSED|FAILED|NO STATUS|no C\+\+ tests' "$CC_LOG" || true
+  log "C++ tests passed"
+}
 
 # --- Python tests ------------------------------------------------------------------------------
 if [ ! -d tests ]; then
   log "no tests/ directory; skipping pytest"
+  cc_result
   exit 0
 fi
 # Test files run side by side (pytest-xdist), a file's tests in one process so that its shared
@@ -44,7 +69,9 @@ if [ "$rc" -eq 5 ]; then
     die "pytest collected no tests although tests/ has test files"
   fi
   log "no Python tests yet"
+  cc_result
   exit 0
 fi
 [ "$rc" -eq 0 ] || die "pytest failed (exit $rc)"
+cc_result
 log "all tests passed"

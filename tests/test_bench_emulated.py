@@ -242,7 +242,7 @@ def test_emulated_compute_spans_reach_the_runtimes_timeline(tmp_path):
     """)
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
-                          timeout=120, env={"PYTHONPATH": str(root), "TF_CPP_MIN_LOG_LEVEL": "3",
+                          timeout=600, env={"PYTHONPATH": str(root), "TF_CPP_MIN_LOG_LEVEL": "3",
                                             "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     tracks = timeline.events_by_track(timeline.load_trace(path))

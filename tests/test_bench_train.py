@@ -380,7 +380,7 @@ def test_merge_joins_parts_of_one_sweep(tmp_path):
         merge_results([str(tmp_path / "a" / "results.json"), str(tmp_path / "d" / "results.json")],
                       str(tmp_path / "bad"))
     r = _run(["--merge", f"{tmp_path / 'a' / 'results.json'},{tmp_path / 'nope.json'}",
-              "--out", str(tmp_path / "bad")], timeout=60)
+              "--out", str(tmp_path / "bad")], timeout=300)
     assert r.returncode == 2 and "nope.json" in r.stdout
 
 
@@ -487,13 +487,13 @@ def _run(args, timeout):
 
 
 def test_bad_flags_are_usage_errors():
-    r = _run(["--models", "alexnet", "--loopback"], timeout=60)
+    r = _run(["--models", "alexnet", "--loopback"], timeout=300)
     assert r.returncode == 2 and "unknown model" in r.stdout
-    r = _run(["--workers", "9", "--loopback"], timeout=60)
+    r = _run(["--workers", "9", "--loopback"], timeout=300)
     assert r.returncode == 2 and "between 2 and 8" in r.stdout
-    r = _run(["--full", "--loopback"], timeout=60)
+    r = _run(["--full", "--loopback"], timeout=300)
     assert r.returncode == 2 and "--compute emulated" in r.stdout
-    r = _run(["--compute", "emulated", "--accelerator-tflops", "0", "--loopback"], timeout=60)
+    r = _run(["--compute", "emulated", "--accelerator-tflops", "0", "--loopback"], timeout=300)
     assert r.returncode == 2 and "--accelerator_tflops must be positive" in r.stdout
 
 
@@ -707,7 +707,7 @@ def test_end_to_end_loopback_smoke(tmp_path):
               '"seq_len": 8, "vocab": 64}}', "--batch", "4", "--steps", "3", "--warmup", "1",
               # a smoke test: no re-runs of launches disturbed by other programs
               "--retries", "0", "--nocontended", "--out", str(out), "--json", str(js)],
-             timeout=240)
+             timeout=900)
     assert r.returncode == 0, r.stdout[-4000:]
     data = json.loads(js.read_text())
     validate_settings(data)
@@ -737,7 +737,7 @@ def test_end_to_end_emulated_loopback_smoke(tmp_path):
               '"ff": 64, "seq_len": 8, "vocab": 64}}', "--batch", "4", "--steps", "3",
               "--warmup", "1", "--alone", "--time_scale", "2", "--retries", "0", "--out",
               str(out), "--json", str(js), "--timeline", str(tmp_path / "tl"),
-              "--compression", "bf16"], timeout=300)
+              "--compression", "bf16"], timeout=900)
     assert r.returncode == 0, r.stdout[-4000:]
     data = json.loads(js.read_text())
     validate_settings(data)

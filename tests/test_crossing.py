@@ -103,7 +103,7 @@ def test_next_step_starts_before_previous_gradients_are_summed(tmp_path: Path) -
     with netem.EmulatedCluster(2, bandwidth_bps=50e6, prefix=f"ptfx{os.getpid()}") as cluster:
         code = launch.launch([sys.executable, str(ROOT / "tests" / "workers" / "crossing_overlap.py"), trace_pattern],
                              2, hosts=[cluster.host_address(i) for i in range(2)], wrap_argv=cluster.exec_argv,
-                             env=env, threads=1, timeout=240, handle_signals=False)
+                             env=env, threads=1, timeout=900, handle_signals=False)
     assert code == 0, f"workers failed with exit code {code}"
     for rank in range(2):
         trace = json.loads((tmp_path / f"trace.{rank}.json").read_text())

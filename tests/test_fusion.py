@@ -21,7 +21,7 @@ def test_many_small_gradients_fused_on_three_workers_match_one_process(run_worke
     cases = ["many_small", "momentum", "adam"]
     trace = tmp_path / "trace.{rank}.json"
     run = run_workers("strategy_equivalence.py", 3, "--cases", ",".join(cases), "--fusion", "4096",
-                      timeout=240, env={"PROPHET_TIMELINE": str(trace)}).check_ok()
+                      timeout=900, env={"PROPHET_TIMELINE": str(trace)}).check_ok()
     # Every fused gradient keeps its own "ready" and "op" events on the trace (users see its
     # wait; a trace read as a profile needs its bytes), beside its bucket's.
     from prophet_tf import timeline
@@ -82,7 +82,7 @@ def test_two_workers_size_buckets_for_the_link_rate_they_measured_and_agreed(run
     from prophet_tf import _link_probe, runtime, timeline
     monkeypatch.delenv(runtime.LINK_GBPS_ENV, raising=False)
     trace = tmp_path / "trace.{rank}.json"
-    run = run_workers("fusion_link_probe.py", 2, timeout=240,
+    run = run_workers("fusion_link_probe.py", 2, timeout=900,
                       env={"PROPHET_TIMELINE": str(trace)}).check_ok()
     probed = [run.one(rank, case="probe") for rank in range(2)]
     for r in probed:

@@ -135,7 +135,7 @@ def test_a_preempted_program_leaves_after_its_exit_handlers(tmp_path, catch):
     script = tmp_path / "preempted.py"
     script.write_text(PREEMPTED_PROGRAM)
     done = subprocess.run([sys.executable, str(script), str(tmp_path), "catch" if catch else "raise"],
-                          env=_worker_env(), cwd=ROOT, capture_output=True, text=True, timeout=60)
+                          env=_worker_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
     expected = ["handler registered after the preemption", "handler registered first"]
     assert done.returncode == (0 if catch else preemption.EXIT_PREEMPTED), done.stderr
     assert done.stdout.splitlines() == (["caught; going on"] if catch else []) + expected

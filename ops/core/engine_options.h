@@ -1,8 +1,9 @@
-// The engine's settings: their defaults (the one home every other layer, Python included, reads),
-// and parsing them from the C API's "key=value" lines.
+// The engine's settings: every option defined once (engine_options.def), parsed from the C API's
+// "key=value" lines and described to the Python package, which derives its own from that table.
 #ifndef PROPHET_OPS_CORE_ENGINE_OPTIONS_H_
 #define PROPHET_OPS_CORE_ENGINE_OPTIONS_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -13,7 +14,7 @@
 
 namespace prophet {
 
-// The smallest socket_buffer_bytes accepted (see ParseEngineOptions).
+// The smallest socket_buffer_bytes accepted other than kSocketBufferAuto and 0.
 constexpr int kMinSocketBufferBytes = 128 << 10;
 // socket_buffer_bytes = kSocketBufferAuto (the default): each connection's send buffer is sized
 // for the workers (SendBufferRequest), receive buffers are the kernel's.
@@ -52,60 +53,84 @@ constexpr uint64_t kMinCreditBytes = 16u << 20;
 // overtakes them.
 uint64_t ResolveCreditBytes(uint64_t setting, int world_size, uint64_t partition_bytes);
 
+using Strings = std::vector<std::string>;
+
+// What an option accepts beyond what its type does (engine_options.def): numbers at least (or
+// above) a bound, and a few values outside it that mean something of their own; text one of a
+// list of names.
+struct Accepts {
+  bool bounded = false;
+  double bound = 0;
+  bool bound_excluded = false;  // above `bound`, not at least
+  static constexpr int kMaxSpecials = 2;
+  int specials = 0;
+  double special_value[kMaxSpecials] = {};
+  const char* special_means[kMaxSpecials] = {};
+  const char* const* names = nullptr;
+  int name_count = 0;
+
+  constexpr Accepts AtLeast(double b) const {
+    Accepts a = *this;
+    a.bounded = true, a.bound = b, a.bound_excluded = false;
+    return a;
+  }
+  constexpr Accepts Above(double b) const {
+    Accepts a = AtLeast(b);
+    a.bound_excluded = true;
+    return a;
+  }
+  constexpr Accepts Or(double value, const char* means) const {
+    Accepts a = *this;
+    a.special_value[a.specials] = value;
+    a.special_means[a.specials] = means;
+    ++a.specials;
+    return a;
+  }
+  template <size_t N>
+  constexpr Accepts OneOf(const char* const (&list)[N]) const {
+    Accepts a = *this;
+    a.names = list, a.name_count = static_cast<int>(N);
+    return a;
+  }
+};
+
+// Who sets an option (engine_options.def): kJob, the job's identity (the launcher or the cluster
+// gives it); kUser, a user's setting; kPredicted, also modelled by the predictor.
+enum OptionUse : unsigned { kJob = 1u, kUser = 2u, kPredicted = 4u };
+
 struct EngineOptions {
-  int rank = 0;
-  int world_size = 1;
-  std::vector<std::string> addresses;
-  std::string token;
-  bool allow_no_token = false;      // a multi-worker job without a token only if the user said so
-  std::string bind_host;            // see BootstrapOptions::bind_host
-  std::string schedule = kDefaultSchedule;  // one of kScheduleNames
-  uint64_t partition_bytes = 4u << 20;
-  // Bytes of released pushes that have not left this worker yet (their last byte is not in the
-  // socket). kCreditAuto: ResolveCreditBytes from N and partition_bytes.
-  uint64_t credit_bytes = kCreditAuto;
-  double replan_threshold = kDefaultReplanThreshold;  // prophet policy
-  double timeout_s = 60.0;          // an operation not finished by then fails on this worker
-  double connect_timeout_s = 60.0;  // bootstrap
-  // > 0: a peer from which nothing arrived for this long is declared lost (a stopped or frozen
-  // process), long before timeout_s. Every worker must use the same value (checked at start-up).
-  double heartbeat_s = 0.0;
-  // SO_SNDBUF / SO_RCVBUF of every connection. 0 leaves both to the kernel's autotuning, which
-  // sizes them for the bandwidth-delay product of each link (a fixed size caps a long fat link);
-  // kSocketBufferAuto sizes the send buffers for the workers (SendBufferRequest); a size sets both.
-  int socket_buffer_bytes = kSocketBufferAuto;  // kSocketBufferAuto, 0, or at least kMinSocketBufferBytes
-  // TCP_NOTSENT_LOWAT of every connection: how much a socket holds that TCP has not sent yet
-  // (0: no limit). Bytes handed to the kernel leave in the order written, so everything it holds
-  // goes before a more urgent gradient written later; this keeps that small, while the bytes in
-  // flight (the congestion window) stay TCP's to size.
-  int socket_unsent_bytes = 256 << 10;
-  // Memory for frames whose operation this worker has not submitted yet (a faster peer's
-  // partitions, a broadcast to a worker that starts late), and the most one allgather
-  // contribution may hold. Beyond it the operation fails everywhere and the sender is dropped.
-  uint64_t max_early_bytes = uint64_t{4} << 30;
-  std::string timeline_path;        // empty: no timeline
-  // The two-level push_pull (two_level.h): sum on each host first, then across hosts, so the
-  // network carries each host's share once. Off by default; auto takes it when the job spans
-  // several hosts and some host has several workers (hosts.h). Every worker must use the same
-  // (checked at start-up).
-  Hierarchy hierarchical = Hierarchy::kOff;
-  // One host label per rank, ranks with equal labels sharing a host. Empty: the host part of each
-  // address (workers whose addresses name the same host share it).
-  std::vector<std::string> hosts;
+#define PROPHET_OPTION(TYPE, NAME, DEFAULT, ACCEPTS, USE, ENV, DOC) TYPE NAME = DEFAULT;
+#include "ops/core/engine_options.def"
+#undef PROPHET_OPTION
   // Small control collectives by recursive doubling (small_allreduce.h): kSmallAllreduceAuto, the
-  // default, where it is predicted faster (ExchangesThis). Not a user setting (no key of
-  // ParseEngineOptions): kSmallAllreduceNever (the owner path for every tensor) and
+  // default, where it is predicted faster (ExchangesThis). Not a user setting (no row of
+  // engine_options.def): kSmallAllreduceNever (the owner path for every tensor) and
   // kSmallAllreduceAlways (every uncompressed tensor below N x 64 KiB that one frame carries) let
   // the C++ tests and benchmark run both paths side by side. Every worker of a job must agree.
   enum SmallAllreduceMode { kSmallAllreduceNever, kSmallAllreduceAuto, kSmallAllreduceAlways };
   SmallAllreduceMode small_allreduce = kSmallAllreduceAuto;
 };
 
-// Parses "key=value" lines (the C API's configuration string). Unknown keys are errors.
+// Parses "key=value" lines (the C API's configuration string): each key an option of
+// engine_options.def, its value checked against what the option accepts; then the options
+// together (rank within world_size, an address per worker, a token or allow_no_token, ...).
+// Unknown keys are errors. Options not named keep their value in `options`.
 Status ParseEngineOptions(const std::string& text, EngineOptions* options);
 
-// What the Python package reads instead of keeping copies: the schedule names, the default of
-// every tunable option, and the control-priority band, as one JSON object.
+// One option by its key, as ParseEngineOptions does for each line (the predictor parses the
+// options it models with it).
+Status ParseEngineOption(const std::string& key, const std::string& value, EngineOptions* options);
+
+// The OptionUse bits of option `key`; 0 if the engine has no such option.
+unsigned EngineOptionUse(const std::string& key);
+
+// Every option's value, as one JSON object by key ({"rank": 0, ..., "addresses": [...], ...}).
+std::string EngineOptionsJson(const EngineOptions& options);
+
+// What the Python package reads instead of keeping copies, as one JSON object: the schedule
+// names, the compressions, the control-priority band, the protocol version, and the option table
+// ("options": one object per row of engine_options.def: name, type, default, accepts (the text
+// the errors use), specials, choices, use, predicted, env, doc).
 std::string RuntimeConstantsJson();
 
 }  // namespace prophet

@@ -1,4 +1,4 @@
-// Engine options: parsing the C API's lines, and the constants the Python package reads.
+// Engine options: parsing the C API's lines, and the option table the Python package reads.
 #include "ops/core/engine_options.h"
 #include "ops/core/wire.h"
 
@@ -24,13 +24,17 @@ TEST(ParsesEveryKeyAndKeepsDefaultsForTheRest) {
   EXPECT_EQ(EngineOptions().replan_threshold, kDefaultReplanThreshold);
 }
 
+// Each error names the option, what it accepts (from its row of engine_options.def) and what came.
 TEST(RejectsBadInputNamingIt) {
   EngineOptions o;
   Status s = ParseEngineOptions("colour=blue", &o);
   EXPECT_TRUE(s.code() == Code::kInvalidArgument && Contains(s.message(), "'colour'"));
   o = EngineOptions();
   s = ParseEngineOptions("timeout_s=soon", &o);
-  EXPECT_TRUE(!s.ok() && Contains(s.message(), "timeout_s") && Contains(s.message(), "'soon'"));
+  EXPECT_TRUE(!s.ok() && Contains(s.message(), "runtime option timeout_s must be a number above 0, got 'soon'"));
+  o = EngineOptions();
+  s = ParseEngineOptions("timeout_s=0", &o);
+  EXPECT_TRUE(!s.ok() && Contains(s.message(), "timeout_s must be a number above 0, got '0'"));
   o = EngineOptions();
   s = ParseEngineOptions("rank=2\nworld_size=2", &o);
   EXPECT_TRUE(!s.ok() && Contains(s.message(), "rank 2 outside [0, 2)"));
@@ -39,17 +43,50 @@ TEST(RejectsBadInputNamingIt) {
   EXPECT_TRUE(!s.ok() && Contains(s.message(), "max_early_bytes (1024) must be at least partition_bytes (4096)"));
   o = EngineOptions();
   s = ParseEngineOptions("socket_unsent_bytes=-1", &o);
-  EXPECT_TRUE(!s.ok() && Contains(s.message(), "socket_unsent_bytes must be 0 (no limit) or positive"));
+  EXPECT_TRUE(!s.ok() && Contains(s.message(), "socket_unsent_bytes must be 0 (no limit) or an integer of at least 1, "
+                                                "got '-1'"));
   o = EngineOptions();
   s = ParseEngineOptions("socket_buffer_bytes=4096", &o);
-  EXPECT_TRUE(!s.ok() && Contains(s.message(), "socket_buffer_bytes must be -1 (send buffers sized for the workers, "
-                                                "the default), 0 (the kernel's autotuning) or at least 131072, got 4096"));
+  EXPECT_TRUE(!s.ok() && Contains(s.message(), "runtime option socket_buffer_bytes must be -1 (sized for the workers), "
+                                                "0 (the kernel's autotuning) or an integer of at least 131072, got "
+                                                "'4096'"));
   o = EngineOptions();
   s = ParseEngineOptions("socket_buffer_bytes=-2", &o);
-  EXPECT_TRUE(!s.ok() && Contains(s.message(), "got -2"));
+  EXPECT_TRUE(!s.ok() && Contains(s.message(), "got '-2'"));
+  o = EngineOptions();
+  s = ParseEngineOptions("heartbeat_s=0.1", &o);
+  EXPECT_TRUE(!s.ok() && Contains(s.message(), "heartbeat_s must be 0 (off) or a number of at least 0.2, got '0.1'"));
+  o = EngineOptions();
+  s = ParseEngineOptions("schedule=lifo", &o);
+  EXPECT_TRUE(!s.ok() && Contains(s.message(), "schedule must be one of prophet, priority or fifo, got 'lifo'"));
+  // Unsigned sizes refuse a sign instead of wrapping around; a number is the whole value.
+  o = EngineOptions();
+  s = ParseEngineOptions("credit_bytes=-5", &o);
+  EXPECT_TRUE(!s.ok() && Contains(s.message(), "credit_bytes must be 0 (max(16 MiB, (N - 1) x partition_bytes)) or a "
+                                                "whole number of at least 1, got '-5'"));
+  o = EngineOptions();
+  EXPECT_TRUE(!ParseEngineOptions("partition_bytes=4096x", &o).ok());
+  o = EngineOptions();
+  s = ParseEngineOptions("world_size=2\naddresses=h:1,h:2\nallow_no_token=1\nhosts=a", &o);
+  EXPECT_TRUE(!s.ok() && Contains(s.message(), "hosts names 1 host(s) for 2 workers"));
   o = EngineOptions();
   EXPECT_TRUE(ParseEngineOptions("socket_buffer_bytes=131072\nsocket_unsent_bytes=1", &o).ok());
   EXPECT_TRUE(ParseEngineOptions("socket_buffer_bytes=-1", &o).ok() && o.socket_buffer_bytes == kSocketBufferAuto);
+  // A value refused leaves the option as it was.
+  EXPECT_TRUE(!ParseEngineOption("socket_buffer_bytes", "5", &o).ok() && o.socket_buffer_bytes == kSocketBufferAuto);
+}
+
+TEST(BooleansAndListsReadAsPythonWritesThem) {
+  EngineOptions o;
+  for (const char* yes : {"1", "true", "True", "yes"}) {
+    o = EngineOptions();
+    EXPECT_TRUE(ParseEngineOption("allow_no_token", yes, &o).ok() && o.allow_no_token);
+  }
+  EXPECT_TRUE(ParseEngineOption("allow_no_token", "0", &o).ok() && !o.allow_no_token);
+  const Status s = ParseEngineOption("allow_no_token", "maybe", &o);
+  EXPECT_TRUE(!s.ok() && Contains(s.message(), "allow_no_token must be true or false (1 or 0), got 'maybe'"));
+  EXPECT_TRUE(ParseEngineOption("hosts", "a,b,a", &o).ok() && o.hosts.size() == 3 && o.hosts[2] == "a");
+  EXPECT_TRUE(ParseEngineOption("hierarchical", "ON", &o).ok() && o.hierarchical == Hierarchy::kOn);
 }
 
 TEST(AMultiWorkerJobNeedsATokenUnlessAllowed) {
@@ -102,12 +139,34 @@ TEST(ConstantsForPythonComeFromTheCore) {
   EXPECT_TRUE(Contains(json, "\"control_priority\": " + std::to_string(kControlPriority)));
   EXPECT_TRUE(Contains(json, "\"protocol_version\": " + std::to_string(kProtocolVersion) + ","));
   EXPECT_TRUE(Contains(json, "\"compressions\": [\"fp16\", \"bf16\"]"));
-  EXPECT_TRUE(Contains(json, "\"schedule\": \"" + std::string(kDefaultSchedule) + "\""));
-  EXPECT_TRUE(Contains(json, "\"credit_bytes\": " + std::to_string(EngineOptions().credit_bytes)));
-  EXPECT_TRUE(Contains(json, "\"replan_threshold\": 0.2,"));  // shortest form, reads back exactly
-  EXPECT_TRUE(Contains(json, "\"max_early_bytes\": " + std::to_string(EngineOptions().max_early_bytes)));
-  EXPECT_TRUE(Contains(json, "\"socket_buffer_bytes\": -1, \"socket_unsent_bytes\": " +
-                                 std::to_string(EngineOptions().socket_unsent_bytes)));
+  // The option table: one row per option, with its default, what it accepts (as the errors say
+  // it), its use and its environment variable.
+  EXPECT_TRUE(Contains(json, "{\"name\": \"schedule\", \"type\": \"string\", \"default\": \"" +
+                                 std::string(kDefaultSchedule) + "\", \"accepts\": \"one of prophet, priority or fifo\""));
+  EXPECT_TRUE(Contains(json, "{\"name\": \"socket_buffer_bytes\", \"type\": \"int\", \"default\": -1, \"accepts\": "
+                             "\"-1 (sized for the workers), 0 (the kernel's autotuning) or an integer of at least 131072\", "
+                             "\"specials\": [[-1, \"sized for the workers\"], [0, \"the kernel's autotuning\"]], "
+                             "\"choices\": [], \"use\": \"user\", \"predicted\": true, \"env\": null"));
+  EXPECT_TRUE(Contains(json, "{\"name\": \"replan_threshold\", \"type\": \"float\", \"default\": 0.2,"));
+  EXPECT_TRUE(Contains(json, "\"name\": \"max_early_bytes\", \"type\": \"uint\", \"default\": " +
+                                 std::to_string(EngineOptions().max_early_bytes)));
+  EXPECT_TRUE(Contains(json, "\"use\": \"job\", \"predicted\": false, \"env\": \"PROPHET_JOB_TOKEN\""));
+  EXPECT_TRUE(Contains(json, "\"name\": \"timeline_path\", \"type\": \"string\", \"default\": \"\", \"accepts\": \"\""));
+}
+
+// What the Python side reads back after a check: every option's value, the defaults included.
+TEST(OptionsAsJson) {
+  EngineOptions o;
+  EXPECT_TRUE(ParseEngineOptions("world_size=2\naddresses=h:1,h:2\ntoken=t\nhosts=a,b\nheartbeat_s=0.5", &o).ok());
+  const std::string json = EngineOptionsJson(o);
+  EXPECT_TRUE(Contains(json, "{\"rank\": 0, \"world_size\": 2, \"addresses\": [\"h:1\", \"h:2\"], \"token\": \"t\", "
+                             "\"schedule\": \"prophet\", \"partition_bytes\": 4194304, \"credit_bytes\": 0,"));
+  EXPECT_TRUE(Contains(json, "\"heartbeat_s\": 0.5, \"socket_buffer_bytes\": -1,"));
+  EXPECT_TRUE(Contains(json, "\"allow_no_token\": false, \"bind_host\": \"\", \"hierarchical\": \"off\", "
+                             "\"hosts\": [\"a\", \"b\"]}"));
+  EXPECT_EQ(EngineOptionUse("socket_buffer_bytes"), kUser | kPredicted);
+  EXPECT_EQ(EngineOptionUse("rank"), kJob);
+  EXPECT_EQ(EngineOptionUse("colour"), 0u);
 }
 
 }  // namespace

@@ -23,6 +23,7 @@ namespace prophet {
 // is the flat one: nothing to gain).
 enum class Hierarchy : uint8_t { kOff = 0, kOn = 1, kAuto = 2 };
 const char* HierarchyName(Hierarchy h);  // "off", "on", "auto"
+inline constexpr const char* kHierarchyNames[] = {"off", "on", "auto"};
 // "off"/"on"/"auto" (and "0"/"1"/"false"/"true"); false for anything else.
 bool ParseHierarchy(const std::string& text, Hierarchy* out);
 

@@ -44,8 +44,8 @@ struct BootstrapOptions {
   double connect_timeout_s = 60.0;
   double handshake_timeout_s = 5.0;    // per connection: idle connections are dropped after it
   double heartbeat_s = 0.0;            // the engine's; peers must use the same (checked here)
-  // Socket options of the data connections (EngineOptions has the defaults and says why); 0 leaves
-  // each to the kernel.
+  // Socket options of the data connections (engine_options.def has the defaults and says why);
+  // 0 leaves each to the kernel.
   int send_buffer_bytes = 0;           // SO_SNDBUF
   int receive_buffer_bytes = 0;        // SO_RCVBUF
   int socket_unsent_bytes = 0;         // TCP_NOTSENT_LOWAT

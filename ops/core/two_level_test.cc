@@ -256,8 +256,9 @@ TEST(HostsComeFromLabelsOrAddressesAndAutoNeedsSeveralSharedHosts) {
   EXPECT_TRUE(PathTag(true, UniformLayout(4, 2)) != PathTag(true, LayoutFromLabels({"a", "b", "a", "b"})));
   EXPECT_EQ(PathTag(false, UniformLayout(4, 2)), 0);
   EngineOptions o;
-  EXPECT_TRUE(ParseEngineOptions("hierarchical=auto\nhosts=x,x", &o).ok() && o.hierarchical == Hierarchy::kAuto &&
-              o.hosts.size() == 2);
+  const Status good =
+      ParseEngineOptions("world_size=2\naddresses=h:1,h:2\nallow_no_token=1\nhierarchical=auto\nhosts=x,x", &o);
+  EXPECT_TRUE(good.ok() && o.hierarchical == Hierarchy::kAuto && o.hosts.size() == 2);
   const Status bad = ParseEngineOptions("hierarchical=maybe", &o);
   EXPECT_TRUE(!bad.ok() && Contains(bad.message(), "off, on or auto"));
 }

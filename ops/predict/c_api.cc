@@ -1,6 +1,6 @@
 // C entry points of the TensorFlow-free library (ctypes): the predictor (one simulation per call),
-// its calibration of the CPU costs,
-// and the core's constants that the Python package reads instead of keeping copies.
+// its calibration of the CPU costs, the core's constants and option table that the Python package
+// reads instead of keeping copies, and the check of the runtime's options.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -68,7 +68,7 @@ __attribute__((visibility("default"))) int prophet_predict_calibrate(double effo
 
 __attribute__((visibility("default"))) void prophet_predict_free(char* result) { std::free(result); }
 
-// Writes the JSON object of RuntimeConstantsJson (schedule names, option defaults, the control
+// Writes the JSON object of RuntimeConstantsJson (schedule names, the option table, the control
 // priority); returns the length it needs (call again with more room if that is >= len).
 __attribute__((visibility("default"))) int prophet_runtime_constants(char* buf, int len) {
   const std::string json = prophet::RuntimeConstantsJson();
@@ -78,6 +78,17 @@ __attribute__((visibility("default"))) int prophet_runtime_constants(char* buf, 
     buf[n] = '\0';
   }
   return static_cast<int>(json.size());
+}
+
+// Parses and checks the runtime's "key=value" lines as prophet_init does (ParseEngineOptions),
+// without starting anything, so that bad options fail before TensorFlow loads. Returns 0 and sets
+// *result to every option's resulting value as JSON (EngineOptionsJson), or the status code and
+// the message. Free *result with prophet_predict_free.
+__attribute__((visibility("default"))) int prophet_runtime_resolve(const char* config, char** result) {
+  prophet::EngineOptions options;
+  const prophet::Status s = prophet::ParseEngineOptions(config != nullptr ? config : "", &options);
+  *result = CopyOut(s.ok() ? prophet::EngineOptionsJson(options) : s.message());
+  return static_cast<int>(s.code());
 }
 
 }  // extern "C"

@@ -6,6 +6,7 @@
 #include <map>
 #include <sstream>
 
+#include "ops/core/engine_options.h"
 #include "ops/core/small_allreduce.h"
 
 namespace prophet {
@@ -91,10 +92,8 @@ std::map<std::string, std::function<bool(const std::string&)>> OptionSetters(Sim
       {"latency_ns", i64(&r->network.latency_ns)},
       {"payload_efficiency", real(&r->network.payload_efficiency)},
       {"frame_overhead_bytes", u64(&r->network.frame_overhead_bytes)},
-      {"socket_buffer_bytes", integer(&r->network.socket_buffer_bytes)},
       {"max_socket_buffer_bytes", u64(&r->network.max_socket_buffer_bytes)},
       {"autotuned_socket_buffer_bytes", u64(&r->network.autotuned_socket_buffer_bytes)},
-      {"socket_unsent_bytes", u64(&r->network.socket_unsent_bytes)},
       {"sender_queue_s", real(&r->network.sender_queue_s)},
       {"sum_Bps", real(&r->network.sum_Bps)},
       {"message_send_ns", i64(&r->network.message_send_ns)},
@@ -108,10 +107,6 @@ std::map<std::string, std::function<bool(const std::string&)>> OptionSetters(Sim
       {"io_threads", integer(&r->network.io_threads)},
       {"schedule", text(&r->runtime.schedule)},
       {"cross_barrier", boolean(&r->runtime.cross_barrier)},
-      {"hierarchical", [r](const std::string& v) { return ParseHierarchy(v, &r->runtime.hierarchical); }},
-      {"partition_bytes", u64(&r->runtime.partition_bytes)},
-      {"credit_bytes", u64(&r->runtime.credit_bytes)},
-      {"replan_threshold", real(&r->runtime.replan_threshold)},
       {"apply_threads", integer(&r->runtime.apply_threads)},
       {"ring_chunk_bytes", u64(&r->runtime.ring_chunk_bytes)},
       {"ring_max_subdivs", integer(&r->runtime.ring_max_subdivs)},
@@ -126,11 +121,23 @@ std::map<std::string, std::function<bool(const std::string&)>> OptionSetters(Sim
   };
 }
 
+// The engine's options that the predictor models (kPredicted in engine_options.def), parsed and
+// checked as the engine does, into the models' fields.
+void ModelEngineOptions(const EngineOptions& e, SimulationRequest* r) {
+  r->runtime.partition_bytes = e.partition_bytes;
+  r->runtime.credit_bytes = e.credit_bytes;
+  r->runtime.replan_threshold = e.replan_threshold;
+  r->runtime.hierarchical = e.hierarchical;
+  r->network.socket_buffer_bytes = e.socket_buffer_bytes;
+  r->network.socket_unsent_bytes = static_cast<uint64_t>(e.socket_unsent_bytes);
+}
+
 }  // namespace
 
 Status ParseSimulationRequest(const std::string& text, SimulationRequest* request) {
   *request = SimulationRequest();
   const auto setters = OptionSetters(request);
+  EngineOptions engine;
   std::istringstream in(text);
   std::string line;
   int number = 0;
@@ -154,8 +161,14 @@ Status ParseSimulationRequest(const std::string& text, SimulationRequest* reques
         if (eq == std::string::npos) return bad("expected option KEY=VALUE");
         const std::string key = assignment.substr(0, eq), value = assignment.substr(eq + 1);
         auto it = setters.find(key);
-        if (it == setters.end()) return bad("unknown option '" + key + "'");
-        if (!it->second(value)) return bad("invalid value '" + value + "' for " + key);
+        if (it != setters.end()) {
+          if (!it->second(value)) return bad("invalid value '" + value + "' for " + key);
+        } else if (EngineOptionUse(key) & kPredicted) {
+          const Status s = ParseEngineOption(key, value, &engine);
+          if (!s.ok()) return bad(s.message());
+        } else {
+          return bad("unknown option '" + key + "'");
+        }
       } else if (kind == "layer") {
         ModelLayer layer;
         if (!(fields >> layer.forward_ns >> layer.backward_ns)) return bad("expected layer FORWARD_NS BACKWARD_NS NAME");
@@ -179,6 +192,7 @@ Status ParseSimulationRequest(const std::string& text, SimulationRequest* reques
       return bad("a number is out of range or malformed");
     }
   }
+  ModelEngineOptions(engine, request);
   CompressGradients(request->compression, &request->profile);
   return Status::OK();
 }

@@ -8,7 +8,9 @@
 // Layers are in forward order; LAYER is a layer's index or -1. NAME runs to the end of the line.
 // Option keys are the fields of StepProfile (launch_ns, backward_ns, tail_ns, gap_ns),
 // NetworkModel, RuntimeModel and SimulationOptions, by their C++ names, and compression
-// (SimulationRequest::compression).
+// (SimulationRequest::compression). The engine's options that the predictor models (kPredicted in
+// engine_options.def) are parsed and checked as the engine parses them; a request that leaves one
+// out predicts the engine's default.
 #ifndef PROPHET_OPS_SIM_SIMULATION_REQUEST_H_
 #define PROPHET_OPS_SIM_SIMULATION_REQUEST_H_
 

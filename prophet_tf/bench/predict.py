@@ -75,6 +75,7 @@ SYSTEM_SCHEDULES = {"prophet": "prophet", "prophet_nocross": "prophet_nocross",
 def predict_options(opts: "train.SweepOptions", system: Optional["train.System"] = None) -> Any:
     """How the emulated cluster of ``opts`` is modelled (see the module docstring), with the
     runtime options of ``system`` (a variant's own over ``--prophet_options``)."""
+    from prophet_tf._options import predicted_options
     from prophet_tf.bench.netem import TBF_FRAME_EFFICIENCY
     from prophet_tf.predict import (PredictOptions, kernel_autotuned_socket_buffer,
                                     kernel_socket_buffer_cap)
@@ -83,15 +84,12 @@ def predict_options(opts: "train.SweepOptions", system: Optional["train.System"]
     options = PredictOptions(ingress_limited=False, payload_efficiency=TBF_FRAME_EFFICIENCY,
                              apply_threads=opts.inter_threads, warmup_steps=opts.warmup,
                              steps=opts.steps)
-    for key in ("partition_bytes", "credit_bytes", "replan_threshold"):
+    # The runtime options the predictor models (prophet[hierarchical=on]: the two-level path,
+    # over the run's hosts x workers per host).
+    for key in predicted_options():
         if key in runtime:
-            setattr(options, key, type(getattr(options, key))(runtime[key]))
-    for key in ("socket_buffer_bytes", "socket_unsent_bytes"):
-        if key in runtime:
-            setattr(options, key, int(runtime[key]))
+            setattr(options, key, runtime[key])
     options.compression = runtime.get("compression")   # prophet+bf16: half the gradient bytes
-    # prophet[hierarchical=on]: the two-level path, over the run's hosts x workers per host.
-    options.hierarchical = runtime.get("hierarchical", False)
     options.workers_per_host = opts.workers_per_host
     # The hosts share this machine's kernel.
     options.max_socket_buffer_bytes = kernel_socket_buffer_cap()

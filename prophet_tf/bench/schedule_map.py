@@ -354,8 +354,7 @@ def _define_flags() -> None:
     flags.DEFINE_float("accelerator_tflops", 100.0, "The emulated accelerator's TFLOP/s.")
     flags.DEFINE_integer("batch", None, "Per-worker batch (default: the training benchmark's).")
     flags.DEFINE_string("prophet_options", "{}", "JSON of runtime options for both schedules "
-                        "(partition_bytes, credit_bytes, socket_buffer_bytes, "
-                        "socket_unsent_bytes, replan_threshold).")
+                        "(those the predictor models: prophet_tf._options.predicted_options()).")
     flags.DEFINE_integer("steps", 10, "Measured simulated steps per setting (median).")
     flags.DEFINE_integer("warmup", 5, "Simulated steps before those.")
     flags.DEFINE_integer("threads", 0, "Simulations at once (0: one per core).")
@@ -376,6 +375,7 @@ def main(argv: Sequence[str]) -> int:
     """Entry point (after absl parsed the flags)."""
     from absl import flags
 
+    from prophet_tf._options import predicted_options
     from prophet_tf.predict import PredictOptions
     from prophet_tf.predict.cli import parse_duration, parse_rate
     FLAGS = flags.FLAGS
@@ -394,10 +394,10 @@ def main(argv: Sequence[str]) -> int:
             raise ValueError("--prophet_options must be a JSON object")
         options = PredictOptions(steps=FLAGS.steps, warmup_steps=FLAGS.warmup)
         for key, value in runtime.items():
-            if key not in ("partition_bytes", "credit_bytes", "socket_buffer_bytes",
-                           "socket_unsent_bytes", "replan_threshold"):
-                raise ValueError(f"--prophet_options: {key!r} is not modelled by the predictor")
-            setattr(options, key, type(getattr(options, key))(value))
+            if key not in predicted_options():
+                raise ValueError(f"--prophet_options: {key!r} is not modelled by the predictor "
+                                 f"(it models {', '.join(predicted_options())})")
+            setattr(options, key, value)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

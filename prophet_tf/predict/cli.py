@@ -13,6 +13,7 @@ import sys
 from typing import Optional, Sequence
 
 from prophet_tf._library import runtime_constants
+from prophet_tf._options import predicted_options, runtime_options
 from prophet_tf.predict.model import (SCHEDULES, IdealBound, PredictError, Prediction,
                                       PredictOptions, SimulatedDeadlock, ideal_bound, predict)
 from prophet_tf.predict.profile import Profile, ProfileError, load_profile
@@ -164,13 +165,15 @@ def define_flags() -> None:
     flags.DEFINE_bool("egress_only", False, "Hosts receive without limit (an emulated cluster "
                       "that shapes only egress); default: the link rate limits both directions.")
     defaults = PredictOptions()
-    flags.DEFINE_integer("partition_bytes", defaults.partition_bytes, "Runtime option.")
-    flags.DEFINE_integer("credit_bytes", defaults.credit_bytes, "Runtime option.")
-    flags.DEFINE_integer("socket_buffer_bytes", defaults.socket_buffer_bytes, "Runtime option "
-                         "(SO_SNDBUF; the kernel doubles it; 0: the kernel's autotuning; -1: sized for the "
-                         "workers, see SendBufferRequest in ops/core/engine_options.h).")
-    flags.DEFINE_integer("socket_unsent_bytes", defaults.socket_unsent_bytes, "Runtime option "
-                         "(TCP_NOTSENT_LOWAT; 0: none).")
+    # The runtime's options the predictor models, from the runtime's option table; unset, the
+    # runtime's defaults. --hierarchical, below, is a switch.
+    for option in runtime_options().values():
+        if option.predicted and option.name != "hierarchical":
+            define = {"float": flags.DEFINE_float, "int": flags.DEFINE_integer,
+                      "uint": flags.DEFINE_integer}.get(option.type, flags.DEFINE_string)
+            accepts = f"; {option.accepts}" if option.accepts else ""
+            define(option.name, None, f"Runtime option: {option.doc}{accepts} (unset: the "
+                   f"runtime's default, {option.default}).")
     flags.DEFINE_integer("max_socket_buffer_bytes", 0, "net.core.wmem_max of the workers' hosts, "
                          "which caps socket_buffer_bytes (0: no cap).")
     flags.DEFINE_integer("autotuned_socket_buffer_bytes", defaults.autotuned_socket_buffer_bytes,
@@ -264,17 +267,15 @@ def main(argv: Sequence[str]) -> int:
                                  loopback_bytes_per_s=parse_rate(FLAGS.loopback) / 8.0,
                                  hierarchical=FLAGS.hierarchical,
                                  ingress_limited=not FLAGS.egress_only,
-                                 partition_bytes=FLAGS.partition_bytes,
-                                 credit_bytes=FLAGS.credit_bytes,
-                                 socket_buffer_bytes=FLAGS.socket_buffer_bytes,
-                                 socket_unsent_bytes=FLAGS.socket_unsent_bytes,
                                  max_socket_buffer_bytes=FLAGS.max_socket_buffer_bytes,
                                  autotuned_socket_buffer_bytes=FLAGS.autotuned_socket_buffer_bytes,
                                  payload_efficiency=FLAGS.payload_efficiency,
                                  steps=FLAGS.steps, warmup_steps=FLAGS.warmup,
                                  compression=(None if FLAGS.compression == "none"
                                               else FLAGS.compression),
-                                 fusion_bytes=parse_fusion(FLAGS.fusion))
+                                 fusion_bytes=parse_fusion(FLAGS.fusion),
+                                 **{name: getattr(FLAGS, name) for name in predicted_options()
+                                    if name != "hierarchical"})
         if FLAGS.costs:
             from prophet_tf.predict.costs import apply_costs, load_costs
             options = apply_costs(options, load_costs(FLAGS.costs), FLAGS.cost_scale)

@@ -9,13 +9,13 @@ answer into a :class:`Prediction`.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
 import math
 from typing import Any, Optional, Sequence, Union
 
-from prophet_tf._library import predict_api, runtime_constants
+from prophet_tf._library import call_returning_text, predict_api
+from prophet_tf._options import predicted_options, to_text
 from prophet_tf.errors import ProphetError
 from prophet_tf.predict.profile import Profile
 
@@ -43,19 +43,6 @@ class SimulatedDeadlock(PredictError):
 
 # Status code of a simulation that deadlocked (common.h: Code::kFailedPrecondition).
 _FAILED_PRECONDITION = 9
-
-
-def _runtime_default(key: str) -> Any:
-    return runtime_constants()["defaults"][key]
-
-
-def hierarchy_setting(value: Union[bool, str]) -> str:
-    """The runtime's ``hierarchical`` setting ("off", "on" or "auto") of a bool or a setting."""
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    if value not in ("off", "on", "auto"):
-        raise ValueError(f"hierarchical must be 'off', 'on', 'auto' or a bool, got {value!r}")
-    return value
 
 
 def _read_sysctl_field(path: str, field: int) -> int:
@@ -95,6 +82,9 @@ def parse_schedule(schedule: str) -> tuple[str, bool]:
 class PredictOptions:
     """How the cluster and the runtime are modelled, apart from N, the link rate and the schedule.
 
+    The runtime's options among these are those its option table marks as predicted
+    (``prophet_tf._options.predicted_options()``); each is sent to the predictor only when set.
+
     Attributes:
       latency_s: one-way latency per frame.
       ingress_limited: every host also receives at most the link rate (a real NIC). False: only
@@ -103,8 +93,8 @@ class PredictOptions:
         payload bytes per 1538 on the wire (preamble, headers, inter-frame gap).
       frame_overhead_bytes: the runtime's frame header, tensor name and shape.
       socket_buffer_bytes, socket_unsent_bytes: the runtime's socket options (SO_SNDBUF, 0: the
-        kernel's autotuning, -1 the runtime's default: sized for the workers; TCP_NOTSENT_LOWAT,
-        0: none). A connection commits what the kernel
+        kernel's autotuning, -1: sized for the workers; TCP_NOTSENT_LOWAT, 0: none); None: the
+        runtime's defaults. A connection commits what the kernel
         lets its socket hold ahead of the NIC, and frames queued later cannot overtake those
         bytes (``KernelSendBufferBytes`` in ops/sim/simulator.h): Linux doubles an SO_SNDBUF
         request (socket(7)), so a 4 MiB buffer commits up to 8 MiB; with TCP_NOTSENT_LOWAT the
@@ -118,7 +108,7 @@ class PredictOptions:
       sender_queue_s: what TCP keeps queued below the socket (qdisc, NIC), as time at the link
         rate (TCP small queues: about 1 ms of the pacing rate).
       sum_bps: an owner's summation rate in bytes per second (0: instant).
-      partition_bytes, credit_bytes, replan_threshold: the runtime's options (default: the
+      partition_bytes, credit_bytes, replan_threshold: the runtime's options (None: the
         runtime's defaults).
       apply_threads: threads running optimizer updates (TensorFlow's inter-op pool).
       ring_message_s: mwms: time each ring message costs on arrival (gRPC).
@@ -131,7 +121,7 @@ class PredictOptions:
         together on a current multi-core server (one stream about 30-50 Gbit/s, bounded by the
         kernel's copies); shared memory would be faster.
       hierarchical: the runtime's ``hierarchical`` option, ``"off"``, ``"on"`` or ``"auto"``
-        (``True``/``False``: on/off): the two-level path (``RuntimeModel::hierarchical`` in
+        (``True``/``False``: on/off; None: the runtime's default, off): the two-level path (``RuntimeModel::hierarchical`` in
         ops/sim/simulator.h, the engine's ops/core/two_level.h): every partition is summed on
         each host first (by the partition's leader there, over loopback), then across hosts
         between the leaders (the runtime's push_pull, under its policy and credit), and the sum
@@ -170,25 +160,20 @@ class PredictOptions:
     ingress_limited: bool = True
     payload_efficiency: float = 1448.0 / 1538.0
     frame_overhead_bytes: int = 96
-    socket_buffer_bytes: int = dataclasses.field(
-        default_factory=lambda: int(_runtime_default("socket_buffer_bytes")))
+    socket_buffer_bytes: Optional[int] = None
     max_socket_buffer_bytes: int = 0
     autotuned_socket_buffer_bytes: int = 4 << 20
-    socket_unsent_bytes: int = dataclasses.field(
-        default_factory=lambda: int(_runtime_default("socket_unsent_bytes")))
+    socket_unsent_bytes: Optional[int] = None
     sender_queue_s: float = 1e-3
     sum_bps: float = 0.0
-    partition_bytes: int = dataclasses.field(
-        default_factory=lambda: int(_runtime_default("partition_bytes")))
-    credit_bytes: int = dataclasses.field(
-        default_factory=lambda: int(_runtime_default("credit_bytes")))
-    replan_threshold: float = dataclasses.field(
-        default_factory=lambda: float(_runtime_default("replan_threshold")))
+    partition_bytes: Optional[int] = None
+    credit_bytes: Optional[int] = None
+    replan_threshold: Optional[float] = None
     apply_threads: int = 2
     ring_message_s: float = 0.0
     workers_per_host: int = 1
     loopback_bytes_per_s: float = 12.5e9
-    hierarchical: Union[bool, str] = False
+    hierarchical: Union[None, bool, str] = None
     warmup_steps: int = 5
     steps: int = 20
     compression: Optional[str] = None
@@ -265,13 +250,7 @@ class IdealBound:
 
 def _call(entry: str, request: str, what: str) -> dict[str, Any]:
     """Runs a C entry point of the predictor library on ``request``; its JSON answer."""
-    api = predict_api()
-    result = ctypes.c_void_p()
-    code = getattr(api, entry)(request.encode(), ctypes.byref(result))
-    try:
-        text = ctypes.string_at(result.value).decode() if result.value else ""
-    finally:
-        api.prophet_predict_free(result)
+    code, text = call_returning_text(getattr(predict_api(), entry), request)
     if code != 0:
         kind = SimulatedDeadlock if code == _FAILED_PRECONDITION else PredictError
         raise kind(f"{what}: {text}")
@@ -305,18 +284,12 @@ def _request(profile: Profile, workers: int, bandwidth_bps: float, schedule: str
         f"option latency_ns={_ns(options.latency_s)}",
         f"option payload_efficiency={options.payload_efficiency!r}",
         f"option frame_overhead_bytes={int(options.frame_overhead_bytes)}",
-        f"option socket_buffer_bytes={int(options.socket_buffer_bytes)}",
         f"option max_socket_buffer_bytes={int(options.max_socket_buffer_bytes)}",
         f"option autotuned_socket_buffer_bytes={int(options.autotuned_socket_buffer_bytes)}",
-        f"option socket_unsent_bytes={int(options.socket_unsent_bytes)}",
         f"option sender_queue_s={float(options.sender_queue_s)!r}",
         f"option sum_Bps={float(options.sum_bps)!r}",
         f"option schedule={base}",
         f"option cross_barrier={int(cross)}",
-        f"option hierarchical={'off' if base == 'mwms' else hierarchy_setting(options.hierarchical)}",
-        f"option partition_bytes={int(options.partition_bytes)}",
-        f"option credit_bytes={int(options.credit_bytes)}",
-        f"option replan_threshold={float(options.replan_threshold)!r}",
         f"option apply_threads={int(options.apply_threads)}",
         f"option ring_message_ns={_ns(options.ring_message_s)}",
         f"option warmup_steps={int(options.warmup_steps)}",
@@ -338,6 +311,15 @@ def _request(profile: Profile, workers: int, bandwidth_bps: float, schedule: str
         f"option tail_ns={_ns(profile.tail_s)}",
         f"option gap_ns={_ns(profile.gap_s)}",
     ]
+    # The runtime's options the predictor models, where set (the simulator has the runtime's
+    # defaults); mwms keeps its flat ring.
+    for name in predicted_options():
+        value = getattr(options, name)
+        if value is not None and not (name == "hierarchical" and base == "mwms"):
+            try:
+                lines.append(f"option {name}={to_text(name, value)}")
+            except ValueError as e:
+                raise PredictError(str(e)) from None
     if timeline_path:
         lines.append(f"option timeline_path={timeline_path}")
         lines.append(f"option timeline_workers={int(timeline_workers)}")
