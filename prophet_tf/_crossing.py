@@ -27,6 +27,7 @@ import tensorflow as tf
 from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import resource_variable_ops
 
+from prophet_tf import _xla
 from prophet_tf._devices import HOST_DEVICE
 from prophet_tf._library import c_api, op_module
 from prophet_tf.ops import compression_attr
@@ -65,8 +66,10 @@ def _gated(method_name: str) -> Callable[..., Any]:
     def method(self, *args, **kwargs):
         if not _gating():
             return base(self, *args, **kwargs)
-        with tf.device(HOST_DEVICE):
-            gate = op_module().prophet_gate(self.handle, var_name=self._shared_name_for_trace())
+        if _xla.in_compiled_function():  # the gate waits outside the compiled code
+            gate = _xla.gate_outside_compiled_code(self, self._gate)
+        else:
+            gate = self._gate()
         with tf_ops.control_dependencies([gate]):
             return base(self, *args, **kwargs)
 
@@ -81,6 +84,10 @@ class GatedVariable(resource_variable_ops.ResourceVariable):
     def _shared_name_for_trace(self) -> str:
         # The variable's name (e.g. "dense/kernel"), shown on the timeline's "gate" track.
         return self._unique_id if not self.name else self.name.split(":")[0]
+
+    def _gate(self) -> tf.Tensor:
+        with tf.device(HOST_DEVICE):
+            return op_module().prophet_gate(self.handle, var_name=self._shared_name_for_trace())
 
     _read_variable_op = _gated("_read_variable_op")
     sparse_read = _gated("sparse_read")
@@ -129,6 +136,7 @@ def deferred_update(var: Any, fn: Callable[..., Any], grad: tf.Tensor, learning_
       priority: larger is sent earlier.
       compression: how the gradient travels (``prophet_tf.ops.push_pull``'s ``compression``).
     """
+    _xla.refuse_collective(f"the sum over workers '{name}' (of a deferred update)")
     learning_rate = tf.convert_to_tensor(learning_rate)
     iterations = tf.convert_to_tensor(optimizer._iterations)
 

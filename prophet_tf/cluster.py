@@ -28,7 +28,7 @@ from typing import Any, Mapping, Optional, Sequence
 from prophet_tf.errors import ClusterConfigError
 
 __all__ = ["ClusterInfo", "resolve_cluster", "check_distinct_addresses", "TOKEN_ENV", "TF_CONFIG_ENV",
-           "JOB_SEED_ENV", "SUPPORTED_JOBS"]
+           "JOB_SEED_ENV", "ELASTIC_ENV", "SUPPORTED_JOBS"]
 
 TF_CONFIG_ENV = "TF_CONFIG"
 TOKEN_ENV = "PROPHET_JOB_TOKEN"
@@ -36,6 +36,10 @@ TOKEN_ENV = "PROPHET_JOB_TOKEN"
 #: job unless it is set): without a seed of the program's own, every worker uses it as
 #: TensorFlow's global seed, so that a resumed run's input has the interrupted run's order.
 JOB_SEED_ENV = "PROPHET_JOB_SEED"
+#: "1" in the workers of an elastic job (``prophetrun --nnodes MIN:MAX``): an attempt of one worker
+#: coordinates as one of several does (the job's seed, the coordinated preemption checkpoint,
+#: step-exact resume), so that the job may shrink to one worker and grow again.
+ELASTIC_ENV = "PROPHET_ELASTIC"
 #: Job names prophet_tf understands, in rank order.
 SUPPORTED_JOBS = ("chief", "worker")
 

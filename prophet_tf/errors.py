@@ -7,7 +7,7 @@ can catch one type. Messages name the problem and, where there is one, the fix.
 from __future__ import annotations
 
 __all__ = ["ProphetError", "ClusterConfigError", "SaveError", "GradientReductionError", "ResumeError",
-           "VariableMismatchError"]
+           "VariableMismatchError", "JitCompileError"]
 
 
 class ProphetError(RuntimeError):
@@ -54,4 +54,16 @@ class VariableMismatchError(ProphetError, ValueError):
     # Raised while a tf.function is traced (a step's first collective closes variable creation):
     # autograph re-raises it as its own type only with Exception.__init__ (see
     # GradientReductionError).
+    __init__ = Exception.__init__
+
+
+class JitCompileError(ProphetError, ValueError):
+    """An exchange between workers (a sum, broadcast or gather of prophet_tf) inside a function
+    that XLA compiles as a whole (``tf.function(jit_compile=True)``): XLA cannot compile an
+    operation that waits for other processes. Raised while the function is traced, on every
+    worker; the message says how to compile only the computation. Also a ``ValueError``: the
+    program asks for something that cannot be compiled."""
+
+    # Raised while a tf.function is traced: autograph re-raises it as its own type only with
+    # Exception.__init__ (see GradientReductionError).
     __init__ = Exception.__init__

@@ -10,6 +10,7 @@ from typing import Optional
 
 import tensorflow as tf
 
+from prophet_tf import _xla
 from prophet_tf._devices import HOST_DEVICE
 from prophet_tf._library import op_module, runtime_constants
 
@@ -18,9 +19,11 @@ from prophet_tf._library import op_module, runtime_constants
 COMPRESSIONS: tuple[str, ...] = tuple(runtime_constants()["compressions"])
 
 
-def _check_name(name: str) -> str:
+def _check_name(name: str, what: str) -> str:
+    """``name``, checked, for a collective that is not inside a function XLA compiles."""
     if not isinstance(name, str) or not name:
         raise ValueError("prophet_tf ops need a non-empty `name` that is the same on every worker")
+    _xla.refuse_collective(f"the {what} '{name}'")
     return name
 
 
@@ -51,7 +54,7 @@ def push_pull(tensor: tf.Tensor, name: str, priority: int = 0, average: bool = F
     tensor = tf.convert_to_tensor(tensor)
     with tf.device(HOST_DEVICE):  # CPU kernels: one copy from the GPU, as the op's input
         return op_module().prophet_push_pull(
-            tensor, tensor_name=_check_name(name), priority=int(priority),
+            tensor, tensor_name=_check_name(name, "sum over workers"), priority=int(priority),
             reduce_op="mean" if average else "sum", compression=compression_attr(compression),
         )
 
@@ -60,7 +63,7 @@ def broadcast(tensor: tf.Tensor, name: str, root_rank: int = 0) -> tf.Tensor:
     """Returns ``root_rank``'s value of ``tensor`` on every worker."""
     tensor = tf.convert_to_tensor(tensor)
     with tf.device(HOST_DEVICE):
-        return op_module().prophet_broadcast(tensor, tensor_name=_check_name(name),
+        return op_module().prophet_broadcast(tensor, tensor_name=_check_name(name, "broadcast"),
                                              root_rank=int(root_rank))
 
 
@@ -75,6 +78,7 @@ def allgather(tensor: tf.Tensor, name: str, priority: int = 0,
     """
     tensor = tf.convert_to_tensor(tensor)
     with tf.device(HOST_DEVICE):
-        return op_module().prophet_allgather(tensor, tensor_name=_check_name(name),
+        return op_module().prophet_allgather(tensor,
+                                             tensor_name=_check_name(name, "gather across workers"),
                                              priority=int(priority),
                                              compression=compression_attr(compression))

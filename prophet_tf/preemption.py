@@ -221,6 +221,7 @@ class _State:
         self.rank = 0
         self.previous: dict[int, Any] = {}
         self.handler: Optional[Callable[[int, Any], None]] = None
+        self.pid = 0  # the worker's: a forked child inherits the handlers, not the role
         self.requested_at: Optional[float] = None  # time.monotonic() of the first request
         self.requested_by: Optional[int] = None
         self.flag: Any = None        # tf.Variable(float32): 1.0 once the request entered a step
@@ -269,6 +270,14 @@ def request(signum: Optional[int] = None) -> None:
 
 
 def _on_signal(signum: int, frame: Any) -> None:
+    if os.getpid() != _state.pid:
+        # A process forked from the worker (a multiprocessing pool's, as Keras starts for a
+        # PyDataset with use_multiprocessing=True, which it ends with SIGTERM): not a worker of
+        # the job, so the signal does what it would without the strategy.
+        previous = _state.previous.get(signum)
+        signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
     request(signum)
     previous = _state.previous.get(signum)
     if callable(previous):
@@ -327,6 +336,7 @@ def arm(signals: SignalSpec, grace_s: Optional[float], rank: int) -> bool:
                 "handlers cannot be installed: a %s ends this worker without the coordinated "
                 "checkpoint", "/".join(_signal_name(n) for n in numbers))
             return False
+        _state.pid = os.getpid()
         for number in numbers:
             _state.previous[number] = signal.signal(number, _on_signal)
         _state.signals = numbers

@@ -64,12 +64,12 @@ from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.framework import tensor_util
 from tensorflow.python.util import nest
 
-from prophet_tf import (_auto_schedule, _crossing, _devices, _gradients, _link_probe, _sparse,
-                        _variable_agreement, ops, preemption, runtime)
+from prophet_tf import (_auto_schedule, _crossing, _devices, _gradients, _link_probe, _seeds,
+                        _sparse, _variable_agreement, _xla, ops, preemption, runtime)
 from prophet_tf._keras import patches, saving
 from prophet_tf._keras.host import KerasHost
 from prophet_tf._keras.step_report import StepReport, StepReporter, report_every_epoch_default
-from prophet_tf.cluster import JOB_SEED_ENV, resolve_cluster
+from prophet_tf.cluster import ELASTIC_ENV, JOB_SEED_ENV, resolve_cluster
 
 __all__ = ["ProphetStrategy", "SCHEDULES"]
 
@@ -175,8 +175,13 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended, KerasHost):
     def __init__(self, container_strategy, device: str, rank: int, world_size: int,
                  sparse_as_dense_bytes: int = _DEFAULT_SPARSE_AS_DENSE_BYTES,
                  cross_barrier: bool = False, recording: bool = False,
-                 compression: Optional[str] = None, fusion_bytes: Optional[int] = None):
+                 compression: Optional[str] = None, fusion_bytes: Optional[int] = None,
+                 coordinated: bool = False):
         super().__init__(container_strategy, device)
+        # One worker of an elastic job: it runs as a job of several workers does (its collectives
+        # go through the runtime, which returns them at once), so that a resumed attempt of one
+        # worker continues step-exactly, and stops for a preemption with a checkpoint.
+        self._coordinated = bool(coordinated)
         # Fusion of the optimizer's dense gradients (docs/design.md, "Fusion"): None: off; else the
         # bucket size given to runtime.declare_fusion (-1: automatic).
         self._fusion_bytes = fusion_bytes
@@ -244,7 +249,7 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended, KerasHost):
 
     @property
     def _multi(self) -> bool:
-        return self._world_size > 1
+        return self._world_size > 1 or self._coordinated
 
     @property
     def _communicates(self) -> bool:
@@ -256,8 +261,12 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended, KerasHost):
     def _call_for_each_replica(self, fn, args, kwargs):
         self._close_variable_creation()
         strategy = self._container_strategy()
+        compiling = getattr(self._local, "compiling", False)
         with tf_ops.device(self._device), _ProphetReplicaContext(strategy, self._rank):
-            outputs = fn(*args, **kwargs)
+            if compiling and not eager_context.executing_eagerly():
+                outputs = _xla.call_in_clusters(fn, args, kwargs, self._cross_barrier)
+            else:
+                outputs = fn(*args, **kwargs)
         if self._multi and getattr(self._local, "gather_outputs", 0):
             # Keras predict: every worker returns the predictions of the whole global batch.
             outputs = nest.map_structure(self._gather_output, outputs)
@@ -276,6 +285,18 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended, KerasHost):
             yield
         finally:
             self._local.gather_outputs -= 1
+
+    @contextlib.contextmanager
+    def _compiling_steps(self):
+        """Within this context, the steps ``run`` traces are compiled by XLA in clusters around
+        the exchange between workers (``jit_compile=True`` of a Keras model: see _xla)."""
+        previous = getattr(self._local, "compiling", False)
+        self._local.compiling = True
+        try:
+            with _xla.calls_without_fused_kernels():
+                yield
+        finally:
+            self._local.compiling = previous
 
     # ---- variables ----------------------------------------------------------------------
     def _create_variable(self, next_creator, **kwargs):
@@ -441,11 +462,17 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended, KerasHost):
                 f"{len(site)} ({', '.join(site.paths()[:6])}...): cannot tell which gradient "
                 "belongs to which variable.")
         defer = self._can_defer(site.optimizer)
-        self._declare_fusion(site, reduce_op, values, defer)
+        # A variable read inside compiled code waits for its update before the call of the
+        # compiled function, not where it reads it (prophet_tf/_xla.py): its update stays in
+        # the step.
+        deferred = [defer and not isinstance(value, indexed_slices.IndexedSlices)
+                    and value.dtype.is_floating and not _xla.read_in_compiled_code(g.variable)
+                    for g, value in zip(site.gradients, values)]
+        self._declare_fusion(site, reduce_op, values, deferred)
         out = []
-        for gradient, value in zip(site.gradients, values):
+        for gradient, value, deferring in zip(site.gradients, values, deferred):
             sparse = isinstance(value, indexed_slices.IndexedSlices)
-            if defer and not sparse and value.dtype.is_floating:
+            if deferring:
                 gradient.reduced = _gradients.DEFERRED
                 out.append(tf.convert_to_tensor(value))
             else:
@@ -462,27 +489,26 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended, KerasHost):
         return [g if gradient.reduced == _gradients.DEFERRED else clip([g])[0]
                 for gradient, g in zip(site.gradients, out)]
 
-    def _declare_fusion(self, site, reduce_op, values, defer) -> None:
+    def _declare_fusion(self, site, reduce_op, values, deferred) -> None:
         """Declares the dense floating gradients of a fixed size to the runtime for fusion, each as
-        its push_pull will be (deferred: summed by ProphetAsyncApply; else ``_push_pull``), at trace
-        time, before any of them is submitted. Every worker traces the same step, so every worker
-        declares the same tensors; the others travel alone."""
+        its push_pull will be (``deferred[i]``: summed by ProphetAsyncApply; else ``_push_pull``),
+        at trace time, before any of them is submitted. Every worker traces the same step, so
+        every worker declares the same tensors; the others travel alone."""
         if self._fusion_bytes is None or self._world_size < 2:
             return
         if isinstance(reduce_op, str):
             reduce_op = reduce_util.ReduceOp(reduce_op.upper())
         declared = []
-        for gradient, value in zip(site.gradients, values):
+        for gradient, value, deferring in zip(site.gradients, values, deferred):
             if isinstance(value, indexed_slices.IndexedSlices) or not value.dtype.is_floating:
                 continue
             if not value.shape.is_fully_defined():
                 continue
-            deferred = defer
-            wire = value.dtype if deferred else _wire_dtype(value.dtype)
+            wire = value.dtype if deferring else _wire_dtype(value.dtype)
             declared.append(runtime.FusedTensor(
                 name=gradient.name, dtype=wire.name, shape=tuple(value.shape.as_list()),
                 bytes=int(value.shape.num_elements()) * wire.size, priority=int(gradient.priority),
-                average=not deferred and reduce_op == reduce_util.ReduceOp.MEAN,
+                average=not deferring and reduce_op == reduce_util.ReduceOp.MEAN,
                 compression=self._compression))
         runtime.declare_fusion(f"optimizer {id(site.optimizer)}", declared, self._fusion_bytes,
                                link_Bps=self._fusion_link_Bps())
@@ -924,6 +950,11 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
       sync_random_seed: when no TensorFlow global seed is set, set one (drawn on rank 0) on every
         worker, so that unseeded shuffles (``fit(shuffle=True)`` on arrays, ``Dataset.shuffle``)
         produce the same order everywhere and the shards of every global batch stay disjoint.
+        Operations with a seed of their own (``Dataset.shuffle(seed=5)``) keep the order they
+        have in one process without a global seed (``prophet_tf/_seeds.py``). Python's and
+        NumPy's global random states (``random``, ``np.random``) become rank 0's on every worker,
+        so a ``PyDataset`` that Keras shuffles, or a generator shuffling with them, gives every
+        worker one order.
         Keras layers (dropout, initializers) draw their seeds elsewhere and stay independent.
         With ``$PROPHET_JOB_SEED`` that seed is used (the same for every attempt of a job: a
         restarted job's input then has the order of the interrupted one).
@@ -986,13 +1017,14 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
                                  "timeline_path: a profile is the run's timeline")
             runtime_options["timeline_path"] = profile_path
         recording = bool(profile_path) and info.world_size == 1
+        coordinated = info.world_size > 1 or os.environ.get(ELASTIC_ENV, "").strip() == "1"
         runtime.init(info.rank, info.world_size, list(info.addresses), info.token, **runtime_options)
         self._schedule = _auto_schedule.AUTO if auto else runtime.config()["schedule"]
         extended = ProphetExtended(self, device or _devices.default_device(), info.rank, info.world_size,
                                    sparse_as_dense_bytes=sparse_as_dense_bytes,
-                                   cross_barrier=cross_barrier and (info.world_size > 1 or recording),
+                                   cross_barrier=cross_barrier and (coordinated or recording),
                                    recording=recording, compression=compression,
-                                   fusion_bytes=fusion_bytes)
+                                   fusion_bytes=fusion_bytes, coordinated=coordinated)
         extended._cluster_resolver = cluster_resolver or _resolver_for(info)
         if step_report:
             extended._step_reporter = StepReporter(
@@ -1004,9 +1036,10 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
                 runtime_options=runtime.config())
         distribute_lib.Strategy.__init__(self, extended)
         distribute_lib.distribution_strategy_gauge.get_cell("V2").set("ProphetStrategy")
-        if info.world_size > 1 and sync_random_seed:
+        if coordinated and sync_random_seed:
             _sync_global_seed(extended)
-        if info.world_size > 1:
+            _sync_host_random_states(extended)
+        if coordinated:
             if preemption_signals is None:
                 preemption_signals = os.environ.get(preemption.SIGNALS_ENV, "SIGTERM")
             preemption.arm(preemption_signals, preemption_grace_s, info.rank)
@@ -1112,5 +1145,15 @@ def _sync_global_seed(extended) -> None:
         raise ValueError(f"${JOB_SEED_ENV} must be an integer, got {job_seed!r}") from None
     local = tf.constant([chosen], tf.int64)
     seed = int(extended._broadcast(local, "init/random_seed", root_rank=0).numpy()[0])
-    tf.random.set_seed(seed)
+    _seeds.set_job_seed(seed)
 
+
+
+def _sync_host_random_states(extended) -> None:
+    """Python's and NumPy's global random states of rank 0 on every worker
+    (``prophet_tf/_seeds.py``, :func:`set_host_random_states`)."""
+    if not eager_context.executing_eagerly():
+        return
+    local = tf.constant(_seeds.host_random_states())
+    _seeds.set_host_random_states(
+        extended._broadcast(local, "init/host_random_states", root_rank=0).numpy())

@@ -24,21 +24,85 @@ from typing import Optional
 
 import pytest
 
+import zygote
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = ROOT / "tests" / "workers"
 _RESULT = re.compile(r"^(?:\[rank (\d+)\] )?RESULT (\{.*\})\s*$")
 
 
-def _worker_env(extra: Optional[dict] = None) -> dict:
+def _base_env() -> dict:
     env = dict(os.environ)
     extra_path = env.get("PYTHONPATH")
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + extra_path if extra_path else "")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env.setdefault("PYTHONWARNINGS", "ignore")
     env.pop("TF_CONFIG", None)
+    env.pop(zygote.SOCKET_ENV, None)
+    return env
+
+
+def _worker_env(extra: Optional[dict] = None) -> dict:
+    env = _base_env()
+    zygotes = _zygotes()
+    if zygotes:
+        env[zygote.SOCKET_ENV] = os.pathsep.join(zygotes)
     if extra:
         env.update(extra)
     return env
+
+
+# Worker processes forked from zygotes that have imported TensorFlow (tests/zygote.py): the
+# suite's workers would otherwise spend most of its CPU importing it. PROPHET_TEST_ZYGOTE=0 starts
+# every worker as a fresh interpreter instead.
+_zygote_state: dict = {}
+
+
+def _zygotes() -> list:
+    """The zygotes' socket paths (started on first use, two per test process: see zygote.py)."""
+    if os.environ.get("PROPHET_TEST_ZYGOTE", "1") == "0":
+        return []
+    if "paths" not in _zygote_state:
+        import atexit
+        import tempfile
+
+        folder = tempfile.mkdtemp(prefix="prophet_tf-zygote-")
+        env = _base_env()
+        env.pop("PYTHONHASHSEED", None)   # each zygote its own, as separate processes have
+        paths, procs = [], []
+        for i in range(2):
+            path = os.path.join(folder, f"zygote{i}.sock")
+            # Its own output (a zygote that failed to start says why there; workers then start
+            # fresh) goes to a log beside its socket.
+            with open(os.path.join(folder, f"zygote{i}.log"), "wb") as log:
+                procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests" / "zygote.py"),
+                                               path], stdin=subprocess.PIPE, stdout=log,
+                                              stderr=subprocess.STDOUT, env=env, cwd=ROOT))
+            paths.append(path)
+        _zygote_state["paths"], _zygote_state["procs"] = paths, procs
+        _zygote_state["python"] = zygote.write_client(os.path.join(folder, "python"), env)
+
+        def stop() -> None:
+            for proc in procs:
+                proc.stdin.close()   # the zygote ends its own children and itself
+            for proc in procs:
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            if all(proc.returncode == 0 for proc in procs):   # else its log says why
+                import shutil
+
+                shutil.rmtree(folder, ignore_errors=True)
+
+        atexit.register(stop)
+    return _zygote_state["paths"]
+
+
+def worker_python() -> str:
+    """The interpreter to start a TensorFlow worker with: the zygotes' stand-in for ``python``
+    (tests/zygote.py), or ``sys.executable`` with PROPHET_TEST_ZYGOTE=0."""
+    return _zygote_state["python"] if _zygotes() else sys.executable
 
 
 def parse_results(text: str, default_rank: Optional[int] = None) -> dict[int, list[dict]]:
@@ -86,7 +150,7 @@ class WorkerRun:
 
 def launch_workers(script: str, n: int, *args: str, timeout: float = 200, threads: int = 1,
                    env: Optional[dict] = None) -> WorkerRun:
-    cmd = [sys.executable, "-m", "prophet_tf.launch", "-n", str(n), "--threads", str(threads),
+    cmd = [worker_python(), "-m", "prophet_tf.launch", "-n", str(n), "--threads", str(threads),
            "--timeout", str(timeout), "--", str(WORKERS / script), *map(str, args)]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, env=_worker_env(env), capture_output=True, text=True,
@@ -141,7 +205,7 @@ def spawn_workers():
         t0 = time.monotonic()
         procs = []
         for worker_env in envs:
-            p = subprocess.Popen([sys.executable, "-u", str(WORKERS / script), *map(str, args)],
+            p = subprocess.Popen([worker_python(), "-u", str(WORKERS / script), *map(str, args)],
                                  cwd=ROOT, env=worker_env, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True)
             procs.append(p)
@@ -202,7 +266,7 @@ def run_programs_against_one_process(script: str, workdir: str, programs: list, 
     distributed = launch_workers(script, n, "distributed", workdir, "--programs", joined,
                                  timeout=timeout).check_ok()
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, str(WORKERS / script), "reference", workdir,
+    proc = subprocess.run([worker_python(), str(WORKERS / script), "reference", workdir,
                            "--programs", joined], cwd=ROOT, env=_worker_env(),
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
@@ -216,6 +280,7 @@ def run_programs_against_one_process(script: str, workdir: str, programs: list, 
 SLOW_FILES_FIRST = (
     "test_conformance.py",
     "test_unseen_programs.py",
+    "test_xla.py",
     "test_multinode.py",
     "test_saving.py",
     "test_netem.py",
@@ -234,3 +299,63 @@ SLOW_FILES_FIRST = (
 def pytest_collection_modifyitems(config, items) -> None:
     rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
     items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(rank)))  # stable
+
+
+# Where the suite's time goes: CPU-seconds (the test process and every subprocess it waited for)
+# and wall seconds per test file, printed at the end. On 2 cores the CPU total, not the slowest
+# test, bounds the suite's wall time.
+def _cpu_seconds() -> float:
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
+        resource.RUSAGE_CHILDREN)
+    return (own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+            + _zygote_children_cpu_seconds())
+
+
+def _zygote_children_cpu_seconds() -> float:
+    """What the processes forked from this test process's zygotes used (the zygote reaps them)."""
+    total = 0.0
+    for proc in _zygote_state.get("procs", ()):
+        try:
+            with open(f"/proc/{proc.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")  # cutime, cstime
+    return total
+
+
+_cpu_mark = [0.0]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_logstart(nodeid, location) -> None:
+    _cpu_mark[0] = _cpu_seconds()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    now = _cpu_seconds()
+    # Carried to the xdist controller with the report (pytest serializes a report's attributes).
+    outcome.get_result().cpu_seconds = now - _cpu_mark[0]
+    _cpu_mark[0] = now
+
+
+_file_costs: dict = {}
+
+
+def pytest_runtest_logreport(report) -> None:
+    cost = _file_costs.setdefault(report.nodeid.split("::")[0], [0.0, 0.0])
+    cost[0] += getattr(report, "cpu_seconds", 0.0)
+    cost[1] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not _file_costs:
+        return
+    total_cpu = sum(c for c, _ in _file_costs.values())
+    terminalreporter.section(f"cost per test file (CPU-s in all, {total_cpu:.0f})")
+    for path, (cpu, wall) in sorted(_file_costs.items(), key=lambda kv: -kv[1][0])[:20]:
+        terminalreporter.write_line(f"{cpu:8.1f} CPU-s {wall:8.1f} s  {path}")

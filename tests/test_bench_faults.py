@@ -3,8 +3,11 @@ classification, the trial plan and the summary line. No processes, no timing."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
+
+import pytest
 
 from prophet_tf.bench.faults import (EVENT, Checkpoint, Survivor, TrialRecord, _client_hello, classify_checkpoint,
                                      classify_hostile_job, classify_survivor, detection_s, essential_message,
@@ -239,3 +242,68 @@ def test_restart_trials_plan_and_summary():
     assert "weights not compared (two uninterrupted runs of 3 workers differ" in format_trial(apart)
     skipped = TrialResult("d", 2, [Interruption("kill", 0, 9, 0.0, applied=4, resumed_from=5)], 0, True, False)
     assert "[SKIPPED STEPS]" in format_trial(skipped) and "WEIGHTS DIFFER" in format_trial(skipped)
+
+
+def _elastic_lines():
+    from prophet_tf.bench.restart_trials import EVENT, Line
+
+    def ev(t, rank, pid, kind, token, world, **fields):
+        return Line(t, f"[rank {rank}] {EVENT} " + json.dumps(
+            dict(event=kind, t=t, pid=pid, rank=rank, token=token, world=world, **fields)))
+
+    return [  # 3 workers; node 2 leaves at 2.0 (SIGTERM): they stop after step 3; 2 go on
+        ev(1.0, 0, 10, "start", "a", 3), ev(1.1, 1, 11, "start", "a", 3), ev(1.1, 2, 12, "start", "a", 3),
+        ev(1.5, 0, 10, "step", "a", 3, epoch=0, batch=2), ev(1.9, 1, 11, "step", "a", 3, epoch=0, batch=2),
+        Line(2.4, "[rank 2] prophet_tf: preempted: rank 2, 1 worker(s) asked to stop; stopped at epoch 0 "
+                  "step 3; checkpoint: /b"),
+        Line(3.0, "[launch node 0] master: node 2 left the job: the launcher of node 2 got SIGTERM"),
+        Line(3.5, "[launch node 0] master: the job forms with 2 node(s), 2 worker(s): ..."),
+        ev(6.0, 0, 20, "start", "b", 2), ev(6.5, 1, 21, "start", "b", 2),
+        ev(7.0, 0, 20, "step", "b", 2, epoch=0, batch=3), ev(7.5, 1, 21, "step", "b", 2, epoch=0, batch=3),
+        ev(9.0, 0, 20, "done", "b", 2, weights="w"), ev(9.0, 1, 21, "done", "b", 2, weights="w"),
+    ]
+
+
+def test_elastic_trials_group_attempts_by_token_and_measure_the_change():
+    from prophet_tf.bench.elastic_trials import Result, attempts_of, measure
+    from prophet_tf.bench.restart_trials import Line
+
+    lines = _elastic_lines()
+    before, after = attempts_of(lines)
+    assert (before.token, before.world, sorted(before.pids)) == ("a", 3, [0, 1, 2])
+    assert before.stopped.step == 3 and after.stopped is None and after.done == {0: "w", 1: "w"}
+    master = [l for l in lines if "[launch node 0]" in l.text]
+    result = Result("t", "sigterm", victim=2, at_step=3, fault_at=2.0, workers_before=3)
+    assert measure(result, lines, master, steps_per_epoch=10)[1].token == after.token
+    # Where they stopped (3 applied) and where the next attempt starts (its first step is index 3).
+    assert (result.applied, result.resumed_from, result.redone, result.workers_after) == (3, 3, 0, 2)
+    # A SIGTERM counts as detected when sent; training again once both new workers did a step.
+    assert result.training_after_s == 5.5 and result.detected_after_s == 1.0
+    assert (result.formed_after_s, result.started_after_s) == (1.5, 4.5)
+    # A loss is detected when the master says so; a kill is measured from the last step seen.
+    cut = Result("t", "netcut", victim=2, at_step=3, fault_at=2.0, workers_before=3)
+    lost = [Line(2.8, "[launch node 0] master: node 2 (10.77.0.3:4) was lost: nothing heard")]
+    measure(cut, [l for l in lines if "preempted" not in l.text], lost + master, steps_per_epoch=10)
+    assert cut.applied == 3 and (cut.detected_after_s, cut.training_after_s) == pytest.approx((0.8, 4.7))
+
+
+def test_elastic_trials_plan_summary_and_goals():
+    from prophet_tf.bench.elastic_trials import Result, format_result, passed, plan_trials, summary_lines
+
+    plans = plan_trials(10, seed=4, total_steps=100)
+    assert len(plans) == 40 and plans == plan_trials(10, seed=4, total_steps=100)
+    assert {p.kind for p in plans} == {"kill", "sigterm", "netcut", "grow"}
+    assert all(1 <= p.victim <= 2 and 3 <= p.at_step < 70 for p in plans)
+    assert {p.victim for p in plans if p.kind == "grow"} == {2}  # the node added
+    good = Result("a", "kill", 1, 20, workers_before=3, workers_after=2, exit_code=0, kept_training=True,
+                  training_after_s=12.0, applied=20, resumed_from=15, bitwise=True)
+    slow = Result("b", "grow", 2, 20, workers_before=2, workers_after=3, exit_code=0, kept_training=True,
+                  training_after_s=40.0, applied=21, resumed_from=21, bitwise=True)
+    hung = Result("c", "netcut", 1, 20, workers_before=3, exit_code=None)
+    assert passed([good], save_freq=5) and not passed([good, slow], save_freq=5)
+    assert not passed([dataclasses.replace(good, resumed_from=14)], save_freq=5)  # 6 > save_freq
+    table = summary_lines([good, slow, hung], save_freq=5)
+    assert table[1] == "  kill -9 | 1 | 1 | 0 | - | 12.0 / 12.0 (1 of 1 within the goal) | 5 (5) | 1 of 1"
+    assert table[2] == "  network cut | 1 | 0 | 1 | - | - | - | 0 of 1"
+    assert table[3] == "  node added | 1 | 1 | 0 | - | 40.0 / 40.0 (0 of 1 within the goal) | 0 (0) | 1 of 1"
+    assert "HANG" in format_result(hung) and "0 step(s) redone" in format_result(slow)

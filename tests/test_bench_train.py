@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import os
+import math
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from conftest import _worker_env, worker_python
 from prophet_tf.bench import train
 from prophet_tf.bench.train import (SYSTEMS, choose_bandwidth, choose_bandwidths, comm_bytes,
                                     comm_time_s, emulated_time_scale, format_bandwidth,
@@ -479,9 +479,8 @@ def test_parse_results():
 # ---------------------------------------------------------------- command line
 
 def _run(args, timeout):
-    env = dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2")
-    env.pop("TF_CONFIG", None)
-    return subprocess.run([sys.executable, "-m", "prophet_tf.bench.train", *args], cwd=REPO,
+    env = _worker_env({"TF_CPP_MIN_LOG_LEVEL": "2"})
+    return subprocess.run([worker_python(), "-m", "prophet_tf.bench.train", *args], cwd=REPO,
                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=timeout)
 

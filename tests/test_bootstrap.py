@@ -5,19 +5,17 @@ bootstrap_worker.py) start the runtime again for each case, so TensorFlow is imp
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from typing import Optional
 
 import pytest
 
-from conftest import ROOT, WORKERS, _worker_env
+from conftest import ROOT, WORKERS, _worker_env, worker_python
 from prophet_tf.launch import free_ports
 
 TOKEN = "bootstrap-test-token"
@@ -39,7 +37,7 @@ class WorkerPool:
         for key in ("PROPHET_JOB_TOKEN", "PROPHET_ALLOW_NO_TOKEN", "PROPHET_BIND_HOST"):
             env.pop(key, None)
         self.pending[i] = 0
-        self.procs[i] = subprocess.Popen([sys.executable, "-u", str(WORKERS / "bootstrap_worker.py")], cwd=ROOT,
+        self.procs[i] = subprocess.Popen([worker_python(), "-u", str(WORKERS / "bootstrap_worker.py")], cwd=ROOT,
                                          env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=subprocess.DEVNULL, text=True)
 

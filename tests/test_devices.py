@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 import tensorflow as tf
 
-from conftest import ROOT, WORKERS, _worker_env
+from conftest import ROOT, WORKERS, _worker_env, worker_python
 from prophet_tf import _devices, ops
 
 GPU = "/job:localhost/replica:0/task:0/device:GPU:0"
@@ -59,7 +58,7 @@ def test_a_deferred_update_is_applied_to_a_variable_on_another_device(multi_devi
     # multi_device_function: the update runs the way it does when its variables live on a GPU
     # (instantiated as a multi-device function), here with every device a CPU.
     env = _worker_env({"PROPHET_TEST_MULTI_DEVICE_UPDATE": multi_device})
-    r = subprocess.run([sys.executable, str(WORKERS / "crossing_device.py")], cwd=ROOT, env=env,
+    r = subprocess.run([worker_python(), str(WORKERS / "crossing_device.py")], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     result = json.loads(r.stdout.split("RESULT ", 1)[1])

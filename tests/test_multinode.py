@@ -15,7 +15,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import pytest
 
@@ -70,12 +70,14 @@ def _env(token: Optional[str] = SECRET) -> dict:
 class Node:
     """One node's launcher (a process), its output in files."""
 
-    def __init__(self, tmp: Path, rank: int, nnodes: int, master: str, n: int, script: Sequence[str],
-                 extra: Sequence[str] = (), token: Optional[str] = SECRET,
+    def __init__(self, tmp: Path, rank: Optional[int], nnodes: Union[int, str], master: str, n: int,
+                 script: Sequence[str], extra: Sequence[str] = (), token: Optional[str] = SECRET,
                  wrap: Sequence[str] = ()) -> None:
-        self.out_path, self.err_path = tmp / f"node{rank}.out", tmp / f"node{rank}.err"
+        name = f"node{rank}" if rank is not None else f"node-{len(list(tmp.glob('node-*.out')))}"
+        self.out_path, self.err_path = tmp / f"{name}.out", tmp / f"{name}.err"
+        placed = ["--node-rank", str(rank)] if rank is not None else []  # elastic: the master assigns
         argv = [*wrap, sys.executable, "-m", "prophet_tf.launch", "--nnodes", str(nnodes),
-                "--node-rank", str(rank), "--master", master, "-n", str(n), "--grace", "2",
+                *placed, "--master", master, "-n", str(n), "--grace", "2",
                 *extra, "--", *script]
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
             self.proc = subprocess.Popen(argv, stdout=out, stderr=err, env=_env(token), cwd=tmp,

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from conftest import _worker_env, worker_python
 from prophet_tf import launch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,9 +18,9 @@ WORKERS = ROOT / "tests" / "workers"
 
 
 def run_launcher(n: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2")
+    env = _worker_env({"TF_CPP_MIN_LOG_LEVEL": "2"})
     return subprocess.run(
-        [sys.executable, "-m", "prophet_tf.launch", "-n", str(n), "--threads", "1", "--timeout", str(timeout),
+        [worker_python(), "-m", "prophet_tf.launch", "-n", str(n), "--threads", "1", "--timeout", str(timeout),
          "--", *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout + 30,
     )
@@ -58,9 +57,9 @@ def _start_without_launcher(n: int, *args: str) -> list[subprocess.Popen]:
     envs = launch.worker_envs(n, addresses, "failure-test-token")
     procs = []
     for env in envs:
-        full = {**os.environ, **env, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "2",
+        full = {**_worker_env(), **env, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "2",
                 "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "2"}
-        procs.append(subprocess.Popen([sys.executable, str(WORKERS / "failure_worker.py"), *args],
+        procs.append(subprocess.Popen([worker_python(), str(WORKERS / "failure_worker.py"), *args],
                                       env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return procs
 

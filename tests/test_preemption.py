@@ -128,13 +128,12 @@ print("caught; going on", flush=True)
 @pytest.mark.parametrize("catch", [False, True])
 def test_a_preempted_program_leaves_after_its_exit_handlers(tmp_path, catch):
     import subprocess
-    import sys
 
-    from conftest import ROOT, _worker_env
+    from conftest import ROOT, _worker_env, worker_python
 
     script = tmp_path / "preempted.py"
     script.write_text(PREEMPTED_PROGRAM)
-    done = subprocess.run([sys.executable, str(script), str(tmp_path), "catch" if catch else "raise"],
+    done = subprocess.run([worker_python(), str(script), str(tmp_path), "catch" if catch else "raise"],
                           env=_worker_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
     expected = ["handler registered after the preemption", "handler registered first"]
     assert done.returncode == (0 if catch else preemption.EXIT_PREEMPTED), done.stderr

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
+
+from conftest import _worker_env, worker_python
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_python(code: str) -> subprocess.CompletedProcess:
-    # A fresh interpreter per case: the runtime is process-wide.
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env={"PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "3", "PATH": "/usr/bin:/bin"})
+    # A process per case (forked from a zygote: tests/zygote.py): the runtime is process-wide.
+    return subprocess.run([worker_python(), "-c", textwrap.dedent(code)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env=_worker_env())
 
 
 def test_port_in_use_is_reported_with_the_port_and_a_fix() -> None:

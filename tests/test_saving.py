@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, WORKERS, _worker_env, parse_results
+from conftest import ROOT, WORKERS, _worker_env, parse_results, worker_python
 
 
 def _check_checkpoint(path) -> dict:
-    proc = subprocess.run([sys.executable, str(WORKERS / "saving.py"), "check", str(path)],
+    proc = subprocess.run([worker_python(), str(WORKERS / "saving.py"), "check", str(path)],
                           cwd=ROOT, env=_worker_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"{path} does not load:\n{(proc.stdout + proc.stderr)[-3000:]}"
     return parse_results(proc.stdout, default_rank=0)[0][0]

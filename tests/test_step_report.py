@@ -12,7 +12,6 @@ import dataclasses
 import json
 import math
 import subprocess
-import sys
 
 import pytest
 
@@ -21,7 +20,7 @@ from prophet_tf._keras.step_report import (COMPUTE_MS, LINK_GBPS, LOG_KEYS, PLAN
                                            SCHEDULE, STEP_MS, WAIT_MS, StepReport, StepTimes,
                                            parse_timeline_label, timeline_label)
 from prophet_tf.bench import step_report_check
-from conftest import ROOT, WORKERS, _worker_env, parse_results
+from conftest import ROOT, WORKERS, _worker_env, parse_results, worker_python
 
 # The gates wait for what is left of the delay when the next step reaches them. The gap between a
 # sum's arrival and the next step's forward pass (Keras's per-step Python, callbacks) has reached
@@ -86,7 +85,7 @@ def test_waiting_at_the_barrier_is_measured(two_workers):
 
 
 def test_one_worker_waits_for_nothing(tmp_path):
-    proc = subprocess.run([sys.executable, str(WORKERS / "step_report.py"), str(tmp_path)], cwd=ROOT,
+    proc = subprocess.run([worker_python(), str(WORKERS / "step_report.py"), str(tmp_path)], cwd=ROOT,
                           env=_worker_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     (result,) = parse_results(proc.stdout, default_rank=0)[0]

@@ -4,16 +4,15 @@ single-worker path (no TF_CONFIG, no network)."""
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, WORKERS, _worker_env, parse_results
+from conftest import ROOT, WORKERS, _worker_env, parse_results, worker_python
 
 
 @pytest.fixture(scope="module")
 def config_run():
-    proc = subprocess.run([sys.executable, str(WORKERS / "strategy_config.py")], cwd=ROOT,
+    proc = subprocess.run([worker_python(), str(WORKERS / "strategy_config.py")], cwd=ROOT,
                           env=_worker_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return parse_results(proc.stdout, default_rank=0)[0]

@@ -19,7 +19,8 @@ class KerasHost:
     * collectives named the same on every worker: ``_namer.site(kind)``, ``_push_pull(t, name,
       priority, mean)``, ``_broadcast(t, name, root_rank)``, ``_allgather(t, name)``;
     * Keras's cross-worker steps: ``_reduce_metric_state``, ``_all_finite``,
-      ``_optimizer_update_step``, ``clips_after_reduction``, ``_gathering_outputs``;
+      ``_optimizer_update_step``, ``clips_after_reduction``, ``_gathering_outputs``,
+      ``_compiling_steps`` (``jit_compile=True``);
     * what the strategy was created with: ``_auto_schedule``, ``_step_reporter``,
       ``_checkpoint_dir``, ``_fit_count``.
     """

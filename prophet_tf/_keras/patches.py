@@ -32,6 +32,12 @@ idempotent.
 * ``TensorFlowTrainer.fit``, ``TFEpochIterator``, ``EpochIterator._enumerate_iterator``: a fit
   knows its position, resumes step-exactly from a backup and stops for a preemption
   (``prophet_tf/_keras/fit_session.py``).
+* ``TensorFlowTrainer._make_function``/``make_predict_function`` with ``jit_compile=True``: the
+  step functions are built without it, and XLA compiles each step in clusters around the
+  exchange between workers, which it cannot compile (``prophet_tf/_xla.py``).
+* ``TensorFlowTrainer._maybe_symbolic_build``: the model is built from the input's element spec,
+  without reading a batch, so the input is read as in one process (a generator's first batch,
+  a reshuffling ``shuffle``'s seeds).
 * ``Trainer._symbolic_build``: a model that defines ``train_step`` but no ``call()`` (a GAN, a
   VAE) is not traced symbolically (Keras would fail with "Unable to automatically build the
   model" under any strategy); like without a strategy, it builds in its first step.
@@ -86,6 +92,8 @@ def install() -> None:
         _patch_fit()
         _patch_step_outputs()
         _patch_build_without_call()
+        _patch_build_without_reading()
+        _patch_jit_compile()
         loss_normalization.install()
         _installed = True
 
@@ -405,3 +413,89 @@ def _patch_build_without_call():
         return original(self, iterator=iterator, data_batch=data_batch)
 
     patch(base_trainer.Trainer, "_symbolic_build", _symbolic_build)
+
+
+def _patch_build_without_reading():
+    """Under any distribution strategy Keras builds the model before ``fit``/``evaluate``/
+    ``predict`` from a batch it reads from a fresh iterator of the input. That read is not part
+    of one process's run (without a strategy Keras builds in the first step): it takes a batch
+    from a Python generator, starts a ``PyDataset``'s epoch, and advances the seeds of a
+    ``shuffle`` that reshuffles each iteration, so training would start with one process's
+    second order. Under a ProphetStrategy the model is built from the input's element spec (the
+    shapes and dtypes, which is all the symbolic build reads), without reading."""
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    def _maybe_symbolic_build(original, self, iterator=None, data_batch=None):
+        spec = _element_spec(iterator) if iterator is not None else None
+        if spec is None or host_of(getattr(self, "_distribute_strategy", None)) is None:
+            return original(self, iterator=iterator, data_batch=data_batch)
+        with self.distribute_strategy.scope():
+            self._symbolic_build(data_batch=spec)
+
+    patch(tf_trainer.TensorFlowTrainer, "_maybe_symbolic_build", _maybe_symbolic_build)
+
+
+def _element_spec(epoch_iterator):
+    """The ``tf.TypeSpec`` structure of one batch of a Keras ``TFEpochIterator``'s input (one
+    worker's share), or None when it has none."""
+    dataset = getattr(epoch_iterator, "_distributed_dataset", None)
+    try:
+        spec = dataset.element_spec
+    except (AttributeError, NotImplementedError, TypeError):
+        return None
+    from tensorflow.python.util import nest
+
+    # A per-replica spec (several replicas in a process) has one spec per replica: any will do.
+    return nest.map_structure(lambda s: getattr(s, "_value_specs", (s,))[0], spec)
+
+
+# ---- jit_compile=True -------------------------------------------------------------------------
+
+def _patch_jit_compile():
+    """Keras compiles a step function as a whole with ``jit_compile=True``, the exchange between
+    workers included, which XLA cannot compile. Under a communicating ProphetStrategy the step
+    functions are built without ``jit_compile``, and each call runs in the strategy's
+    ``_compiling_steps`` context: the replica step it traces is marked for XLA, which compiles
+    it in clusters around the exchange (``prophet_tf/_xla.py``)."""
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    def compiles_in_clusters(model) -> bool:
+        return (_model_extended(model) is not None and not model.run_eagerly
+                and bool(model.jit_compile))
+
+    def built_without_jit(original, model, *args):
+        jit = model._jit_compile
+        model._jit_compile = False  # what Keras reads when it creates the tf.function
+        try:
+            return original(model, *args)
+        finally:
+            model._jit_compile = jit
+
+    def _make_function(original, self, step_function):
+        if not compiles_in_clusters(self):
+            return original(self, step_function)
+        function = built_without_jit(original, self, step_function)
+        return _compiling_steps(_model_extended(self), function)
+
+    def make_predict_function(original, self, force=False):
+        if not compiles_in_clusters(self):
+            return original(self, force)
+        result = built_without_jit(original, self, force)
+        function = self.predict_function
+        if function is not None and not getattr(function, "_prophet_compiling", False):
+            self.predict_function = _compiling_steps(_model_extended(self), function)
+        return result
+
+    patch(tf_trainer.TensorFlowTrainer, "_make_function", _make_function)
+    patch(tf_trainer.TensorFlowTrainer, "make_predict_function", make_predict_function)
+
+
+def _compiling_steps(ext, function):
+    """``function`` (a step function) called in ``ext._compiling_steps()``: its trace, which
+    happens in its first call, compiles the replica step in XLA clusters."""
+    def compiling(*args, **kwargs):
+        with ext._compiling_steps():
+            return function(*args, **kwargs)
+
+    compiling._prophet_compiling = True
+    return compiling

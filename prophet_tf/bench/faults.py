@@ -4,6 +4,7 @@ had happened.
 
     python -m prophet_tf.bench.faults [--quick] [--seed N] [--trials N]
     python -m prophet_tf.bench.faults --restarts [--restart_trials K] [--quick] [--seed N]
+    python -m prophet_tf.bench.faults --elastic [--elastic_trials K] [--elastic_kinds ...] [--quick]
 
 Fault trials: a small Keras job (ProphetStrategy, ``ModelCheckpoint`` on the chief every epoch)
 runs on 2 or 3 workers, with or without the launcher; one worker gets SIGKILL or SIGSTOP at
@@ -26,6 +27,12 @@ SIGTERM to a random worker and K with a kill -9 of one, at a random moment of a 
 ``fit`` with ``BackupAndRestore(save_freq=...)`` under ``prophetrun --max-restarts``; per
 interruption: completed, final weights bitwise equal to an uninterrupted run, steps redone, time
 from the fault to training again. ``--quick``: one run interrupted by a SIGTERM, then a kill -9.
+
+Elastic trials (``--elastic``, root; see ``prophet_tf/bench/elastic_trials.py``): K jobs per kind
+under ``prophetrun --nnodes 2:3`` on emulated hosts lose a node (kill -9, SIGTERM to its launcher,
+its network cut) or gain one while they train; per trial: kept training, hang, detection, time
+back to training, steps redone, and whether the final weights equal those of a fresh job of the
+new number of workers from the same checkpoint.
 
 The last line of the fault trials is ``faults: T trials, H hangs, C corrupt checkpoints, E
 unnamed errors, max detection S s``. An error is *named* when it names the worker that failed (or, for a survivor that
@@ -53,7 +60,7 @@ from typing import Any, Optional, Sequence
 
 from absl import app, flags
 
-from prophet_tf.bench import restart_trials
+from prophet_tf.bench import elastic_trials, restart_trials
 from prophet_tf.bench.restart_trials import wait_until
 
 FLAGS = flags.FLAGS
@@ -77,6 +84,12 @@ flags.DEFINE_list("restart_workers", ["2", "3"], "Worker counts the restart tria
                   "(the weights of a worker count are compared only if its two uninterrupted runs "
                   "agree bitwise).")
 flags.DEFINE_string("restart_worker", None, "Internal: run as a worker of the restart trials.")
+flags.DEFINE_bool("elastic", False, "Run the elastic trials (prophetrun --nnodes MIN:MAX on emulated hosts, root) "
+                  "instead of the fault and hostile trials.")
+flags.DEFINE_integer("elastic_trials", 10, "Elastic trials per kind; --quick: one.")
+flags.DEFINE_list("elastic_kinds", list(elastic_trials.KINDS), "Kinds of elastic trials: kill (kill -9 of a "
+                  "node), sigterm (to a node's launcher), netcut (a host's network down), grow (a node added).")
+flags.DEFINE_string("elastic_worker", None, "Internal: run as a worker of the elastic trials.")
 
 EVENT = "FAULTS_EVENT"
 SURVIVOR_GOAL_S = 60.0
@@ -769,6 +782,18 @@ def main(argv: Sequence[str]) -> None:
     if FLAGS.restart_worker:
         restart_trials.run_worker(json.loads(FLAGS.restart_worker))
         return
+    if FLAGS.elastic_worker:
+        elastic_trials.run_worker(json.loads(FLAGS.elastic_worker))
+        return
+    if FLAGS.elastic:
+        kinds = [k for k in FLAGS.elastic_kinds if k]
+        unknown = sorted(set(kinds) - set(elastic_trials.KINDS))
+        if unknown or not kinds:
+            raise app.UsageError(f"--elastic_kinds: {unknown or 'none'}; choose from {list(elastic_trials.KINDS)}")
+        results = elastic_trials.run(1 if FLAGS.quick else FLAGS.elastic_trials, FLAGS.seed, FLAGS.quick,
+                                     FLAGS.deadline_s * 2, kinds, json_path=FLAGS.json)
+        sys.exit(0 if elastic_trials.passed(results, elastic_trials.job_config(FLAGS.seed, FLAGS.quick)["save_freq"])
+                 else 1)
     if FLAGS.restarts:
         workers = [int(n) for n in FLAGS.restart_workers]
         if not workers or min(workers) < 2:

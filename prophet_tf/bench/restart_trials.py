@@ -53,8 +53,13 @@ def _event(kind: str, **fields: Any) -> None:
           flush=True)
 
 
-def run_worker(config: dict) -> None:
-    """The job's program: the same in every attempt (it resumes through its BackupAndRestore)."""
+def run_worker(config: dict, **tags: Any) -> None:
+    """The job's program: the same in every attempt (it resumes through its BackupAndRestore).
+
+    ``tags`` go into every event; ``config["step_pause_s"]`` (optional) is slept after each step
+    (a longer job without more computation); while the file ``config["hold_file"]`` (optional)
+    exists, each step waits for it to go, up to ``config["hold_step_s"]`` seconds (the job trains
+    on, slowly, until the bench lets it go)."""
     import numpy as np
     import keras
     import tensorflow as tf
@@ -62,7 +67,9 @@ def run_worker(config: dict) -> None:
     import prophet_tf
 
     strategy = prophet_tf.ProphetStrategy()
-    _event("start", rank=strategy.rank)
+    _event("start", rank=strategy.rank, **tags)
+    pause = float(config.get("step_pause_s", 0.0))
+    hold, hold_s = config.get("hold_file"), float(config.get("hold_step_s", 0.0))
     steps, batch, features = config["steps_per_epoch"], config["batch"], 32
     rng = np.random.RandomState(config["seed"])
     x = rng.randn(steps * batch, features).astype("float32")
@@ -89,7 +96,12 @@ def run_worker(config: dict) -> None:
             self.epoch = epoch
 
         def on_train_batch_end(self, batch_index, logs=None):
-            _event("step", epoch=self.epoch, batch=batch_index)
+            _event("step", epoch=self.epoch, batch=batch_index, **tags)
+            if pause:
+                time.sleep(pause)
+            until = time.monotonic() + hold_s
+            while hold and os.path.exists(hold) and time.monotonic() < until:
+                time.sleep(0.05)
 
     backup = keras.callbacks.BackupAndRestore(config["backup_dir"], save_freq=config["save_freq"])
     # Steps first: a step is reported before the backup after it is written (a kill during that
@@ -98,7 +110,7 @@ def run_worker(config: dict) -> None:
     digest = hashlib.sha256()
     for w in model.get_weights():
         digest.update(np.ascontiguousarray(w).tobytes())
-    _event("done", weights=digest.hexdigest())
+    _event("done", weights=digest.hexdigest(), **tags)
 
 
 # ------------------------------------------------------------------------------------------------

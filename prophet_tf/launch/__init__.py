@@ -9,6 +9,7 @@ Usage::
     prophetrun --nnodes 2 --node-rank R --master HOST:PORT -n 4 train.py   # on every node
     prophetrun -H node1:4,node2:4 train.py                          # over ssh, from one machine
     prophetrun -n 4 --max-restarts 3 train.py                      # restart after a preemption/failure
+    prophetrun --nnodes 2:4 [--node-rank R] --master HOST:PORT -n 4 train.py   # elastic (see ``elastic``)
 
 Each worker gets ``TF_CONFIG`` (``{"cluster": {"worker": [...]}, "task": {"type": "worker",
 "index": rank}}``), the job token ``PROPHET_JOB_TOKEN`` (fresh for each job), ``PYTHONUNBUFFERED=1``,
@@ -37,11 +38,17 @@ assigns the ranks node by node (node 0 gets ranks 0..K-1), collects each node's 
 it over ssh). A failure on any node stops every node's workers, and every launcher names the same
 first failure and exits with its status. See ``rendezvous`` for the protocol and its rules.
 
+Elastic jobs (``--nnodes MIN:MAX``, see ``elastic``): the job runs with the nodes present and
+forms again from its checkpoint when one is lost (killed, cut off), leaves (its launcher got
+SIGTERM) or arrives; the workers of an elastic job get ``PROPHET_ELASTIC=1``.
+
 Exit status: 0 success; the failing worker's status (128+signal if it was killed) on a worker
 failure (the last one when restarts are used up or refused); 75 when a launcher got SIGTERM and
-every worker wrote its preemption checkpoint (run the job again to resume it); 124 on ``--timeout``; 128+signal when a launcher was interrupted; 1 when the job failed
-outside any worker (the rendezvous did not complete, a node or the master was lost); 127 when a
-worker could not be started; 2 on usage errors.
+every worker wrote its preemption checkpoint (run the job again to resume it), also on a node
+that left an elastic job; 124 on ``--timeout``; 128+signal when a launcher was interrupted; 1 when
+the job failed outside any worker (the rendezvous did not complete, a node or the master was
+lost); 69 when an elastic job had fewer than MIN nodes for ``--rdzv-timeout``; 127 when a worker
+could not be started; 2 on usage errors.
 
 Programmatic use (tests, benchmarks): :func:`launch` (one machine, every attempt). One attempt of
 one node's workers is :func:`prophet_tf.launch.workers.run_workers`; one node of a multi-node job,

@@ -14,6 +14,9 @@ from typing import Callable, Iterator, Mapping, Optional, Sequence, TextIO
 
 from prophet_tf.cluster import JOB_SEED_ENV, TOKEN_ENV
 from prophet_tf.launch import hosts as hosts_mod
+from prophet_tf.launch import standby as standby_mod
+from prophet_tf.launch.elastic import (DEFAULT_JOIN_WAIT_S, DEFAULT_REJOIN_WAIT_S,
+                                       checkpoint_wait, parse_nnodes)
 from prophet_tf.launch.node import run_node
 from prophet_tf.launch.rendezvous import RendezvousError, parse_master, worker_token
 from prophet_tf.launch.restarts import RestartPolicy
@@ -234,9 +237,13 @@ def parser() -> argparse.ArgumentParser:
                         "BackupAndRestore keeps its preemption checkpoint (shared storage with "
                         "several nodes)")
     m = p.add_argument_group("several nodes")
-    m.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    m.add_argument("--nnodes", default="1", metavar="N|MIN:MAX",
+                   help="number of nodes (default 1); MIN:MAX: an elastic job, which starts with "
+                        "MIN to MAX nodes and forms again from its last checkpoint when a node is "
+                        "lost or arrives (see 'elastic jobs')")
     m.add_argument("--node-rank", type=int, default=None,
-                   help="this node's rank, 0..nnodes-1 (node 0 runs the master)")
+                   help="this node's rank, 0..nnodes-1 (node 0 runs the master); in an elastic "
+                        "job any number >= 0, unique, or none: the master assigns one")
     m.add_argument("--master", default=None, metavar="HOST:PORT",
                    help="where node 0's launcher listens for the other nodes (node 0 listens on "
                         "it; give every node the same)")
@@ -254,6 +261,25 @@ def parser() -> argparse.ArgumentParser:
                         "this launcher being the master (like horovodrun -H)")
     m.add_argument("--ssh-command", default=hosts_mod.DEFAULT_SSH, metavar="CMD",
                    help=f"ssh client and options for -H (default: {hosts_mod.DEFAULT_SSH!r})")
+    e = p.add_argument_group("elastic jobs (--nnodes MIN:MAX; the master's settings: node 0's "
+                             "or the -H launcher's)")
+    e.add_argument("--join-wait", type=float, default=DEFAULT_JOIN_WAIT_S, metavar="SECONDS",
+                   help="once MIN nodes joined, wait this long for more before the job starts "
+                        f"(at once with MAX; default {DEFAULT_JOIN_WAIT_S:g})")
+    e.add_argument("--rejoin-wait", type=float, default=DEFAULT_REJOIN_WAIT_S, metavar="SECONDS",
+                   help="after the job lost or was left by a node (killed, cut off, preempted), "
+                        "wait this long for a node to take its place before it goes on with "
+                        f"fewer (default {DEFAULT_REJOIN_WAIT_S:g}); below MIN it waits "
+                        "--rdzv-timeout, then exits with 69")
+    e.add_argument("--host-retry", type=float, default=hosts_mod.DEFAULT_HOST_RETRY_S,
+                   metavar="SECONDS",
+                   help="-H: start a node again on a host whose node ended this long ago (0: "
+                        f"never; default {hosts_mod.DEFAULT_HOST_RETRY_S:g})")
+    e.add_argument("--preload", default=",".join(standby_mod.DEFAULT_PRELOAD), metavar="MODULES",
+                   help="each node keeps one interpreter per worker started ahead, with these "
+                        "modules imported, and the next attempt's workers run in them: a job that "
+                        "forms again skips starting Python and TensorFlow (comma-separated; 'none': "
+                        f"no standbys; default {','.join(standby_mod.DEFAULT_PRELOAD)})")
     p.add_argument("script", nargs=argparse.REMAINDER,
                    help="script.py [args], -m module [args], or a command")
     return p
@@ -279,40 +305,57 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         env = _parse_env(args.env)
         policy = RestartPolicy(args.max_restarts, args.restart_backoff)
+        nnodes = parse_nnodes(args.nnodes)
     except (argparse.ArgumentTypeError, ValueError) as e:
         p.error(str(e))
     if args.checkpoint_dir:
         env[CHECKPOINT_DIR_ENV] = os.path.abspath(args.checkpoint_dir)
-    spec = JobSpec(list(script), env, args.threads, args.grace, args.log_dir)
+    try:
+        preload = standby_mod.parse_preload(args.preload)
+    except ValueError as e:
+        p.error(str(e))
+    spec = JobSpec(list(script), env, args.threads, args.grace, args.log_dir, preload=preload)
     controls = Controls(deadline=None if args.timeout is None else time.monotonic() + args.timeout)
 
     if args.hosts is not None:
-        if args.nnodes != 1 or args.node_rank is not None:
-            p.error("-H starts every node itself: leave out --nnodes and --node-rank")
+        if (nnodes.max != 1 and not nnodes.elastic) or args.node_rank is not None:
+            p.error("-H starts every node itself: leave out --node-rank, and --nnodes unless it "
+                    "is MIN:MAX (an elastic job of those hosts)")
+        if nnodes.elastic and args.n is not None:
+            p.error("an elastic -H job (--nnodes MIN:MAX) runs every host's slots: give the "
+                    "workers of each host in -H (HOST:K) and leave out -n")
         try:
-            nodes = hosts_mod.assign_slots(hosts_mod.parse_hosts(args.hosts), args.n)
+            hosts = hosts_mod.assign_slots(hosts_mod.parse_hosts(args.hosts), args.n)
         except ValueError as e:
             p.error(str(e))
         forwarded = _forwarded_flags(args)
         say = _sayer(sys.stderr)
         with _forwarding_signals(controls):
-            return hosts_mod.run_hosts(script, nodes, controls, forwarded=forwarded,
+            return hosts_mod.run_hosts(script, hosts, controls, forwarded=forwarded,
                                        ssh_command=args.ssh_command, master=args.master,
                                        rdzv_timeout=args.rdzv_timeout,
                                        node_timeout=args.node_timeout, grace=args.grace, say=say,
-                                       policy=policy)
+                                       policy=policy, nodes=nnodes if nnodes.elastic else None,
+                                       join_wait=args.join_wait, rejoin_wait=args.rejoin_wait,
+                                       checkpoint_wait=checkpoint_wait(spec, args.node_timeout),
+                                       host_retry=args.host_retry)
     if args.n is None:
         p.error("-n N is required (the number of workers on this node)")
     if args.n < 1:
         p.error("-n must be at least 1")
-    if args.nnodes > 1 or args.master is not None or args.node_rank is not None:
-        if args.nnodes < 1:
-            p.error("--nnodes must be at least 1")
-        if args.master is None or args.node_rank is None:
-            p.error("a job of several nodes needs --master HOST:PORT and --node-rank R on every "
-                    "node (the same --master and --nnodes everywhere)")
-        if not 0 <= args.node_rank < args.nnodes:
-            p.error(f"--node-rank {args.node_rank} is outside 0..{args.nnodes - 1}")
+    if nnodes.elastic or nnodes.max > 1 or args.master is not None or args.node_rank is not None:
+        if nnodes.elastic:
+            if args.master is None:
+                p.error("an elastic job (--nnodes MIN:MAX) needs --master HOST:PORT on every node "
+                        "(node 0 runs it: --node-rank 0 there), or -H")
+            if args.node_rank is not None and args.node_rank < 0:
+                p.error("--node-rank must be >= 0")
+        else:
+            if args.master is None or args.node_rank is None:
+                p.error("a job of several nodes needs --master HOST:PORT and --node-rank R on every "
+                        "node (the same --master and --nnodes everywhere)")
+            if not 0 <= args.node_rank < nnodes.max:
+                p.error(f"--node-rank {args.node_rank} is outside 0..{nnodes.max - 1}")
         try:
             parse_master(args.master)
         except RendezvousError as e:
@@ -322,15 +365,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             p.error("a job of several nodes needs the same secret on every node: run `export "
                     "PROPHET_JOB_TOKEN=$(python3 -c 'import secrets; print(secrets.token_hex(16))')` "
                     "once and set that value on every node (-H does this for you over ssh)")
-        say = _sayer(sys.stderr, f"launch node {args.node_rank}")
+        say = _sayer(sys.stderr, "launch node" + (f" {args.node_rank}" if args.node_rank is not None else ""))
         with _forwarding_signals(controls):
             try:
-                return run_node(spec, controls, master=args.master, nnodes=args.nnodes,
+                return run_node(spec, controls, master=args.master, nnodes=nnodes,
                                 node_rank=args.node_rank, nproc=args.n, token=token,
                                 host=args.host, base_port=args.base_port,
                                 rdzv_timeout=args.rdzv_timeout, node_timeout=args.node_timeout,
                                 run_master=args.node_rank == 0 and not args.join_only, say=say,
-                                policy=policy)
+                                policy=policy, join_wait=args.join_wait,
+                                rejoin_wait=args.rejoin_wait)
             except RendezvousError as e:
                 say(str(e))
                 return 2
@@ -348,7 +392,8 @@ def _forwarded_flags(args: argparse.Namespace) -> list[str]:
                         ("--checkpoint-dir", args.checkpoint_dir),
                         ("--base-port", args.base_port),
                         ("--rdzv-timeout", args.rdzv_timeout),
-                        ("--node-timeout", args.node_timeout)):
+                        ("--node-timeout", args.node_timeout),
+                        ("--preload", args.preload)):
         if value is not None:
             out += [flag, str(value)]
     for item in args.env:

@@ -19,9 +19,11 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Optional, Sequence, TextIO
+from typing import Callable, Optional, Sequence, TextIO, Union
 
 from prophet_tf.cluster import TOKEN_ENV
+from prophet_tf.launch.elastic import (DEFAULT_JOIN_WAIT_S, DEFAULT_REJOIN_WAIT_S, ElasticMaster,
+                                       NodeRange)
 from prophet_tf.launch.rendezvous import Master, RendezvousError
 from prophet_tf.launch.restarts import RestartPolicy
 from prophet_tf.launch.workers import (CAUSE_INTERRUPTED, EXIT_JOB_FAILED, Controls, Failure,
@@ -31,6 +33,8 @@ __all__ = ["parse_hosts", "assign_slots", "node_argv", "remote_command", "is_loc
            "run_hosts", "DEFAULT_SSH"]
 
 DEFAULT_SSH = "ssh -o BatchMode=yes"
+#: Seconds after which an elastic -H job starts a node again on a host whose node ended.
+DEFAULT_HOST_RETRY_S = 30.0
 _LOCAL_NAMES = {"localhost", "127.0.0.1", "::1", "localhost.localdomain"}
 
 
@@ -81,8 +85,8 @@ def is_local_host(host: str) -> bool:
     return host in _LOCAL_NAMES or host in {socket.gethostname(), socket.getfqdn()}
 
 
-def node_argv(node_rank: int, nnodes: int, nproc: int, master: str, script: Sequence[str],
-              forwarded: Sequence[str]) -> list[str]:
+def node_argv(node_rank: int, nnodes: Union[int, str], nproc: int, master: str,
+              script: Sequence[str], forwarded: Sequence[str]) -> list[str]:
     """The launcher command a node runs (the token comes on its standard input)."""
     return [sys.executable, "-u", "-m", "prophet_tf.launch", "--nnodes", str(nnodes),
             "--node-rank", str(node_rank), "--master", master, "-n", str(nproc), "--token-stdin",
@@ -113,7 +117,9 @@ def run_hosts(script: Sequence[str], hosts: Sequence[tuple[str, int]], controls:
               master: Optional[str] = None, rdzv_timeout: float = 300.0,
               node_timeout: float = 10.0, grace: float = 5.0, say: Callable[[str], None],
               stdout: Optional[TextIO] = None, stderr: Optional[TextIO] = None,
-              policy: Optional[RestartPolicy] = None) -> int:
+              policy: Optional[RestartPolicy] = None, nodes: Optional[NodeRange] = None,
+              join_wait: float = DEFAULT_JOIN_WAIT_S, rejoin_wait: float = DEFAULT_REJOIN_WAIT_S,
+              checkpoint_wait: float = 60.0, host_retry: float = DEFAULT_HOST_RETRY_S) -> int:
     """Starts a node launcher per host and referees the job; returns its exit status.
 
     Args:
@@ -125,7 +131,13 @@ def run_hosts(script: Sequence[str], hosts: Sequence[tuple[str, int]], controls:
       master: ``HOST:PORT`` the nodes reach this launcher at; default: this machine's address
         towards the first remote host, a free port.
       policy: the restarts of the job (this launcher's master decides them for every node).
+      nodes: an elastic job's ``--nnodes MIN:MAX`` (None: every host is a node of a job of fixed
+        size). A node that ends while the job runs is then no failure of the job: the master
+        forms it again without that node, and this launcher starts a node on that host again
+        ``host_retry`` seconds later (0: never), which enters the job at its next checkpoint.
+      join_wait, rejoin_wait, checkpoint_wait: the elastic master's (``launch.elastic``).
     """
+    elastic = nodes is not None and nodes.elastic
     out = stdout if stdout is not None else sys.stdout
     err = stderr if stderr is not None else sys.stderr
     remote = [h for h, _ in hosts if not is_local_host(h)]
@@ -134,15 +146,22 @@ def run_hosts(script: Sequence[str], hosts: Sequence[tuple[str, int]], controls:
         master = format_address(address, free_ports(1, address)[0])
     token = os.environ.get(TOKEN_ENV) or secrets.token_hex(16)
     try:
-        server = Master(master, len(hosts), token, rdzv_timeout=rdzv_timeout,
-                        node_timeout=node_timeout, stop_wait=grace + 5.0, say=say, policy=policy)
+        if elastic:
+            server: Master = ElasticMaster(
+                master, nodes, token, rdzv_timeout=rdzv_timeout, node_timeout=node_timeout,
+                stop_wait=grace + 5.0, say=say, policy=policy, join_wait=join_wait,
+                rejoin_wait=rejoin_wait, checkpoint_wait=checkpoint_wait)
+        else:
+            server = Master(master, len(hosts), token, rdzv_timeout=rdzv_timeout,
+                            node_timeout=node_timeout, stop_wait=grace + 5.0, say=say,
+                            policy=policy)
     except RendezvousError as e:
         say(str(e))
         return 2
     server.start()
     lock = threading.Lock()
-    procs: list[subprocess.Popen] = []
-    tails: list[list[str]] = []
+    procs: dict[int, subprocess.Popen] = {}
+    tails: dict[int, list[str]] = {}
     threads: list[threading.Thread] = []
 
     def pump(src, dst: TextIO, tail: Optional[list[str]]) -> None:
@@ -160,31 +179,47 @@ def run_hosts(script: Sequence[str], hosts: Sequence[tuple[str, int]], controls:
         src.close()
 
     cwd = os.getcwd()
+    nnodes: Union[int, str] = nodes.spec if elastic else len(hosts)
+
+    def start(rank: int) -> bool:
+        host, k = hosts[rank]
+        argv = node_argv(rank, nnodes, k, master, script, forwarded)
+        if not is_local_host(host):
+            argv = [*shlex.split(ssh_command), host, remote_command(argv, cwd)]
+        say(f"node {rank}: {host}, {k} worker(s): {shlex.join(argv)}")
+        try:
+            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, start_new_session=True)
+        except OSError as e:
+            if not elastic:
+                server.inject_failure(Failure(EXIT_JOB_FAILED, f"node {rank} ({host}) could not "
+                                              f"be started: {argv[0]}: {e}", node=rank,
+                                              at=time.time()))
+            else:
+                say(f"node {rank} ({host}) could not be started: {argv[0]}: {e}")
+            return False
+        try:
+            proc.stdin.write((token + "\n").encode())
+            proc.stdin.close()
+        except OSError:
+            pass
+        procs[rank] = proc
+        tails[rank] = []
+        for src, dst, tail in ((proc.stdout, out, None), (proc.stderr, err, tails[rank])):
+            t = threading.Thread(target=pump, args=(src, dst, tail), daemon=True)
+            t.start()
+            threads.append(t)
+        return True
+
     try:
-        for rank, (host, k) in enumerate(hosts):
-            argv = node_argv(rank, len(hosts), k, master, script, forwarded)
-            if not is_local_host(host):
-                argv = [*shlex.split(ssh_command), host, remote_command(argv, cwd)]
-            say(f"node {rank}: {host}, {k} worker(s): {shlex.join(argv)}")
-            try:
-                proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, start_new_session=True)
-            except OSError as e:
-                server.inject_failure(Failure(EXIT_JOB_FAILED, f"node {rank} ({host}) could not be "
-                                              f"started: {argv[0]}: {e}", node=rank, at=time.time()))
-                break
-            try:
-                proc.stdin.write((token + "\n").encode())
-                proc.stdin.close()
-            except OSError:
-                pass
-            procs.append(proc)
-            tails.append([])
-            for src, dst, tail in ((proc.stdout, out, None), (proc.stderr, err, tails[-1])):
-                t = threading.Thread(target=pump, args=(src, dst, tail), daemon=True)
-                t.start()
-                threads.append(t)
-        reported: set[int] = set()
+        retry_at: dict[int, float] = {}
+        for rank in range(len(hosts)):
+            if not start(rank):
+                if not elastic:
+                    break
+                if host_retry > 0:
+                    retry_at[rank] = time.monotonic() + host_retry
+        reported: set[subprocess.Popen] = set()
         interrupted = False
         while not server.done.is_set():
             if controls.signals and not interrupted:
@@ -193,19 +228,35 @@ def run_hosts(script: Sequence[str], hosts: Sequence[tuple[str, int]], controls:
                 server.inject_failure(Failure(128 + sig, f"the -H launcher got "
                                               f"{signal.Signals(sig).name}", at=time.time(),
                                               cause=CAUSE_INTERRUPTED))
-            for rank, proc in enumerate(procs):
+            for rank, proc in list(procs.items()):
                 code = proc.poll()
-                if code is not None and rank not in reported:
-                    reported.add(rank)
-                    if code != 0:
-                        tail = "; ".join(tails[rank][-3:]) or "no output"
-                        server.inject_failure(Failure(
-                            EXIT_JOB_FAILED, f"node {rank} ({hosts[rank][0]}): its launcher "
-                            f"({'ssh' if not is_local_host(hosts[rank][0]) else 'local'}) exited "
-                            f"with status {code} ({tail})", node=rank, at=time.time()))
+                if code is None or proc in reported:
+                    continue
+                reported.add(proc)
+                tail = "; ".join(tails[rank][-3:]) or "no output"
+                kind = 'ssh' if not is_local_host(hosts[rank][0]) else 'local'
+                if elastic:
+                    # The master forms the job again without it (or never had it); the host
+                    # may come back.
+                    again = (f"; starting a node there again in {host_retry:g} s"
+                             if host_retry > 0 and not interrupted else "")
+                    say(f"node {rank} ({hosts[rank][0]}): its launcher ({kind}) exited with "
+                        f"status {code}{again}")
+                    if again:
+                        retry_at[rank] = time.monotonic() + host_retry
+                elif code != 0:
+                    server.inject_failure(Failure(
+                        EXIT_JOB_FAILED, f"node {rank} ({hosts[rank][0]}): its launcher "
+                        f"({kind}) exited with status {code} ({tail})", node=rank, at=time.time()))
+            now = time.monotonic()
+            for rank, at in list(retry_at.items()):
+                if now >= at and not interrupted:
+                    del retry_at[rank]
+                    if not start(rank) and host_retry > 0:
+                        retry_at[rank] = now + host_retry
             time.sleep(0.05)
         deadline = time.monotonic() + grace + node_timeout + 10.0
-        for proc in procs:
+        for proc in procs.values():
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -215,7 +266,7 @@ def run_hosts(script: Sequence[str], hosts: Sequence[tuple[str, int]], controls:
         verdict = server.verdict or {"status": EXIT_JOB_FAILED}
         return int(verdict.get("status", EXIT_JOB_FAILED))
     finally:
-        for proc in procs:
+        for proc in procs.values():
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()

@@ -18,11 +18,12 @@ Protocol (TCP; each message is a 4-byte big-endian length and a JSON object):
   ``reject``;
 - once every node joined: master -> node ``plan`` (world size, every worker's address, the first
   rank of this node, a fresh nonce from which every node derives the same worker token);
-- while the workers run: ``ping`` both ways every second; node -> master ``outcome`` when its
-  workers ended; master -> node ``stop`` when another node failed (with the signal to forward to
-  the workers when a launcher was interrupted); master -> node ``verdict`` (status and the failure
-  named, the same for every node, and whether the job restarts) at the end of the attempt;
-  ``abort`` when the rendezvous itself failed;
+- node -> master ``ping`` every second once it joined; master -> node ``ping`` every second while
+  the workers run. Node -> master ``outcome`` when its workers ended; master -> node ``stop`` when
+  another node failed (with the signal to forward to the workers when a launcher was interrupted,
+  or, in an elastic job, the signal that asks them for the coordinated checkpoint); master ->
+  node ``verdict`` (status and the failure named, the same for every node, and whether the job
+  restarts) at the end of the attempt; ``abort`` when the rendezvous itself failed;
 - restarts (``--max-restarts``, decided by the master with ``restarts.RestartPolicy``): a verdict
   with ``restart`` names the next round; every node stops its workers, and joins that round over
   its open connection (a ``join`` with fresh ports, MAC'ed as the first); the master sends a new
@@ -34,6 +35,11 @@ it never travels), so a stranger cannot join. Before a connection has proven the
 sends ends or stalls the rendezvous: it is rejected with the reason (a misconfigured node fails
 at once), and the master keeps waiting for the real node, naming what it rejected if that node
 never comes. The workers get ``HMAC(token, nonce)`` as their job token: a fresh one per attempt.
+
+Elastic jobs (``--nnodes MIN:MAX``, ``prophet_tf.launch.elastic``): a node may join while the
+job runs (it waits for the next formation; its ``joined`` says so and may assign its node
+rank), and every formation plans the nodes present; a node lost or leaving is no failure of the
+job.
 
 The join and the plan carry the attempt's round number (0, then one more per restart); a
 launcher that is not part of the job cannot join a later round. The plan also carries the job's
@@ -58,7 +64,7 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 from prophet_tf.launch.restarts import RestartPolicy
-from prophet_tf.launch.workers import (CAUSE_INTERRUPTED, EXIT_JOB_FAILED, Failure,
+from prophet_tf.launch.workers import (CAUSE_INTERRUPTED, CAUSE_LOST, EXIT_JOB_FAILED, Failure,
                                        draw_job_seed, format_address)
 from prophet_tf.preemption import EXIT_PREEMPTED
 
@@ -149,7 +155,10 @@ def _is_hex(value: Any, chars: int) -> bool:
 
 
 @dataclasses.dataclass
-class _Conn:
+class Connection:
+    """The master's record of one connection: a launcher that says hello, joins, and is a node of
+    the job (or waits to enter an elastic one)."""
+
     sock: socket.socket
     peer: str
     opened: float
@@ -163,6 +172,9 @@ class _Conn:
     last_heard: float = 0.0
     outcome: Optional[dict] = None
     closed: bool = False
+    #: In the attempt that runs (its plan was sent); elastic jobs also hold nodes waiting to join.
+    member: bool = False
+    lost_why: str = ""  # why the master gave it up
 
     def describe(self) -> str:
         host = self.fields.get("hostname") or ""
@@ -200,11 +212,12 @@ class Master:
         self._round = 0
         self.verdict: Optional[dict] = None
         self.done = threading.Event()
-        self._conns: list[_Conn] = []
+        self._conns: list[Connection] = []
         self._rejected: list[str] = []
         self._rejected_total = 0
         self._dropped = 0
         self._injected: list[Failure] = []
+        self._stopping_until: Optional[float] = None  # the attempt is ending: outcomes until then
         self._lock = threading.Lock()
         self._sel = selectors.DefaultSelector()
         self._listener = self._listen()
@@ -304,7 +317,7 @@ class Master:
         """The named failure's status, or 75 when a launcher was interrupted and every node's
         workers then stopped for the preemption (the job can be resumed)."""
         first = failures[0]
-        outcomes = [c.outcome for c in self._joined() if c.outcome is not None]
+        outcomes = [c.outcome for c in self._joined() if c.member and c.outcome is not None]
         if first.cause == CAUSE_INTERRUPTED and outcomes and all(
                 int(o.get("status", 1)) == EXIT_PREEMPTED for o in outcomes):
             return EXIT_PREEMPTED
@@ -329,10 +342,21 @@ class Master:
                                          at=time.time()), abort=True)
             self._poll(min(0.1, deadline - now), forming=True)
 
+    def _stop_message(self, first: Failure) -> tuple[dict, float]:
+        """What every node still running is told once the attempt fails (``first``: the failure
+        named), and how long to wait for their outcomes then."""
+        where = f" on node {first.node}" if first.rank is not None else ""
+        stop = {"t": "stop", "reason": first.description + where}
+        if first.cause == CAUSE_INTERRUPTED and first.status > 128:
+            # A launcher was interrupted (the -H launcher, say): every node forwards the
+            # signal, a preemption for the workers, so that they checkpoint.
+            stop["forward"] = first.status - 128
+        return stop, self.stop_wait
+
     def _supervise(self) -> list[Failure]:
         """Watches one attempt until every node's outcome came (or the wait after a failure
         ended); returns the failures, the first (the one named) first, none on success."""
-        stopping_until: Optional[float] = None
+        self._stopping_until = None
         failures: list[Failure] = []
         next_ping = 0.0
         while True:
@@ -344,34 +368,29 @@ class Master:
                 next_ping = now + HEARTBEAT_S
             self._poll(0.1, forming=False)
             new: list[Failure] = self._take_injected()
+            nodes = [c for c in self._conns if c.member]
             for c in self._conns:
                 if c.node is None or c.stage != "joined":
                     continue
                 if c.outcome is None and not c.closed and now - c.last_heard > self.node_timeout:
                     self._lose(c, f"nothing heard from its launcher for {self.node_timeout:g} s "
                                   "(its host hung or the network between them failed)")
-                if c.outcome is not None and c.outcome.get("counted") is None:
+                if c.member and c.outcome is not None and c.outcome.get("counted") is None:
                     c.outcome["counted"] = True
                     if c.outcome.get("failure"):
                         f = Failure.from_json(c.outcome["failure"])
                         f.node = c.node
                         new.append(f)
             failures.extend(new)
-            nodes = [c for c in self._conns if c.node is not None and c.stage == "joined"]
-            if failures and stopping_until is None:
-                first = min(failures, key=lambda f: f.at)
-                where = f" on node {first.node}" if first.rank is not None else ""
-                stop = {"t": "stop", "reason": first.description + where}
-                if first.cause == CAUSE_INTERRUPTED and first.status > 128:
-                    # A launcher was interrupted (the -H launcher, say): every node forwards the
-                    # signal, a preemption for the workers, so that they checkpoint.
-                    stop["forward"] = first.status - 128
+            if failures and self._stopping_until is None:
+                stop, wait = self._stop_message(min(failures, key=lambda f: f.at))
                 for c in nodes:
                     if not c.closed and c.outcome is None:
                         _send(c.sock, stop)
-                stopping_until = time.monotonic() + self.stop_wait
+                self._stopping_until = time.monotonic() + wait
             settled = all(c.outcome is not None or c.closed for c in nodes)
-            if settled or (stopping_until is not None and time.monotonic() >= stopping_until):
+            if settled or (self._stopping_until is not None
+                           and time.monotonic() >= self._stopping_until):
                 if not failures and all(c.outcome is not None and int(c.outcome.get("status", 1)) == 0
                                         for c in nodes):
                     return []
@@ -380,7 +399,7 @@ class Master:
                                             "outcome", at=time.time()))
                 return sorted(failures, key=lambda f: f.at)
 
-    def _lose(self, c: _Conn, why: str) -> None:
+    def _lose(self, c: Connection, why: str) -> None:
         if c.closed:
             return
         c.closed = True
@@ -390,7 +409,7 @@ class Master:
             c.sock.close()
         if c.outcome is None:
             self.inject_failure(Failure(EXIT_JOB_FAILED, f"{c.describe()} was lost: {why}",
-                                        node=c.node, at=time.time()))
+                                        node=c.node, at=time.time(), cause=CAUSE_LOST))
 
     def _take_injected(self) -> list[Failure]:
         with self._lock:
@@ -398,9 +417,11 @@ class Master:
         return out
 
     def _end(self, failure: Optional[Failure], abort: bool = False, message: str = "",
-             status: Optional[int] = None, restart_round: Optional[int] = None) -> dict:
-        """Tells every node how the attempt ended (``abort``: the rendezvous failed;
-        ``restart_round``: the job goes on with that round; ``message``: the restart decision)."""
+             status: Optional[int] = None, restart_round: Optional[int] = None,
+             to: Optional[Sequence[Connection]] = None) -> dict:
+        """Tells every node (or those in ``to``) how the attempt ended (``abort``: the
+        rendezvous failed; ``restart_round``: the job goes on with that round; ``message``: the
+        restart decision)."""
         if failure is None:
             verdict = {"t": "verdict", "status": 0, "failure": None}
         else:
@@ -411,16 +432,16 @@ class Master:
             verdict["message"] = message
         if restart_round is not None:
             verdict.update(restart=True, round=restart_round, backoff=self.policy.backoff_s)
-        for c in self._conns:
+        for c in (self._conns if to is None else to):
             if c.node is not None and c.stage == "joined" and not c.closed:
                 _send(c.sock, verdict)
         return verdict
 
-    def _joined(self) -> list[_Conn]:
+    def _joined(self) -> list[Connection]:
         return sorted((c for c in self._conns if c.stage == "joined" and not c.closed),
                       key=lambda c: c.node)
 
-    def _address_clash(self, joined: Sequence[_Conn]) -> str:
+    def _address_clash(self, joined: Sequence[Connection]) -> str:
         seen: dict[str, int] = {}
         for c in joined:
             for port in c.fields["ports"]:
@@ -432,7 +453,10 @@ class Master:
                 seen[address] = c.node
         return ""
 
-    def _send_plans(self, joined: Sequence[_Conn], round_: int) -> None:
+    def _formed_text(self, nodes: Sequence[dict]) -> str:
+        return "master: every node joined; "
+
+    def _send_plans(self, joined: Sequence[Connection], round_: int) -> None:
         addresses: list[str] = []
         first: dict[int, int] = {}
         for c in joined:
@@ -441,16 +465,20 @@ class Master:
         nonce = secrets.token_hex(16)
         nodes = [{"node": c.node, "host": c.fields["host"], "hostname": c.fields.get("hostname", ""),
                   "nproc": len(c.fields["ports"]), "first_rank": first[c.node]} for c in joined]
+        for c in self._conns:
+            c.member = False
         for c in joined:
+            c.member = True
+            c.outcome = None
             c.last_heard = time.monotonic()
             _send(c.sock, {"t": "plan", "round": round_, "world_size": len(addresses),
                            "addresses": addresses, "first_rank": first[c.node], "nonce": nonce,
                            "nodes": nodes, "job_seed": self.job_seed})
-        self.say("master: every node joined; " + ", ".join(
+        self.say(self._formed_text(nodes) + ", ".join(
             f"node {n['node']} ({n['host']}): ranks {n['first_rank']}..{n['first_rank'] + n['nproc'] - 1}"
             for n in nodes))
 
-    def _missing_message(self, joined: Sequence[_Conn]) -> str:
+    def _missing_message(self, joined: Sequence[Connection]) -> str:
         present = {c.node for c in joined}
         missing = [r for r in range(self.nnodes) if r not in present]
         text = (f"node(s) {', '.join(map(str, missing))} never joined the rendezvous at "
@@ -493,11 +521,11 @@ class Master:
                 self._drop(min(pending, key=lambda c: c.opened), counted=True)
             sock.settimeout(_SEND_TIMEOUT_S)
             peer = format_address(addr[0], addr[1])
-            c = _Conn(sock, peer, time.monotonic(), _Inbox(_MAX_UNAUTHENTICATED_BYTES))
+            c = Connection(sock, peer, time.monotonic(), _Inbox(_MAX_UNAUTHENTICATED_BYTES))
             self._conns.append(c)
             self._sel.register(sock, selectors.EVENT_READ, c)
 
-    def _drop(self, c: _Conn, counted: bool) -> None:
+    def _drop(self, c: Connection, counted: bool) -> None:
         if counted:
             self._dropped += 1
         c.closed = True
@@ -506,7 +534,7 @@ class Master:
         with contextlib.suppress(OSError):
             c.sock.close()
 
-    def _reject(self, c: _Conn, to_node: str, what: str) -> None:
+    def _reject(self, c: Connection, to_node: str, what: str) -> None:
         """Tells a connection that cannot join why, and remembers it for the timeout message."""
         _send(c.sock, {"t": "reject", "reason": to_node})
         claimed = f" (claiming node {c.fields.get('node_rank')})" if c.fields.get("node_rank") is not None else ""
@@ -516,7 +544,7 @@ class Master:
         self._rejected_total += 1
         self._drop(c, counted=False)
 
-    def _readable(self, c: _Conn, forming: bool) -> None:
+    def _readable(self, c: Connection, forming: bool) -> None:
         try:
             data = c.sock.recv(65536)
         except (BlockingIOError, InterruptedError, socket.timeout):
@@ -525,14 +553,7 @@ class Master:
             data = b""
         if not data:
             if c.stage == "joined":
-                if forming and self._round > 0:
-                    self._lose(c, "its launcher's connection closed while the job restarted")
-                elif forming:
-                    self.say(f"master: {c.describe()} left before every node joined")
-                    self._drop(c, counted=False)
-                    c.stage = "left"
-                else:
-                    self._lose(c, "its launcher's connection closed (it was killed or exited)")
+                self._connection_closed(c, forming)
             else:
                 self._drop(c, counted=c.stage == "hello")
             return
@@ -549,7 +570,29 @@ class Master:
                 return
             self._message(c, m, forming)
 
-    def _message(self, c: _Conn, m: dict, forming: bool) -> None:
+    def _connection_closed(self, c: Connection, forming: bool) -> None:
+        """The connection of a node that had joined closed (its launcher exited or was killed)."""
+        if forming and self._round > 0:
+            self._lose(c, "its launcher's connection closed while the job restarted")
+        elif forming:
+            self.say(f"master: {c.describe()} left before every node joined")
+            self._drop(c, counted=False)
+            c.stage = "left"
+        else:
+            self._lose(c, "its launcher's connection closed (it was killed or exited)")
+
+    def _admits_while_running(self) -> bool:
+        """Whether a launcher may join while the job runs (an elastic job's new node)."""
+        return False
+
+    def _admit(self, c: Connection, fields: dict) -> dict:
+        """Makes an authenticated, accepted join a node of the rendezvous; returns what the
+        ``joined`` answer adds."""
+        c.node = fields["node_rank"]
+        c.round = fields["round"]
+        return {}
+
+    def _message(self, c: Connection, m: dict, forming: bool) -> None:
         kind = m.get("t")
         if c.stage == "hello":
             if kind != "hello" or m.get("proto") != PROTOCOL or not _is_hex(m.get("nonce"), 64):
@@ -558,7 +601,7 @@ class Master:
                 return self._reject(c, f"the master speaks rendezvous version {VERSION}, you "
                                     f"{m.get('version')}: install the same prophet_tf on every node",
                                     f"rendezvous version {m.get('version')}, expected {VERSION}")
-            if not forming:
+            if not forming and not self._admits_while_running():
                 return self._reject(c, "the job has already formed (every node joined): this "
                                     "launcher is not part of it", "the job had already formed")
             c.nonce_n = m["nonce"]
@@ -582,16 +625,11 @@ class Master:
             problem = self._join_problem(fields)
             if problem:
                 return self._reject(c, problem[0], problem[1])
-            c.node = fields["node_rank"]
+            extra = self._admit(c, fields)
             c.stage = "joined"
-            c.round = fields["round"]
             c.last_heard = time.monotonic()
             c.inbox.limit = _MAX_MESSAGE_BYTES
-            present = {x.node for x in self._joined()}
-            waiting = [r for r in range(self.nnodes) if r not in present]
-            _send(c.sock, {"t": "joined", "waiting_for": waiting})
-            self.say(f"master: {c.describe()} joined with {len(fields['ports'])} worker(s)"
-                     + (f"; waiting for node(s) {', '.join(map(str, waiting))}" if waiting else ""))
+            self._announce_join(c, fields, extra)
             return None
         # joined
         c.last_heard = time.monotonic()
@@ -601,7 +639,15 @@ class Master:
             self._rejoin(c, m)
         return None
 
-    def _rejoin(self, c: _Conn, m: dict) -> None:
+    def _announce_join(self, c: Connection, fields: dict, extra: dict) -> None:
+        """Answers an accepted join and says so."""
+        present = {x.node for x in self._joined()}
+        waiting = [r for r in range(self.nnodes) if r not in present]
+        _send(c.sock, {"t": "joined", "waiting_for": waiting, **extra})
+        self.say(f"master: {c.describe()} joined with {len(fields['ports'])} worker(s)"
+                 + (f"; waiting for node(s) {', '.join(map(str, waiting))}" if waiting else ""))
+
+    def _rejoin(self, c: Connection, m: dict) -> None:
         """A node of the job joins the round of a restart (its new ports) over its connection."""
         fields = m.get("fields")
         if not isinstance(fields, dict) or not isinstance(m.get("mac"), str) or \
@@ -614,11 +660,24 @@ class Master:
             return self._lose(c, f"its join of the restarted round was refused: {problem[1]}")
         c.fields = fields
         c.round = fields["round"]
-        present = {x.node for x in self._joined() if x.round == self._round}
-        waiting = [r for r in range(self.nnodes) if r not in present]
-        _send(c.sock, {"t": "joined", "waiting_for": waiting})
+        _send(c.sock, {"t": "joined", "waiting_for": self._waiting_for()})
 
-    def _join_problem(self, f: dict, rejoining: Optional[_Conn] = None) -> Optional[tuple[str, str]]:
+    def _waiting_for(self) -> list[int]:
+        """The nodes the rendezvous of this round still waits for."""
+        present = {x.node for x in self._joined() if x.round == self._round}
+        return [r for r in range(self.nnodes) if r not in present]
+
+    @staticmethod
+    def _malformed_join(f: dict) -> bool:
+        ports = f.get("ports")
+        return (not isinstance(f.get("host"), str) or not f["host"] or not isinstance(ports, list)
+                or not ports or not all(isinstance(p, int) and 0 < p < 65536 for p in ports))
+
+    def _tell(self, c: Connection, message: dict) -> bool:
+        """Sends one message to a node."""
+        return _send(c.sock, message)
+
+    def _join_problem(self, f: dict, rejoining: Optional[Connection] = None) -> Optional[tuple[str, str]]:
         """(what the node is told, what the master remembers) when the join cannot be accepted
         (``rejoining``: the connection of a node of the job joining a restarted round)."""
         node = f.get("node_rank")
@@ -629,9 +688,7 @@ class Master:
         if not isinstance(node, int) or not 0 <= node < self.nnodes:
             return (f"--node-rank {node} is outside 0..{self.nnodes - 1}",
                     f"node rank {node}, expected 0..{self.nnodes - 1}")
-        ports = f.get("ports")
-        if (not isinstance(f.get("host"), str) or not f["host"] or not isinstance(ports, list)
-                or not ports or not all(isinstance(p, int) and 0 < p < 65536 for p in ports)):
+        if self._malformed_join(f):
             return ("your join lacks its host or ports", "a malformed join")
         if f.get("round") != self._round:
             return (f"the master is at round {self._round} (restarts of the job), you at "
@@ -668,17 +725,21 @@ class Plan:
 class NodeLink:
     """One node launcher's connection to the master.
 
+    Once connected it pings the master every second (on a thread of its own, until closed), so
+    that the master tells a node that is alive from one that hung or was cut off at any time.
+
     Args:
       master: ``HOST:PORT`` of the master.
-      node_rank, nnodes: this node's place.
+      node_rank, nnodes: this node's place: its rank (None in an elastic job: the master assigns
+        one) and the job's number of nodes (``N``, or ``"MIN:MAX"`` for an elastic job).
       token: the job's shared secret.
       timeout: seconds to reach the master and for the rendezvous to complete.
       node_timeout: the master is lost when nothing is heard from it for this long.
       say: writes one launcher message.
     """
 
-    def __init__(self, master: str, node_rank: int, nnodes: int, token: str, *, timeout: float,
-                 node_timeout: float, say: Callable[[str], None]) -> None:
+    def __init__(self, master: str, node_rank: Optional[int], nnodes: Any, token: str, *,
+                 timeout: float, node_timeout: float, say: Callable[[str], None]) -> None:
         self.master = master
         self.host, self.port = parse_master(master)
         self.node_rank = node_rank
@@ -694,7 +755,12 @@ class NodeLink:
         self._queue: list[dict] = []
         self._thread: Optional[threading.Thread] = None
         self._closing = False
+        self._send_lock = threading.Lock()
+        self._broken = False  # a send failed: the connection is gone
+        self._pinger: Optional[threading.Thread] = None
         self.lost = ""
+        #: The master's answer to the last join: this node waits to enter a running job.
+        self.pending = False
         #: Returns a signal number when the launcher was interrupted (checked while waiting).
         self.interrupted: Callable[[], Optional[int]] = lambda: None
 
@@ -728,7 +794,7 @@ class NodeLink:
         sock.settimeout(_SEND_TIMEOUT_S)
         self.sock = sock
         nonce_n = secrets.token_hex(32)
-        _send(sock, {"t": "hello", "proto": PROTOCOL, "version": VERSION, "nonce": nonce_n})
+        self._post({"t": "hello", "proto": PROTOCOL, "version": VERSION, "nonce": nonce_n})
         reply = self._receive(min(deadline, time.monotonic() + HANDSHAKE_TIMEOUT_S), "its challenge")
         if reply.get("t") == "reject":
             raise JoinFailed(f"the master at {self.master} rejected this node: {reply.get('reason')}")
@@ -741,14 +807,36 @@ class NodeLink:
         self._master_proved = master_proved
         return sock.getsockname()[0], deadline
 
+    def _post(self, message: dict) -> bool:
+        """Sends one message (the pinger sends too: one message at a time)."""
+        if self.sock is None:
+            return False
+        with self._send_lock:
+            ok = _send(self.sock, message)
+        if not ok:
+            self._broken = True
+        return ok
+
+    def _start_pinger(self) -> None:
+        if self._pinger is not None:
+            return
+
+        def ping() -> None:
+            while not self._closing and not self._broken:
+                self._post({"t": "ping"})
+                time.sleep(HEARTBEAT_S)
+
+        self._pinger = threading.Thread(target=ping, name="prophet-node-ping", daemon=True)
+        self._pinger.start()
+
     def join(self, nproc_ports: Sequence[int], host: str, deadline: float, round_: int = 0) -> Plan:
         """Joins round ``round_`` (0, then the round a restart verdict names) with the given
         ports and waits until every node joined (or the rendezvous failed)."""
         assert self.sock is not None
         fields = {"node_rank": self.node_rank, "nnodes": self.nnodes, "round": round_, "host": host,
                   "ports": list(nproc_ports), "hostname": socket.gethostname(), "pid": os.getpid()}
-        _send(self.sock, {"t": "join", "fields": fields,
-                          "mac": _mac(self.token, "node", *self._nonces, _canonical(fields))})
+        self._post({"t": "join", "fields": fields,
+                    "mac": _mac(self.token, "node", *self._nonces, _canonical(fields))})
         reply = self._receive(min(deadline, time.monotonic() + HANDSHAKE_TIMEOUT_S),
                               "its answer to the join", allow_ping=True)
         if not self._master_proved:
@@ -759,14 +847,27 @@ class NodeLink:
             raise JoinFailed(f"the master at {self.master} rejected this node: {reply.get('reason')}")
         if reply.get("t") != "joined":
             raise JoinFailed(f"the master at {self.master} answered the join with {reply.get('t')!r}")
+        self._start_pinger()
+        if isinstance(reply.get("node_rank"), int):
+            self.node_rank = reply["node_rank"]  # assigned by an elastic job's master
+        self.pending = bool(reply.get("pending"))
         waiting = reply.get("waiting_for") or []
-        if waiting:
+        if self.pending:
+            self.say(f"joined the master at {self.master} as node {self.node_rank}; the job is "
+                     "running: this node enters it at its next checkpoint (every worker stops at "
+                     "one step and checkpoints, and the job forms again with this node)")
+        elif waiting:
             self.say(f"joined the master at {self.master}; waiting for node(s) "
                      f"{', '.join(map(str, waiting))}")
         while True:
             # A little past our own deadline: a master that started before us gives up first, and
             # its message (naming the missing nodes and what it rejected) says more than ours.
-            message = self._receive(deadline + HANDSHAKE_TIMEOUT_S, "the other nodes", allow_ping=True)
+            if self.pending:  # waits for a place in the running job, as long as the master is there
+                message = self._receive(time.monotonic() + self.node_timeout, "a place in the job",
+                                        allow_ping=True, idle_timeout=self.node_timeout)
+            else:
+                message = self._receive(deadline + HANDSHAKE_TIMEOUT_S, "the other nodes",
+                                        allow_ping=True)
             if message.get("t") == "plan":
                 seed = message.get("job_seed")
                 return Plan(round=int(message["round"]), world_size=int(message["world_size"]),
@@ -775,6 +876,11 @@ class NodeLink:
                             token=worker_token(self.token, str(message["nonce"])),
                             nodes=list(message.get("nodes", [])),
                             job_seed=int(seed) if isinstance(seed, int) else None)
+            if message.get("t") == "verdict" and not message.get("failure"):
+                # An elastic job ended while this node waited to enter it.
+                raise JoinFailed(str(message.get("message") or "the job ended before this node "
+                                  "entered it"), Failure(int(message.get("status", 0)), "",
+                                                         node=self.node_rank))
             if message.get("t") in ("abort", "verdict"):
                 failure = message.get("failure") or {}
                 raise JoinFailed(f"the rendezvous failed at the master: {failure.get('description')}",
@@ -788,19 +894,28 @@ class NodeLink:
                              Failure(128 + sig, f"the launcher of node {self.node_rank} got {name}",
                                      node=self.node_rank, at=time.time(), cause=CAUSE_INTERRUPTED))
 
-    def _receive(self, deadline: float, what: str, allow_ping: bool = False) -> dict:
+    def _receive(self, deadline: float, what: str, allow_ping: bool = False,
+                 idle_timeout: Optional[float] = None) -> dict:
+        """The next message (pings skipped with ``allow_ping``) before ``deadline``; with
+        ``idle_timeout``, the deadline is instead that long after the last message (a node that
+        waits to enter a running job waits as long as the master is there)."""
         assert self.sock is not None
         while True:
             while self._queue:
                 m = self._queue.pop(0)
+                if idle_timeout is not None:
+                    deadline = time.monotonic() + idle_timeout
                 if allow_ping and m.get("t") == "ping":
                     continue
                 return m
             self._check_interrupted()
             left = deadline - time.monotonic()
             if left <= 0:
+                if idle_timeout is not None:
+                    raise JoinFailed(f"lost the master at {self.master} while this node waited to "
+                                  f"enter the job: nothing heard for {idle_timeout:g} s")
                 raise JoinFailed(f"the rendezvous did not complete within {self.timeout:g} s: waited "
-                                 f"for {what} from the master at {self.master}")
+                              f"for {what} from the master at {self.master}")
             self.sock.settimeout(min(left, 1.0))
             try:
                 data = self.sock.recv(65536)
@@ -820,19 +935,25 @@ class NodeLink:
                 raise JoinFailed(f"the master at {self.master} sent a malformed message ({e})") from None
 
     # -- while the workers run ----------------------------------------------------------------
-    def watch(self, on_stop: Callable[[str, Optional[int]], None]) -> None:
-        """Pings the master and listens to it on a thread until the verdict of the attempt;
-        ``on_stop(reason, signal)`` when the job must stop here (another node failed, or the
-        master was lost; ``signal``: forward it to the workers, a launcher was interrupted)."""
+    def watch(self, on_stop: Callable[[str, Optional[int], bool], None]) -> None:
+        """Listens to the master on a thread until the verdict of the attempt;
+        ``on_stop(reason, forward, checkpoint)`` when the job must stop here (another node failed,
+        or the master was lost; ``forward``: a signal to forward to the workers, a launcher was
+        interrupted; ``checkpoint``: the workers are to stop at the coordinated checkpoint, at
+        which an elastic job forms again without a node that leaves or with one that arrived)."""
         assert self.sock is not None
+
+        def signal_number(value: Any) -> Optional[int]:
+            return int(value) if isinstance(value, int) and 0 < value < 65 else None
 
         def handle(messages: list[dict], state: dict) -> None:
             for m in messages:
                 if m.get("t") == "stop" and not state["stopped"]:
                     state["stopped"] = True
-                    forward = m.get("forward")
-                    on_stop(f"another node failed: {m.get('reason')}",
-                            int(forward) if isinstance(forward, int) and 0 < forward < 65 else None)
+                    checkpoint = m.get("checkpoint") is True
+                    reason = str(m.get("reason"))
+                    on_stop(reason if checkpoint else f"another node failed: {reason}",
+                            signal_number(m.get("forward")), checkpoint)
                 elif m.get("t") in ("verdict", "abort"):
                     self.verdict = m
                     self.got_verdict.set()
@@ -840,17 +961,14 @@ class NodeLink:
         def loop() -> None:
             sock = self.sock
             last_heard = time.monotonic()
-            next_ping = 0.0
             state = {"stopped": False}
             queued, self._queue = self._queue, []
             handle(queued, state)
             while not self.got_verdict.is_set():
                 now = time.monotonic()
-                if now >= next_ping:
-                    if not _send(sock, {"t": "ping"}) and not self._closing:
-                        reason = f"lost the master at {self.master}: the connection broke"
-                        break
-                    next_ping = now + HEARTBEAT_S
+                if self._broken and not self._closing:
+                    reason = f"lost the master at {self.master}: the connection broke"
+                    break
                 if now - last_heard > self.node_timeout:
                     reason = (f"lost the master at {self.master}: nothing heard for "
                               f"{self.node_timeout:g} s")
@@ -877,7 +995,7 @@ class NodeLink:
                 return
             if not self._closing:
                 self.lost = reason
-                on_stop(reason, None)
+                on_stop(reason, None, False)
             self.got_verdict.set()
 
         self._thread = threading.Thread(target=loop, name="prophet-node-link", daemon=True)
@@ -885,9 +1003,8 @@ class NodeLink:
 
     def report(self, status: int, failure: Optional[Failure]) -> None:
         """Tells the master how this node's workers ended."""
-        if self.sock is not None:
-            _send(self.sock, {"t": "outcome", "status": status,
-                              "failure": failure.to_json() if failure else None})
+        self._post({"t": "outcome", "status": status,
+                    "failure": failure.to_json() if failure else None})
 
     def wait_verdict(self, timeout: float) -> Optional[dict]:
         """The master's verdict (None if the master was lost or did not answer in time)."""

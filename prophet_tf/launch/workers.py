@@ -23,15 +23,18 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Deque, Mapping, Optional, Sequence, TextIO
+from typing import TYPE_CHECKING, Callable, Deque, Mapping, Optional, Sequence, TextIO
 
 from prophet_tf import preemption
 from prophet_tf.cluster import JOB_SEED_ENV
 
+if TYPE_CHECKING:
+    from prophet_tf.launch.standby import StandbyPool
+
 __all__ = ["EXIT_TIMEOUT", "EXIT_JOB_FAILED", "EXIT_NO_START", "Failure", "Outcome", "JobSpec",
            "Placement", "Controls", "run_workers", "free_ports", "reserve_ports", "format_address",
            "worker_envs", "package_root", "command", "describe_status", "status_of", "draw_job_seed",
-           "with_job_seed", "preemption_wait"]
+           "with_job_seed", "preemption_wait", "preemption_signal", "with_death_stub"]
 
 EXIT_TIMEOUT = 124
 #: The job failed outside any worker: a rendezvous that did not complete, a node or the master
@@ -65,15 +68,22 @@ _PDEATHSIG_STUB = (
     "os.execvp(sys.argv[2],sys.argv[2:])\n")
 
 
+def with_death_stub(argv: Sequence[str]) -> list[str]:
+    """``argv`` started through the stub that kills it when this launcher dies (the stub must be
+    started by a thread that lives as long as the launcher: the signal follows the thread)."""
+    return [sys.executable, "-S", "-c", _PDEATHSIG_STUB, str(os.getpid()), *argv]
+
+
 # ------------------------------------------------------------------------------------------------
 # What an attempt is given and what it returns
 
 
 #: What ended an attempt (``Failure.cause``): a worker exited non-zero (a restart may follow); a
 #: launcher got a signal; the job's --timeout passed; a worker could not be started; the job
-#: failed outside any worker (rendezvous, a node or the master lost).
-CAUSE_WORKER, CAUSE_INTERRUPTED, CAUSE_TIMEOUT, CAUSE_NO_START, CAUSE_JOB = (
-    "worker", "interrupted", "timeout", "no start", "job")
+#: failed outside any worker (rendezvous, the master lost); a node was lost (its launcher's
+#: connection closed or went silent: an elastic job goes on without it).
+CAUSE_WORKER, CAUSE_INTERRUPTED, CAUSE_TIMEOUT, CAUSE_NO_START, CAUSE_JOB, CAUSE_LOST = (
+    "worker", "interrupted", "timeout", "no start", "job", "node lost")
 
 
 @dataclasses.dataclass
@@ -160,6 +170,8 @@ class JobSpec:
       log_dir: if set, worker rank i's output also goes to ``LOG_DIR/rank.i.log`` (appended).
       wrap_argv: ``f(local_index, argv) -> argv`` applied to each worker's command line (e.g. to
         start it in a network namespace).
+      preload: an elastic job's standby workers import these modules ahead of the next attempt
+        (``prophet_tf.launch.standby``); empty: no standbys.
     """
 
     argv: Sequence[str]
@@ -168,6 +180,7 @@ class JobSpec:
     grace: float = 5.0
     log_dir: Optional[str] = None
     wrap_argv: Optional[Callable[[int, list[str]], list[str]]] = None
+    preload: Sequence[str] = ()
 
 
 @dataclasses.dataclass
@@ -195,6 +208,10 @@ class Controls:
         to every worker.
       deadline: ``time.monotonic()`` after which every worker is killed (status 124), or None.
       stop: set by another party (the rendezvous: another node failed); ``stop_reason`` says why.
+      checkpoint: a signal to forward to every worker once, at another party's request (an
+        elastic job's master): the workers' preemption signal (:func:`preemption_signal`), so
+        that they stop at one step and checkpoint (they then exit by themselves); ``stop_reason``
+        says why.
       launcher: how messages name the launcher that got the signals.
     """
 
@@ -202,6 +219,7 @@ class Controls:
     deadline: Optional[float] = None
     stop: threading.Event = dataclasses.field(default_factory=threading.Event)
     stop_reason: str = ""
+    checkpoint: Optional[int] = None
     #: Who gets the signals, in messages ("the launcher of node 1").
     launcher: str = "the launcher"
 
@@ -543,7 +561,8 @@ def run_workers(spec: JobSpec, placement: Placement, controls: Controls, *,
                 stdout: Optional[TextIO] = None, stderr: Optional[TextIO] = None,
                 say: Optional[Callable[[str], None]] = None,
                 on_start: Optional[Callable[[], None]] = None,
-                log_header: Optional[str] = None) -> Outcome:
+                log_header: Optional[str] = None,
+                standby: Optional["StandbyPool"] = None) -> Outcome:
     """Runs this node's workers of one attempt until it ends; returns how it ended.
 
     Every worker is started in its own session (its process group gets the signals) through a
@@ -568,6 +587,9 @@ def run_workers(spec: JobSpec, placement: Placement, controls: Controls, *,
       on_start: called once every worker is started.
       log_header: a line written to each ``--log-dir`` file before the worker's output (the
         restart loop names the attempt there: the files are appended to).
+      standby: the node's standby workers (``prophet_tf.launch.standby``): a worker runs in its
+        slot's standby when there is one that fits, and the standbys for the next attempt are
+        started once these workers are.
     """
     out = stdout if stdout is not None else sys.stdout
     err = stderr if stderr is not None else sys.stderr
@@ -584,22 +606,26 @@ def run_workers(spec: JobSpec, placement: Placement, controls: Controls, *,
                        ranks=placement.ranks)
     if spec.log_dir:
         os.makedirs(spec.log_dir, exist_ok=True)
+    if standby is not None and (spec.wrap_argv is not None or not standby.command_fits(cmd)):
+        standby = None
     workers: list[_Worker] = []
     try:
         for i, rank in enumerate(placement.ranks):
             argv = list(cmd)
             if spec.wrap_argv is not None:
                 argv = list(spec.wrap_argv(i, argv))
-            argv = [sys.executable, "-S", "-c", _PDEATHSIG_STUB, str(os.getpid()), *argv]
+            argv = with_death_stub(argv)
             log = (open(os.path.join(spec.log_dir, f"rank.{rank}.log"), "a", encoding="utf-8")
                    if spec.log_dir else None)
             if log is not None and log_header:
                 log.write(log_header + "\n")
                 log.flush()
             try:
-                proc = subprocess.Popen(argv, env=envs[i], stdin=subprocess.DEVNULL,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        start_new_session=True)
+                proc = standby.take(i, envs[i], cmd) if standby is not None else None
+                if proc is None:
+                    proc = subprocess.Popen(argv, env=envs[i], stdin=subprocess.DEVNULL,
+                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                            start_new_session=True)
             except OSError as e:
                 if log is not None:
                     log.close()
@@ -610,6 +636,8 @@ def run_workers(spec: JobSpec, placement: Placement, controls: Controls, *,
                 say(failure.description)
                 return Outcome(EXIT_NO_START, failure)
             workers.append(_Worker(rank, proc, out, err, lock, workers, log))
+        if standby is not None:
+            standby.fill(envs)
         if on_start is not None:
             on_start()
         return _supervise(workers, spec, controls, say)
@@ -623,9 +651,24 @@ def run_workers(spec: JobSpec, placement: Placement, controls: Controls, *,
 
 def _supervise(workers: Sequence[_Worker], spec: JobSpec, controls: Controls,
                say: Callable[[str], None]) -> Outcome:
+    checkpoint_until: Optional[float] = None
     while True:
         if controls.signals:
             return _interrupted(workers, spec, controls, say)
+        if controls.checkpoint is not None and checkpoint_until is None:
+            sig = controls.checkpoint
+            wait = preemption_wait(spec, sig) or spec.grace
+            say(f"{controls.stop_reason or 'asked for a checkpoint'}: forwarding "
+                f"{signal.Signals(sig).name} to the workers (SIGKILL after {wait:g} s)")
+            for w in workers:
+                if w.proc.poll() is None:
+                    w.signal_group(sig)
+            checkpoint_until = time.monotonic() + wait
+        if checkpoint_until is not None and time.monotonic() >= checkpoint_until:
+            running = [w.rank for w in workers if w.proc.poll() is None]
+            if running:
+                say(f"workers {running} did not stop for the checkpoint in time; killing them")
+                controls.stop.set()
         codes = [w.poll_exit() for w in workers]
         if any(code not in (None, 0) for code in codes):
             return _worker_failed(workers, codes, spec, say)
@@ -650,17 +693,29 @@ def _supervise(workers: Sequence[_Worker], spec: JobSpec, controls: Controls,
         time.sleep(_POLL_S)
 
 
+def _preemption_setting(spec: JobSpec, name: str, default: str) -> str:
+    return str(spec.env.get(name, os.environ.get(name, default)))
+
+
+def preemption_signal(spec: JobSpec) -> Optional[int]:
+    """The signal that asks the workers for the coordinated preemption checkpoint: the first of
+    their preemption signals (``$PROPHET_PREEMPTION_SIGNALS``, SIGTERM by default); None when
+    they have none."""
+    try:
+        signals = preemption.signals_from(_preemption_setting(spec, preemption.SIGNALS_ENV, "SIGTERM"))
+    except ValueError:
+        return None  # the workers will say what is wrong with this setting
+    return signals[0] if signals else None
+
+
 def preemption_wait(spec: JobSpec, sig: int) -> Optional[float]:
     """How long the workers may take to stop after ``sig`` when it asks them for the coordinated
     preemption checkpoint (one of their preemption signals, ``$PROPHET_PREEMPTION_SIGNALS``,
     SIGTERM by default): their grace period (``$PROPHET_PREEMPTION_GRACE_S``, 30 s by default;
     a worker leaves by itself then) plus ``spec.grace``. None when ``sig`` is not one of them."""
-    def setting(name: str, default: str) -> str:
-        return str(spec.env.get(name, os.environ.get(name, default)))
-
     try:
-        signals = preemption.signals_from(setting(preemption.SIGNALS_ENV, "SIGTERM"))
-        grace = float(setting(preemption.GRACE_ENV, str(preemption.DEFAULT_GRACE_S)))
+        signals = preemption.signals_from(_preemption_setting(spec, preemption.SIGNALS_ENV, "SIGTERM"))
+        grace = float(_preemption_setting(spec, preemption.GRACE_ENV, str(preemption.DEFAULT_GRACE_S)))
     except ValueError:
         return None  # the workers will say what is wrong with these settings
     if sig not in signals:

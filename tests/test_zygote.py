@@ -1,0 +1,161 @@
+"""The test suite's zygotes (tests/zygote.py): a forked worker behaves as the ``python`` process it
+stands in for (arguments, streams, directory, environment, exit status, signals, kill -9 of the
+client), and whatever a fork cannot reproduce starts a fresh interpreter instead.
+
+These zygotes preload nothing (``--no-preload``): what is tested is the forking and the client,
+which are the same with TensorFlow preloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import zygote
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SHOW = """
+import json, os, signal, sys, time
+print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "pid": os.getpid(), "ppid": os.getppid(),
+                  "kept": os.environ.get("KEPT"), "hash": hash("prophet"),
+                  "executable": sys.executable, "path0": sys.path[0]}), flush=True)
+print("on stderr", file=sys.stderr, flush=True)
+mode = sys.argv[1] if len(sys.argv) > 1 else ""
+if mode == "exit":
+    sys.exit(int(sys.argv[2]))
+if mode == "raise":
+    raise RuntimeError("raised in the worker")
+if mode == "wait":
+    signal.signal(signal.SIGTERM, lambda *_: (print("SIGTERM handled", flush=True), sys.exit(7)))
+    time.sleep(60)
+"""
+
+
+@pytest.fixture
+def zygotes(tmp_path):
+    """Two zygotes without preloading, the client, and the environment that reaches them."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("PYTHONHASHSEED", None)
+    procs, paths = [], []
+    for i in range(2):
+        path = str(tmp_path / f"z{i}.sock")
+        procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests" / "zygote.py"), path,
+                                       "--no-preload"], stdin=subprocess.PIPE, env=env))
+        paths.append(path)
+    deadline = time.monotonic() + 60
+    while not all(os.path.exists(p) for p in paths):
+        assert time.monotonic() < deadline, "the zygotes did not start"
+        time.sleep(0.05)
+    client = zygote.write_client(str(tmp_path / "python"), env)
+    (tmp_path / "show.py").write_text(SHOW)
+    yield client, dict(env, **{zygote.SOCKET_ENV: os.pathsep.join(paths)}), tmp_path, procs
+    for proc in procs:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+
+
+def _shown(out: str) -> dict:
+    return json.loads(out.splitlines()[0])
+
+
+def test_a_forked_script_gets_its_arguments_streams_directory_environment_and_exit_status(zygotes):
+    client, env, tmp_path, procs = zygotes
+    done = subprocess.run([client, "-u", str(tmp_path / "show.py"), "exit", "3"], cwd=tmp_path,
+                          env=dict(env, KEPT="yes"), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3, done.stderr
+    shown = _shown(done.stdout)
+    assert shown["ppid"] in {p.pid for p in procs}, "not forked from a zygote"
+    assert shown["argv"] == [str(tmp_path / "show.py"), "exit", "3"]
+    assert shown["cwd"] == str(tmp_path) and shown["kept"] == "yes"
+    assert shown["path0"] == str(tmp_path) and shown["executable"] == client
+    assert done.stderr == "on stderr\n"
+
+
+def test_an_exception_prints_its_traceback_and_exits_1(zygotes):
+    client, env, tmp_path, _ = zygotes
+    done = subprocess.run([client, str(tmp_path / "show.py"), "raise"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert "RuntimeError: raised in the worker" in done.stderr
+
+
+def test_module_and_code_run_as_python_would(zygotes):
+    client, env, tmp_path, procs = zygotes
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "show.py").write_text(SHOW)
+    by_module = subprocess.run([client, "-m", "pkg.show", "exit", "0"], cwd=tmp_path, env=env,
+                               capture_output=True, text=True, timeout=60)
+    assert by_module.returncode == 0, by_module.stderr
+    assert _shown(by_module.stdout)["argv"] == [str(tmp_path / "pkg" / "show.py"), "exit", "0"]
+    assert _shown(by_module.stdout)["ppid"] in {p.pid for p in procs}
+    by_code = subprocess.run([client, "-c", "import os, sys; print(os.getppid(), sys.argv)", "a"],
+                             env=env, capture_output=True, text=True, timeout=60)
+    ppid, argv = by_code.stdout.split(" ", 1)
+    assert int(ppid) in {p.pid for p in procs} and argv.strip() == "['-c', 'a']"
+
+
+def test_a_signal_to_the_client_reaches_the_worker(zygotes):
+    client, env, tmp_path, _ = zygotes
+    proc = subprocess.Popen([client, "-u", str(tmp_path / "show.py"), "wait"], env=env,
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    _shown(proc.stdout.readline())
+    os.killpg(proc.pid, signal.SIGTERM)   # as the launcher stops a worker's process group
+    assert proc.wait(timeout=30) == 7
+    assert "SIGTERM handled" in proc.stdout.read()
+
+
+def test_kill_9_of_the_client_ends_the_worker_and_a_killed_worker_ends_its_client(zygotes):
+    client, env, tmp_path, _ = zygotes
+    proc = subprocess.Popen([client, "-u", str(tmp_path / "show.py"), "wait"], env=env,
+                            stdout=subprocess.PIPE, text=True)
+    worker = _shown(proc.stdout.readline())["pid"]
+    proc.kill()
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{worker}") and open(f"/proc/{worker}/stat").read().split()[2] != "Z":
+        assert time.monotonic() < deadline, "the forked worker outlived its client's kill -9"
+        time.sleep(0.05)
+    proc = subprocess.Popen([client, "-u", str(tmp_path / "show.py"), "wait"], env=env,
+                            stdout=subprocess.PIPE, text=True)
+    os.kill(_shown(proc.stdout.readline())["pid"], signal.SIGKILL)
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+
+
+def test_the_workers_of_two_ranks_hash_strings_differently(zygotes):
+    client, env, tmp_path, _ = zygotes
+    hashes = [_shown(subprocess.run([client, str(tmp_path / "show.py")],
+                                    env=dict(env, PROPHET_LOCAL_RANK=str(rank)),
+                                    capture_output=True, text=True, timeout=60).stdout)["hash"]
+              for rank in (0, 1)]
+    assert hashes[0] != hashes[1]
+
+
+@pytest.mark.parametrize("case", ["interpreter_flag", "import_time_environment", "handed_fds",
+                                  "no_zygote"])
+def test_what_a_fork_cannot_reproduce_starts_a_fresh_interpreter(zygotes, case):
+    client, env, tmp_path, procs = zygotes
+    argv, pass_fds = [client, str(tmp_path / "show.py")], ()
+    if case == "interpreter_flag":
+        argv = [client, "-B", str(tmp_path / "show.py")]
+    elif case == "import_time_environment":
+        env = dict(env, TF_CPP_MIN_LOG_LEVEL="0")
+    elif case == "handed_fds":
+        read_end, write_end = os.pipe()
+        pass_fds = (read_end,)
+    else:
+        env = dict(env, **{zygote.SOCKET_ENV: str(tmp_path / "nobody.sock")})
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True, pass_fds=pass_fds)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    shown = _shown(out)
+    assert shown["pid"] == proc.pid and shown["ppid"] == os.getpid(), shown   # exec'd in place
+    assert shown["ppid"] not in {p.pid for p in procs}
