@@ -257,7 +257,7 @@ class AutoSchedule:
         """Every worker learns rank 0's choice (a sum in which only rank 0 contributes)."""
         import tensorflow as tf
         code = self._candidates.index(choice) + 1 if choice in self._candidates else 0
-        total = self._extended._push_pull(tf.constant(code, tf.int32), f"auto_schedule/{step}",
+        total = self._extended.collectives.push_pull(tf.constant(code, tf.int32), f"auto_schedule/{step}",
                                           runtime.control_priority(), False)
         value = int(total.numpy())
         return self._candidates[value - 1] if 0 < value <= len(self._candidates) else None

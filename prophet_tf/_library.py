@@ -134,8 +134,9 @@ def runtime_constants() -> dict[str, Any]:
     the TensorFlow-free library, which links the same core as the op library).
 
     ``{"schedules": [...], "compressions": [...], "control_priority": int, "protocol_version":
-    int, "options": [...]}``: ``options`` is the engine's option table (ops/core/engine_options.def;
-    prophet_tf/_options.py reads it).
+    int, "options": [...], "schedule_traits": {schedule: {"partition_bytes": ...,
+    "exact_partitions": ..., "credit_bytes": ..., "automatic_fusion": ...}}}``: ``options`` is the
+    engine's option table (ops/core/engine_options.def; prophet_tf/_options.py reads it).
     """
     lib = predict_api()
     buf = ctypes.create_string_buffer(1 << 14)

@@ -32,8 +32,16 @@ class RuntimeOptionError(RuntimeInitError, ValueError):
 
 
 def schedules() -> tuple[str, ...]:
-    """The scheduling policies the runtime knows (``prophet``, ``priority``, ``fifo``)."""
+    """The scheduling policies the runtime knows (``prophet``, ``priority``, ``fifo``, and the
+    published ``bytescheduler`` and ``p3`` for comparison)."""
     return tuple(runtime_constants()["schedules"])
+
+
+def schedule_traits() -> dict[str, dict[str, Any]]:
+    """What each schedule asks of the runtime where the options leave it to the schedule
+    (ops/core/schedule_traits.h): ``{name: {"partition_bytes", "exact_partitions", "credit_bytes",
+    "automatic_fusion"}}``; ``credit_bytes`` 0 is the runtime's rule."""
+    return {k: dict(v) for k, v in runtime_constants()["schedule_traits"].items()}
 
 
 def options() -> dict[str, RuntimeOption]:

@@ -48,24 +48,21 @@ import contextlib
 import functools
 import logging
 import os
-import re
 import threading
-import weakref
 from typing import Any, Optional
 
 import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import input_util
 from tensorflow.python.distribute import one_device_strategy
-from tensorflow.python.distribute import reduce_util
 from tensorflow.python.eager import context as eager_context
 from tensorflow.python.framework import indexed_slices
 from tensorflow.python.framework import ops as tf_ops
-from tensorflow.python.framework import tensor_util
 from tensorflow.python.util import nest
 
 from prophet_tf import (_auto_schedule, _crossing, _devices, _gradients, _link_probe, _seeds,
-                        _sparse, _variable_agreement, _xla, ops, preemption, runtime)
+                        _variable_agreement, _xla, ops, preemption, runtime)
+from prophet_tf._collectives import AUTOMATIC_FUSION, CONTROL_PRIORITY, Collectives
 from prophet_tf._keras import patches, saving
 from prophet_tf._keras.host import KerasHost
 from prophet_tf._keras.step_report import StepReport, StepReporter, report_every_epoch_default
@@ -78,73 +75,9 @@ logger = logging.getLogger("prophet_tf")
 #: Scheduling policies accepted by ``ProphetStrategy(schedule=...)``: the runtime's, and "auto"
 #: (the one predicted fastest; see prophet_tf/_auto_schedule.py).
 SCHEDULES: tuple[str, ...] = runtime.schedules() + ("auto",)
-# Small collectives a step waits on (metrics, loss-scale flags, strategy.reduce) outrank every
-# gradient (priorities 1..number of gradients): queued behind low-priority gradients they would
-# put a barrier back at the end of every step. The runtime defines the band (never profiled as a
-# gradient); this is its lower end.
-CONTROL_PRIORITY: int = runtime.control_priority()
-
-# runtime.declare_fusion's bucket size for fusion="auto": sized from N and the link rate.
-_AUTOMATIC_FUSION = -1
 # Sparse gradients are gathered, never densified, unless the user asks for it (see the docstring of
 # ProphetStrategy: densifying changes the result of Adam, RMSprop, Adagrad...).
 _DEFAULT_SPARSE_AS_DENSE_BYTES = 0
-
-
-# --------------------------------------------------------------------------------------------
-# Deterministic collective names
-# --------------------------------------------------------------------------------------------
-
-_CONTROL_FLOW_GRAPHS = ("CondBranchFuncGraph", "WhileBodyFuncGraph", "WhileCondFuncGraph")
-_UID_SUFFIX = re.compile(r"_\d+$")
-
-
-def _function_graph():
-    """The function graph being built (skipping cond/while branch graphs), or None when eager."""
-    if eager_context.executing_eagerly():
-        return None
-    g = tf_ops.get_default_graph()
-    while type(g).__name__ in _CONTROL_FLOW_GRAPHS and getattr(g, "outer_graph", None) is not None:
-        g = g.outer_graph
-    return g
-
-
-class _Namer:
-    """Gives every collective call site a name that is identical on all workers.
-
-    Inside a ``tf.function`` a name is made unique per traced function graph by appending
-    ``@k`` to its k-th repetition (k > 0): two ops of one graph may run concurrently, so they
-    must not share a name. A retrace produces the same names again (the counters live on the
-    graph), which keeps workers that retrace at different steps in agreement. Eagerly, ops run
-    one after the other, so a name is simply reused (the runtime matches repetitions with its
-    per-name round counter).
-    """
-
-    def __init__(self) -> None:
-        self._counters: "weakref.WeakKeyDictionary[Any, dict[str, int]]" = (
-            weakref.WeakKeyDictionary())
-        self._lock = threading.Lock()
-
-    @staticmethod
-    def graph_key() -> str:
-        g = _function_graph()
-        if g is None:
-            return "eager"
-        return _UID_SUFFIX.sub("", getattr(g, "name", "graph") or "graph")
-
-    def unique(self, base: str) -> str:
-        g = _function_graph()
-        if g is None:
-            return base
-        with self._lock:
-            counts = self._counters.setdefault(g, {})
-            k = counts.get(base, 0)
-            counts[base] = k + 1
-        return base if k == 0 else f"{base}@{k}"
-
-    def site(self, kind: str) -> str:
-        """A unique name for a call site of ``kind`` in the current graph (or eager)."""
-        return self.unique(f"{kind}/{self.graph_key()}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -182,15 +115,7 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended, KerasHost):
         # go through the runtime, which returns them at once), so that a resumed attempt of one
         # worker continues step-exactly, and stops for a preemption with a checkpoint.
         self._coordinated = bool(coordinated)
-        # Fusion of the optimizer's dense gradients (docs/design.md, "Fusion"): None: off; else the
-        # bucket size given to runtime.declare_fusion (-1: automatic).
-        self._fusion_bytes = fusion_bytes
-        # The link rate automatic fusion sizes buckets for, decided at the first declaration
-        # (see fusion_link_rate).
-        self._fusion_link_rate: Optional[_link_probe.FusionLinkRate] = None
         self._cross_barrier = bool(cross_barrier)
-        # How gradients travel (None, "fp16", "bf16"); control collectives never compress.
-        self._compression = compression
         # A one-worker run that records a profile: the step's collectives (gradients, metrics,
         # loss-scale flags) go through the runtime as with several workers, which returns them at
         # once, so that the trace shows them (see prophet_tf.predict.profile).
@@ -202,8 +127,13 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended, KerasHost):
         self.gradient_counts: collections.Counter = collections.Counter()
         self._rank = int(rank)
         self._world_size = int(world_size)
-        self._sparse_as_dense_bytes = int(sparse_as_dense_bytes)
-        self._namer = _Namer()
+        # How values cross workers (prophet_tf/_collectives.py). Fusion of the optimizer's dense
+        # gradients (docs/design.md, "Fusion"): fusion_bytes None: off; else the bucket size given
+        # to runtime.declare_fusion (AUTOMATIC_FUSION: sized from N and the link rate).
+        self.collectives = Collectives(
+            rank, world_size, communicates=self._communicates, compression=compression,
+            fusion_bytes=fusion_bytes, sparse_as_dense_bytes=sparse_as_dense_bytes,
+            before_each=self._close_variable_creation)
         self._var_counter = 0
         self._var_lock = threading.Lock()
         # Variables were created since this worker last agreed with the others that it creates no
@@ -252,6 +182,11 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended, KerasHost):
         return self._world_size > 1 or self._coordinated
 
     @property
+    def _compression(self) -> Optional[str]:
+        """How gradients travel (None, "fp16", "bf16"); control collectives never compress."""
+        return self.collectives.compression
+
+    @property
     def _communicates(self) -> bool:
         """The training step's collectives go through the runtime (several workers, or a
         recording)."""
@@ -274,7 +209,8 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended, KerasHost):
 
     def _gather_output(self, t):
         if isinstance(t, (tf.Tensor, tf.Variable)) and t.shape.rank:
-            return self._allgather(tf.convert_to_tensor(t), self._namer.site("predict"))
+            return self.collectives.allgather(tf.convert_to_tensor(t),
+                                              self.collectives.site("predict"))
         return t
 
     @contextlib.contextmanager
@@ -330,7 +266,7 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended, KerasHost):
             v = tf.convert_to_tensor(v, dtype=dtype)
             self._agree_on_variable(index, _variable_agreement.variable_record(
                 name, scope, v.shape, v.dtype))
-            return self._broadcast_unchecked(v, f"init/{index}/{name}", root_rank=0)
+            return self.collectives.broadcast_unchecked(v, f"init/{index}/{name}", root_rank=0)
         return value
 
     def _agree_on_variable(self, index: int, record) -> None:
@@ -433,7 +369,8 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended, KerasHost):
         del destinations, options
         if not self._communicates:
             return value
-        return self._reduce_one(reduce_op, value, self._namer.site("reduce"), priority=CONTROL_PRIORITY)
+        return self.collectives.reduce(reduce_op, value, self.collectives.site("reduce"),
+                                       priority=CONTROL_PRIORITY)
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         del options
@@ -443,8 +380,8 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended, KerasHost):
         site = self._site_to_reduce()
         if site is not None:
             return self._reduce_gradients(site, reduce_op, values)
-        prefix = self._namer.site("allreduce")
-        return [self._reduce_one(reduce_op, v, f"{prefix}/{i}", priority=CONTROL_PRIORITY)
+        prefix = self.collectives.site("allreduce")
+        return [self.collectives.reduce(reduce_op, v, f"{prefix}/{i}", priority=CONTROL_PRIORITY)
                 for i, v in enumerate(values)]
 
     def _reduce_gradients(self, site, reduce_op, values):
@@ -468,7 +405,8 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended, KerasHost):
         deferred = [defer and not isinstance(value, indexed_slices.IndexedSlices)
                     and value.dtype.is_floating and not _xla.read_in_compiled_code(g.variable)
                     for g, value in zip(site.gradients, values)]
-        self._declare_fusion(site, reduce_op, values, deferred)
+        self.collectives.declare_fusion(f"optimizer {id(site.optimizer)}", site.gradients,
+                                        reduce_op, values, deferred)
         out = []
         for gradient, value, deferring in zip(site.gradients, values, deferred):
             sparse = isinstance(value, indexed_slices.IndexedSlices)
@@ -477,10 +415,11 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended, KerasHost):
                 out.append(tf.convert_to_tensor(value))
             else:
                 # Sparse gradients are gathered synchronously (also when crossing the barrier).
-                gradient.reduced = _gradients.GATHERED if sparse and not self._densified(value) \
-                    else _gradients.SUMMED
-                out.append(self._reduce_one(reduce_op, value, gradient.name, gradient.priority,
-                                            compression=self._compression))
+                gradient.reduced = _gradients.GATHERED \
+                    if sparse and not self.collectives.densified(value) else _gradients.SUMMED
+                out.append(self.collectives.reduce(reduce_op, value, gradient.name,
+                                                   gradient.priority,
+                                                   compression=self._compression))
         clip = _gradient_clipping(site.optimizer)
         if clip is None:
             return out
@@ -488,147 +427,6 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended, KerasHost):
             return clip(out)
         return [g if gradient.reduced == _gradients.DEFERRED else clip([g])[0]
                 for gradient, g in zip(site.gradients, out)]
-
-    def _declare_fusion(self, site, reduce_op, values, deferred) -> None:
-        """Declares the dense floating gradients of a fixed size to the runtime for fusion, each as
-        its push_pull will be (``deferred[i]``: summed by ProphetAsyncApply; else ``_push_pull``),
-        at trace time, before any of them is submitted. Every worker traces the same step, so
-        every worker declares the same tensors; the others travel alone."""
-        if self._fusion_bytes is None or self._world_size < 2:
-            return
-        if isinstance(reduce_op, str):
-            reduce_op = reduce_util.ReduceOp(reduce_op.upper())
-        declared = []
-        for gradient, value, deferring in zip(site.gradients, values, deferred):
-            if isinstance(value, indexed_slices.IndexedSlices) or not value.dtype.is_floating:
-                continue
-            if not value.shape.is_fully_defined():
-                continue
-            wire = value.dtype if deferring else _wire_dtype(value.dtype)
-            declared.append(runtime.FusedTensor(
-                name=gradient.name, dtype=wire.name, shape=tuple(value.shape.as_list()),
-                bytes=int(value.shape.num_elements()) * wire.size, priority=int(gradient.priority),
-                average=not deferring and reduce_op == reduce_util.ReduceOp.MEAN,
-                compression=self._compression))
-        runtime.declare_fusion(f"optimizer {id(site.optimizer)}", declared, self._fusion_bytes,
-                               link_Bps=self._fusion_link_Bps())
-
-    @property
-    def fusion_link_rate(self) -> Optional[_link_probe.FusionLinkRate]:
-        """The link rate automatic fusion sizes buckets for, the same on every worker: a
-        ``prophet_tf._link_probe.FusionLinkRate`` (its ``source``: ``"probe"``, measured at
-        start-up and agreed, ``"env"``, ``$PROPHET_LINK_GBPS``, or ``"assumed"``, the runtime's
-        10 Gbit/s where no eager context could run the probe; ``gbps``; and, probed, this
-        worker's ``measured_gbps``, the slowest worker's ``agreed_gbps`` and ``probe_seconds``).
-        Known from the first fusion declaration on (when the first training step is traced);
-        None before, with one worker, and with ``fusion="off"`` or a bucket size in bytes."""
-        return self._fusion_link_rate
-
-    def _fusion_link_Bps(self) -> Optional[float]:
-        """The link rate runtime.declare_fusion sizes automatic buckets for: the one agreed at
-        this strategy's first declaration (measured then, once); None where the runtime's own
-        applies (a bucket size in bytes, $PROPHET_LINK_GBPS)."""
-        if self._fusion_bytes != _AUTOMATIC_FUSION:
-            return None
-        if self._fusion_link_rate is None:
-            self._fusion_link_rate = self._agree_on_link_rate()
-        rate = self._fusion_link_rate
-        return rate.bytes_per_s if rate.source == "probe" else None
-
-    def _agree_on_link_rate(self) -> _link_probe.FusionLinkRate:
-        """$PROPHET_LINK_GBPS when set; else every worker measures the link (eagerly, also when
-        called while a step is traced, as _agree_on_variable does) and all take the slowest
-        worker's rate, rounded to the 1-2-5 series (prophet_tf/_link_probe.py)."""
-        env_Bps = runtime.fusion_link_bps()
-        if env_Bps > 0:
-            return _link_probe.FusionLinkRate(source="env", gbps=env_Bps * 8 / 1e9)
-        # A worker still creating variables hears of it before it waits for the probe.
-        self._close_variable_creation()
-        with tf.init_scope():
-            if not tf.executing_eagerly():
-                logger.warning("fusion: no eager context to measure the link from; buckets are "
-                               "sized for the runtime's assumed 10 Gbit/s (set $%s to the link "
-                               "rate)", runtime.LINK_GBPS_ENV)
-                return _link_probe.FusionLinkRate(source="assumed", gbps=None)
-            rate = _link_probe.probe(self._world_size, CONTROL_PRIORITY)
-        logger.info("fusion: link rate measured %.3g Gbit/s on rank %d, agreed %.3g Gbit/s (the "
-                    "slowest of %d workers), buckets sized for %g Gbit/s; the probe took %.0f ms",
-                    rate.measured_gbps, self._rank, rate.agreed_gbps, self._world_size, rate.gbps,
-                    rate.probe_seconds * 1e3)
-        return rate
-
-    def _reduce_one(self, reduce_op, value, name, priority, compression=None):
-        """Sums (or averages) one value; ``compression`` only for gradients (see
-        ``ProphetStrategy(compression=...)``), never for control collectives."""
-        if isinstance(reduce_op, str):
-            reduce_op = reduce_util.ReduceOp(reduce_op.upper())
-        mean = reduce_op == reduce_util.ReduceOp.MEAN
-        if isinstance(value, indexed_slices.IndexedSlices):
-            return self._reduce_indexed_slices(value, name, priority, mean, compression)
-        value = tf.convert_to_tensor(value)
-        return self._push_pull(value, name, priority, mean, compression)
-
-    def _densified(self, slices) -> bool:
-        """Whether these sparse gradients are summed as a dense tensor (``sparse_as_dense_bytes``)."""
-        if self._sparse_as_dense_bytes <= 0:
-            return False
-        dense_bytes = self._static_dense_bytes(slices)
-        return dense_bytes is not None and dense_bytes <= self._sparse_as_dense_bytes
-
-    def _reduce_indexed_slices(self, slices, name, priority, mean, compression=None):
-        if self._densified(slices):
-            # Asked for by the user: one dense push_pull (see sparse_as_dense_bytes).
-            return self._push_pull(tf.convert_to_tensor(slices), name, priority, mean, compression)
-        if _sparse.mixes_origins(slices.indices):
-            raise _gradients.GradientReductionError(
-                f"ProphetStrategy: the sparse gradient '{name}' joins lookups of ids from the "
-                "input batch with lookups of ids that are not (e.g. one Embedding used for tokens "
-                "and for tf.range positions). One process sums the latter over the batch and "
-                "keeps the former per row; gathered or summed, the workers' slices cannot give "
-                "both. Use a separate Embedding layer for each kind of lookup.")
-        # The values travel compressed like dense gradients; the indices exactly.
-        values = self._allgather(slices.values, name + "/values", priority, compression)
-        indices = self._allgather(slices.indices, name + "/indices", priority)
-        if not _sparse.may_come_from_input(slices.indices):
-            sizes = self._allgather(tf.reshape(tf.size(slices.indices), [1]), name + "/sizes",
-                                    priority)
-            values, indices = self._sum_if_same_indices(sizes, values, indices)
-        if mean:
-            values = values / tf.cast(self._world_size, values.dtype)
-        return indexed_slices.IndexedSlices(values, indices, slices.dense_shape)
-
-    def _sum_if_same_indices(self, sizes, values, indices):
-        """Gathered slices whose indices do not come from the input (see ``_sparse``): where
-        every worker had the same indices, one process on the global batch has those indices once
-        with the values summed over the batch, so sum the workers' values. Every worker decides
-        on the same gathered tensors, so all take the same branch."""
-        n = self._world_size
-        first = sizes[0]
-
-        def same_indices():
-            rows = tf.reshape(indices, [n, first])
-            return tf.reduce_all(tf.equal(rows, rows[:1]))
-
-        same = tf.cond(tf.reduce_all(tf.equal(sizes, first)), same_indices,
-                       lambda: tf.constant(False))
-
-        def summed():
-            per_worker = tf.reshape(values, tf.concat([[n, first], tf.shape(values)[1:]], 0))
-            return tf.reduce_sum(per_worker, axis=0), indices[:first]
-
-        return tf.cond(same, summed, lambda: (values, indices))
-
-    @staticmethod
-    def _static_dense_bytes(slices) -> Optional[int]:
-        if slices.dense_shape is None:
-            return None
-        shape = tensor_util.constant_value(slices.dense_shape)
-        if shape is None:
-            return None
-        n = 1
-        for d in shape.tolist():
-            n *= int(d)
-        return n * slices.values.dtype.size
 
     # ---- gather -------------------------------------------------------------------------
     def _gather_to_implementation(self, value, destinations, axis, options):
@@ -646,12 +444,12 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended, KerasHost):
                              f"first (got shape {value.shape}).")
         if axis < 0:
             axis += rank
-        name = self._namer.site("gather")
+        name = self.collectives.site("gather")
         if axis == 0:
-            return self._allgather(value, name)
+            return self.collectives.allgather(value, name)
         perm = [axis] + [i for i in range(rank) if i != axis]
         inverse = [perm.index(i) for i in range(rank)]
-        gathered = self._allgather(tf.transpose(value, perm), name)
+        gathered = self.collectives.allgather(tf.transpose(value, perm), name)
         return tf.transpose(gathered, inverse)
 
     # ---- the optimizer step (Keras TFOptimizer._backend_update_step) ---------------------------
@@ -677,7 +475,7 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended, KerasHost):
             if not self._multi:  # one worker recording a profile: nothing to diverge from
                 return apply()
             raise _gradients.outside_replica_context_error(paths, cross_replica=context is None)
-        names = [self._namer.unique(f"grad/{p}") for p in paths]
+        names = [self.collectives.namer.unique(f"grad/{p}") for p in paths]
         site = _gradients.GradientSite.create(optimizer, keras_variables, names)
         stack = self._site_stack()
         stack.append(site)
@@ -721,93 +519,6 @@ class ProphetExtended(one_device_strategy.OneDeviceExtended, KerasHost):
                 return False
             graph = getattr(graph, "outer_graph", None)
         return True
-
-    def _all_finite(self, finite):
-        """True on every worker iff ``finite`` is true on every worker (loss scaling)."""
-        if not self._communicates:
-            return finite
-        bad = tf.cast(tf.logical_not(tf.cast(finite, tf.bool)), tf.float32)
-        total = self._push_pull(bad, self._namer.site("loss_scale_finite"), CONTROL_PRIORITY, False)
-        return tf.equal(total, 0.0)
-
-    def _reduce_metric_state(self, variables, stop_flag=None):
-        """Reduces metric state variables across workers: ``(one tensor per variable, the
-        summed ``stop_flag`` or None)``.
-
-        All variables of one (dtype, aggregation) group travel in one push_pull. ``stop_flag`` (a
-        float32 ``[1]`` tensor: this worker's preemption request, see ``prophet_tf.preemption``)
-        rides as one more element of the float32 sum group, so that the step's coordination
-        costs no collective of its own; without such a group it goes alone.
-        """
-        values = [tf.convert_to_tensor(v) for v in variables]
-        if not self._communicates or not (values or stop_flag is not None):
-            return values, None
-        groups: dict = {}
-        for i, (v, t) in enumerate(zip(variables, values)):
-            agg = _aggregation_name(v)
-            groups.setdefault((t.dtype, agg), []).append(i)
-        carrier = (tf.float32, "sum")
-        if stop_flag is not None:
-            groups.setdefault(carrier, [])
-        out = list(values)
-        agreed_stop = None
-        site = self._namer.site("metrics")
-        for (dtype, agg), idx in groups.items():
-            if agg == "none":
-                continue
-            parts = [tf.reshape(values[i], [-1]) for i in idx]
-            sizes = [int(values[i].shape.num_elements()) for i in idx]
-            carries = stop_flag is not None and (dtype, agg) == carrier
-            if carries:
-                parts.append(stop_flag)
-                sizes.append(1)
-            flat = tf.concat(parts, axis=0)
-            name = f"{site}/{dtype.name}/{agg}/{sum(sizes)}" + ("/stop" if carries else "")
-            if agg == "only_first_replica":
-                red = self._broadcast(flat, name, root_rank=0)
-            else:
-                red = self._push_pull(flat, name, CONTROL_PRIORITY, agg == "mean")
-            pieces = tf.split(red, sizes)
-            if carries:
-                agreed_stop = tf.reshape(pieces.pop(), [])
-            for i, part in zip(idx, pieces):
-                out[i] = tf.reshape(part, tf.shape(values[i]))
-        return out, agreed_stop
-
-    def _barrier(self):
-        if self._multi:
-            return self._push_pull(tf.zeros([], tf.float32), self._namer.site("barrier"), 0, False)
-        return tf.zeros([], tf.float32)
-
-    # ---- op wrappers (dtype handling) -------------------------------------------------------
-    def _push_pull(self, t, name, priority, mean, compression=None):
-        self._close_variable_creation()
-        wire = _wire_dtype(t.dtype)
-        x = t if wire == t.dtype else tf.cast(t, wire)
-        if mean and not (wire.is_floating):
-            y = ops.push_pull(x, name=name, priority=int(priority), average=False)
-            y = tf.math.floordiv(y, tf.cast(self._world_size, wire))
-        else:
-            y = ops.push_pull(x, name=name, priority=int(priority), average=bool(mean),
-                              compression=compression)
-        return y if wire == t.dtype else tf.cast(y, t.dtype)
-
-    def _broadcast(self, t, name, root_rank=0):
-        self._close_variable_creation()
-        return self._broadcast_unchecked(t, name, root_rank)
-
-    def _broadcast_unchecked(self, t, name, root_rank=0):
-        wire = _wire_dtype(t.dtype)
-        x = t if wire == t.dtype else tf.cast(t, wire)
-        y = ops.broadcast(x, name=name, root_rank=int(root_rank))
-        return y if wire == t.dtype else tf.cast(y, t.dtype)
-
-    def _allgather(self, t, name, priority=CONTROL_PRIORITY, compression=None):
-        self._close_variable_creation()
-        wire = _wire_dtype(t.dtype)
-        x = t if wire == t.dtype else tf.cast(t, wire)
-        y = ops.allgather(x, name=name, priority=int(priority), compression=compression)
-        return y if wire == t.dtype else tf.cast(y, t.dtype)
 
 
 def _gradient_clipping(optimizer):
@@ -859,33 +570,6 @@ def _data_sharded(dataset):
     return dataset.with_options(options)
 
 
-# Dtypes push_pull carries natively; others are cast (exactly) to one of these. (broadcast and
-# allgather also take uint8 and bool, but casting those is cheap and keeps one rule.)
-_NATIVE_DTYPES = frozenset([tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64])
-
-
-def _wire_dtype(dtype):
-    dtype = tf.as_dtype(dtype)
-    if dtype in _NATIVE_DTYPES:
-        return dtype
-    if dtype == tf.bool or dtype.is_integer:
-        return tf.int64 if dtype.size >= 4 else tf.int32
-    raise TypeError(f"ProphetStrategy cannot communicate tensors of dtype {dtype.name}")
-
-
-def _aggregation_name(v) -> str:
-    agg = getattr(v, "aggregation", None)
-    if isinstance(agg, str):
-        return agg
-    if agg == tf.VariableAggregation.MEAN:
-        return "mean"
-    if agg == tf.VariableAggregation.ONLY_FIRST_REPLICA:
-        return "only_first_replica"
-    if agg == tf.VariableAggregation.NONE:
-        return "none"  # stays local
-    return "sum"  # metric state: counts and totals add up across workers
-
-
 # --------------------------------------------------------------------------------------------
 # Strategy
 # --------------------------------------------------------------------------------------------
@@ -897,7 +581,12 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
       schedule: communication scheduling policy, one of ``"prophet"`` (the default),
         ``"priority"``, ``"fifo"``, or ``"auto"``: after a few steps of ``fit``, the one the
         predictor (``prophet_tf.predict``) expects to be fastest for the measured bandwidth,
-        chosen on rank 0 for every worker and revisited when the bandwidth changes.
+        chosen on rank 0 for every worker and revisited when the bandwidth changes; or, for
+        comparison, the published schedulers as their code defines them: ``"bytescheduler"``
+        (partitions of 1M parameters, a credit of 4M parameters that returns when a partition's
+        sum is back) and ``"p3"`` (slices of 40,000 parameters, one slice per peer waiting to
+        leave); these two cut the gradients themselves, so ``fusion="auto"`` fuses nothing
+        under them (docs/design.md, "The published schedulers").
       cluster_resolver: a ``tf.distribute.cluster_resolver.ClusterResolver``; default: read
         ``TF_CONFIG`` (set by ``python -m prophet_tf.launch``); no ``TF_CONFIG`` = one worker.
       device: the device of this worker's replica. Default: its GPU when the process sees one
@@ -1020,6 +709,9 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
         coordinated = info.world_size > 1 or os.environ.get(ELASTIC_ENV, "").strip() == "1"
         runtime.init(info.rank, info.world_size, list(info.addresses), info.token, **runtime_options)
         self._schedule = _auto_schedule.AUTO if auto else runtime.config()["schedule"]
+        policy = runtime.config()["schedule"]
+        if fusion_bytes == AUTOMATIC_FUSION and not runtime.schedule_traits()[policy]["automatic_fusion"]:
+            fusion_bytes = None  # the schedule's own partitions are what travels
         extended = ProphetExtended(self, device or _devices.default_device(), info.rank, info.world_size,
                                    sparse_as_dense_bytes=sparse_as_dense_bytes,
                                    cross_barrier=cross_barrier and (coordinated or recording),
@@ -1073,8 +765,8 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
     @property
     def fusion_link_rate(self) -> Optional[_link_probe.FusionLinkRate]:
         """The link rate ``fusion="auto"`` sizes buckets for (see
-        ``ProphetExtended.fusion_link_rate``): None until the first training step is traced."""
-        return self.extended.fusion_link_rate
+        ``prophet_tf._collectives.Collectives.fusion_link_rate``): None until the first training step is traced."""
+        return self.extended.collectives.fusion_link_rate
 
     @property
     def schedule_in_use(self) -> str:
@@ -1106,7 +798,11 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
 
     def barrier(self):
         """Blocks until every worker has called ``barrier()`` (e.g. after rank 0 saved a file)."""
-        return self.extended._barrier()
+        collectives = self.extended.collectives
+        if self.extended._multi:
+            return collectives.push_pull(tf.zeros([], tf.float32), collectives.site("barrier"), 0,
+                                         False)
+        return tf.zeros([], tf.float32)
 
     def __deepcopy__(self, memo):
         # Like other strategies (the runtime is process-global): a copy is the same strategy.
@@ -1119,7 +815,7 @@ def _fusion_setting(fusion: Any) -> Optional[int]:
     if fusion is None or fusion == "off":
         return None
     if fusion == "auto":
-        return _AUTOMATIC_FUSION
+        return AUTOMATIC_FUSION
     if isinstance(fusion, int) and not isinstance(fusion, bool) and fusion > 0:
         return fusion
     raise ValueError(f"fusion must be None, 'off', 'auto' or a positive number of bytes, got {fusion!r}")
@@ -1144,7 +840,7 @@ def _sync_global_seed(extended) -> None:
     except ValueError:
         raise ValueError(f"${JOB_SEED_ENV} must be an integer, got {job_seed!r}") from None
     local = tf.constant([chosen], tf.int64)
-    seed = int(extended._broadcast(local, "init/random_seed", root_rank=0).numpy()[0])
+    seed = int(extended.collectives.broadcast(local, "init/random_seed", root_rank=0).numpy()[0])
     _seeds.set_job_seed(seed)
 
 
@@ -1156,4 +852,4 @@ def _sync_host_random_states(extended) -> None:
         return
     local = tf.constant(_seeds.host_random_states())
     _seeds.set_host_random_states(
-        extended._broadcast(local, "init/host_random_states", root_rank=0).numpy())
+        extended.collectives.broadcast(local, "init/host_random_states", root_rank=0).numpy())

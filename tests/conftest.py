@@ -59,9 +59,30 @@ _zygote_state: dict = {}
 
 
 def _zygotes() -> list:
-    """The zygotes' socket paths (started on first use, two per test process: see zygote.py)."""
+    """The zygotes' socket paths (two per test process: see zygote.py), once they serve.
+
+    Started on first use, or when the session starts under pytest-xdist (the suite's run: they
+    import TensorFlow while the tests are collected). The first use waits until they serve: a
+    worker that did not would import TensorFlow itself, beside the zygotes' own imports."""
     if os.environ.get("PROPHET_TEST_ZYGOTE", "1") == "0":
         return []
+    _start_zygotes()
+    if not _zygote_state.get("served"):
+        deadline = time.monotonic() + 120
+        for path, proc in zip(_zygote_state["paths"], _zygote_state["procs"]):
+            while (not os.path.exists(path) and proc.poll() is None
+                   and time.monotonic() < deadline):
+                time.sleep(0.05)
+        _zygote_state["served"] = True   # or failed to start: workers then start afresh
+    return _zygote_state["paths"]
+
+
+def pytest_sessionstart(session) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("PROPHET_TEST_ZYGOTE", "1") != "0":
+        _start_zygotes()
+
+
+def _start_zygotes() -> None:
     if "paths" not in _zygote_state:
         import atexit
         import tempfile
@@ -90,19 +111,47 @@ def _zygotes() -> list:
                     proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     proc.kill()
-            if all(proc.returncode == 0 for proc in procs):   # else its log says why
+            codes = [proc.returncode for proc in procs]
+            if all(code == 0 for code in codes):
                 import shutil
 
                 shutil.rmtree(folder, ignore_errors=True)
+            else:   # kept, with the logs: this file says which zygote ended how
+                with open(os.path.join(folder, "exit-status.txt"), "w") as f:
+                    f.write(f"zygote exit statuses (0, 1): {codes}\n")
 
         atexit.register(stop)
-    return _zygote_state["paths"]
 
 
 def worker_python() -> str:
     """The interpreter to start a TensorFlow worker with: the zygotes' stand-in for ``python``
     (tests/zygote.py), or ``sys.executable`` with PROPHET_TEST_ZYGOTE=0."""
     return _zygote_state["python"] if _zygotes() else sys.executable
+
+
+@pytest.fixture
+def zygote_interpreter(monkeypatch):
+    """For code the test runs in its own process that starts TensorFlow workers with
+    ``sys.executable`` (the benchmarks' trial drivers, the launcher's API, a node's launcher):
+    ``sys.executable`` becomes the zygotes' stand-in and ``os.environ`` the environment they
+    serve, so those workers fork from a zygote instead of importing TensorFlow afresh (8 CPU-s
+    each). Yields the interpreter (the real one with PROPHET_TEST_ZYGOTE=0)."""
+    python = worker_python()
+    if python != sys.executable:
+        for key, value in _worker_env().items():
+            if os.environ.get(key) != value:
+                monkeypatch.setenv(key, value)
+        monkeypatch.setattr(sys, "executable", python)
+    yield python
+
+
+def alive(pid: int) -> bool:
+    """Whether a process with this pid still exists (a zombie counts: its parent has not waited)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def parse_results(text: str, default_rank: Optional[int] = None) -> dict[int, list[dict]]:

@@ -22,10 +22,14 @@ def test_errors_and_the_last_line():
     assert "no setting" in bench_predict.summary_line([row("fifo", None, 1.0)])
 
 
-def test_table_marks_errors_and_deadlocks():
-    table = bench_predict.format_table([row("prophet", 1.05, 1.0), row("mwms", None, 2.0, deadlock=True)])
-    assert "| emulated | resnet50 | 2 | 1 | 2 Gbit/s | prophet | 1050 | 1000 | +5.0% |" in table
-    assert "| mwms | deadlock | 2000 | n/a |" in table
+def test_table_marks_errors_and_deadlocks_and_shows_stall_breaks():
+    table = bench_predict.format_table([
+        row("prophet", 1.05, 1.0, predicted_stall_breaks=0, measured_stall_breaks=0),
+        row("bytescheduler", 1.2, 1.0, predicted_stall_breaks=7, measured_stall_breaks=2),
+        row("mwms", None, 2.0, deadlock=True)])
+    assert "| emulated | resnet50 | 2 | 1 | 2 Gbit/s | prophet | 1050 | 1000 | +5.0% | 0 / 0 |" in table
+    assert "| bytescheduler | 1200 | 1000 | +20.0% | 7 / 2 |" in table
+    assert "| mwms | deadlock | 2000 | n/a | n/a / n/a |" in table
 
 
 def test_the_emulated_cluster_is_modelled_as_shaped():

@@ -294,7 +294,8 @@ def _setting(mwms=1.0, prophet=0.6, bw=800e6, ideal=0.55):
     return make_setting("vgg16", 2, bw, compute_s=0.5, gradient_bytes=50 * MB,
                         batch_per_worker=16,
                         step_s={"prophet": prophet, "prophet_nocross": 0.7, "priority": 0.65,
-                                "fifo": 0.8, "auto": 0.62, "mwms": mwms},
+                                "fifo": 0.8, "auto": 0.62, "bytescheduler": 0.7, "p3": 0.75,
+                                "mwms": mwms},
                         ratio=1.0, extra={"prophet": {"schedule_effective": "prophet"}},
                         notes=["a note"], ideal_bound_s=ideal)
 
@@ -604,10 +605,10 @@ def test_systems_that_do_not_fit_in_memory_are_skipped(monkeypatch, tmp_path):
         return {}
     monkeypatch.setattr(sweep, "_run_setting", fake_setting)
     train.run_sweep(opts)
-    assert ran == [(4, ("prophet", "priority", "fifo"))]
+    assert ran == [(4, ("prophet", "priority", "fifo", "bytescheduler", "p3"))]
     skipped = opts.meta["skipped"]
     assert any("4 workers: mwms skipped" in why for why in skipped)
-    assert sum("8 workers" in why for why in skipped) == 4
+    assert sum("8 workers" in why for why in skipped) == 6
 
 
 def test_plan_says_what_would_run_and_how_long(monkeypatch, tmp_path):
@@ -746,6 +747,9 @@ def test_end_to_end_emulated_loopback_smoke(tmp_path):
     # the compressed system ran compressed, against bounds of its own (unshaped: the compute)
     half = st["results"]["prophet+bf16"]
     assert (half["compression"], st["results"]["prophet"]["compression"]) == ("bf16", None)
+    # the engine's count of stall breaks (prophet never breaks its flow control); none for mwms
+    assert st["results"]["prophet"]["stall_breaks"] == 0
+    assert "stall_breaks" not in st["results"]["mwms"]
     assert half["lower_bound_s"] == half["ideal_bound_s"] == st["compute_s"]
     em = st["emulation"]
     assert em["time_scale"] == 2.0 and em["accelerator_tflops"] == 100.0

@@ -97,11 +97,13 @@ def test_next_step_starts_before_previous_gradients_are_summed(tmp_path: Path) -
         pytest.fail(f"network emulation unavailable ({e}); this test needs root, ip and tc")
     from prophet_tf import launch
 
+    from conftest import _worker_env, worker_python
+
     trace_pattern = str(tmp_path / "trace.{rank}.json")
-    env = dict(PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2")
+    env = _worker_env()   # the workers fork from the zygotes, on the emulated hosts too
     # A prefix of its own: another checkout may run this test on the same machine at the same time.
     with netem.EmulatedCluster(2, bandwidth_bps=50e6, prefix=f"ptfx{os.getpid()}") as cluster:
-        code = launch.launch([sys.executable, str(ROOT / "tests" / "workers" / "crossing_overlap.py"), trace_pattern],
+        code = launch.launch([worker_python(), str(ROOT / "tests" / "workers" / "crossing_overlap.py"), trace_pattern],
                              2, hosts=[cluster.host_address(i) for i in range(2)], wrap_argv=cluster.exec_argv,
                              env=env, threads=1, timeout=900, handle_signals=False)
     assert code == 0, f"workers failed with exit code {code}"

@@ -16,6 +16,7 @@ from typing import Sequence
 
 import pytest
 
+from conftest import alive
 from prophet_tf.launch import EXIT_TIMEOUT, free_ports, launch
 from prophet_tf.launch.cli import parser
 from prophet_tf.launch.workers import command
@@ -63,14 +64,6 @@ def _script(tmp_path: Path, name: str, text: str) -> str:
     return str(p)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def test_three_workers_prefixes_and_tf_config(tmp_path: Path) -> None:
     out, err = io.StringIO(), io.StringIO()
     rc = launch([_script(tmp_path, "report.py", REPORT), "a", "--flag"], 3, threads=1,
@@ -112,7 +105,7 @@ def test_failing_worker_stops_the_others(tmp_path: Path) -> None:
     assert "worker rank 1" in msg and "exited with status 3" in msg
     assert "something went wrong on rank 1" in msg.split("[launch]")[-1]  # stderr tail reported
     pids = [int((tmp_path / f"pid{r}").read_text()) for r in (0, 2)]
-    assert not any(_alive(p) for p in pids)
+    assert not any(alive(p) for p in pids)
 
 
 def test_timeout_kills_everything(tmp_path: Path) -> None:

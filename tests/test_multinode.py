@@ -19,6 +19,7 @@ from typing import Optional, Sequence, Union
 
 import pytest
 
+from conftest import alive
 from prophet_tf.launch import free_ports, hosts as hosts_mod
 from prophet_tf.launch.rendezvous import PROTOCOL, VERSION, _Inbox, _canonical, _mac, _send
 from prophet_tf.launch.workers import visible_gpu, worker_envs
@@ -130,14 +131,6 @@ def _wait_for(condition, timeout: float = 60.0) -> None:
         time.sleep(0.02)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def _master() -> str:
     return f"127.0.0.1:{free_ports(1)[0]}"
 
@@ -178,7 +171,7 @@ def test_a_worker_failure_on_one_node_stops_every_node(tmp_path: Path, nodes: li
         assert report.startswith("worker rank 3 ") and "on node 1" in report, n.output
         assert "failing on purpose" in report
     # The others slept 120 s: they were stopped.
-    assert not any(_alive(r["pid"]) for r in _records(tmp_path).values())
+    assert not any(alive(r["pid"]) for r in _records(tmp_path).values())
     assert max(n.seconds for n in nodes) < 60
 
 
@@ -267,8 +260,8 @@ def test_a_dead_node_is_named_and_its_workers_die_with_it(tmp_path: Path, nodes:
     assert "node 1" in nodes[0].output and "was lost" in nodes[0].output, nodes[0].output
     assert waited < 20, waited  # the closed connection, not the 30 s node timeout
     records = _records(tmp_path)
-    _wait_for(lambda: not _alive(records[1]["pid"]), 10)  # killed with its launcher
-    assert not _alive(records[0]["pid"])
+    _wait_for(lambda: not alive(records[1]["pid"]), 10)  # killed with its launcher
+    assert not alive(records[0]["pid"])
 
 
 def test_signals_are_forwarded_to_every_nodes_workers(tmp_path: Path, nodes: list) -> None:

@@ -42,7 +42,7 @@ def test_the_generator_prints_the_table() -> None:
     assert out.stdout == _options.markdown_table()
     rows = {line.split(" | ")[0].strip("| `"): line for line in out.stdout.splitlines()[2:]}
     assert set(rows) == set(runtime.options())
-    assert "| 4 MiB |" in rows["partition_bytes"]
+    assert "| 0 (the schedule's: 4 MiB, bytescheduler 4 MB, p3 160 kB) |" in rows["partition_bytes"]
     assert "| -1 (sized for the workers) |" in rows["socket_buffer_bytes"]
     assert "| 60 s (`$PROPHET_TIMEOUT_S`) |" in rows["timeout_s"]
 
@@ -76,7 +76,7 @@ def test_a_bad_value_fails_before_anything_starts_naming_the_option_what_it_take
                        match=r"runtime option socket_buffer_bytes must be -1 \(sized for the workers\), "
                              r"0 \(the kernel's autotuning\) or an integer of at least 131072, got '4096'"):
         runtime.init(0, 1, socket_buffer_bytes=4096)
-    with pytest.raises(ValueError, match=r"partition_bytes must be a whole number of at least 64, got '4M'"):
+    with pytest.raises(ValueError, match=r"partition_bytes must be 0 \(the schedule's: .*\) or a whole number of at least 64, got '4M'"):
         runtime.init(0, 1, partition_bytes="4M")
     with pytest.raises(ValueError, match=r"runtime option timeout_s must be a number above 0, got \[1\]"):
         runtime.init(0, 1, timeout_s=[1])
@@ -96,10 +96,10 @@ def test_the_predictor_models_the_options_the_table_marks_and_sends_only_those_s
     fields = {f.name for f in dataclasses.fields(PredictOptions)}
     predicted = _options.predicted_options()
     assert {"partition_bytes", "socket_buffer_bytes", "hierarchical"} <= set(predicted) <= fields
-    request = model._request(tiny_profile(), 4, 1e9, "prophet", PredictOptions(), None, 2)
+    request = model.simulation_request(tiny_profile(), 4, 1e9, "prophet", PredictOptions(), None, 2)
     assert not [line for line in request.splitlines()
                 if line.startswith("option ") and line[7:].split("=")[0] in predicted]
-    request = model._request(tiny_profile(), 4, 1e9, "prophet",
+    request = model.simulation_request(tiny_profile(), 4, 1e9, "prophet",
                              PredictOptions(socket_buffer_bytes=1 << 20, hierarchical="auto"), None, 2)
     assert "option socket_buffer_bytes=1048576\n" in request and "option hierarchical=auto\n" in request
     # What the engine refuses the predictor refuses, in the same words.

@@ -449,12 +449,13 @@ RECORDING_SCRIPT = textwrap.dedent("""
 
 def test_profile_recorded_by_a_real_one_worker_run(tmp_path):
     trace = tmp_path / "profile.json"
-    env = dict(os.environ, PYTHONPATH=str(REPO), PROPHET_PROFILE=str(trace), TF_CPP_MIN_LOG_LEVEL="2")
-    env.pop("TF_CONFIG", None)
+    from conftest import _worker_env, worker_python
+
+    env = _worker_env({"PROPHET_PROFILE": str(trace)})
     env.pop("PROPHET_TIMELINE", None)
     script = tmp_path / "train.py"
     script.write_text(RECORDING_SCRIPT)
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
+    proc = subprocess.run([worker_python(), str(script)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "RECORDED 1 6" in proc.stdout, proc.stdout + proc.stderr
 

@@ -86,7 +86,8 @@ def test_a_fit_that_fails_says_where(scenarios):
         assert lines == [preemption.Failure(rank, 1, 4, "ValueError: a bug at epoch 1 batch 3")], lines
 
 
-def test_the_launcher_restarts_a_job_after_a_sigterm_and_a_kill_and_it_ends_bitwise_as_uninterrupted():
+def test_the_launcher_restarts_a_job_after_a_sigterm_and_a_kill_and_it_ends_bitwise_as_uninterrupted(
+        zygote_interpreter):
     """prophetrun --max-restarts with the restart trials' quick run: a SIGTERM to a worker (every
     worker stops at the same step, writes the backup and exits 75), then a kill -9 of one; the
     unchanged program, launched again, resumes each time and ends with the uninterrupted run's

@@ -102,3 +102,24 @@ def test_single_worker_needs_no_network() -> None:
         print("GATHER", ops.allgather(tf.constant([[1]]), name="g").numpy().tolist())
     """)
     assert "SUM [1.0, 2.0]" in proc.stdout and "GATHER [[1]]" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_published_schedulers_are_accepted_by_name() -> None:
+    """bytescheduler and p3 reach the engine from ProphetStrategy and from runtime.init; the
+    training itself is covered on 4 workers by tests/test_stall_matrix.py."""
+    proc = run_python("""
+        import tensorflow as tf
+        from prophet_tf import ops, runtime
+        from prophet_tf.strategy import ProphetStrategy
+        traits = runtime.schedule_traits()
+        for name in ("bytescheduler", "p3"):
+            strategy = ProphetStrategy(schedule=name)
+            print("STATE", name, strategy.schedule, runtime.scheduler_state()["schedule"],
+                  traits[name]["partition_bytes"], traits[name]["automatic_fusion"])
+            print("SUM", name, ops.push_pull(tf.constant([1.0, 2.0]), name="x" + name).numpy().tolist())
+            runtime.shutdown()
+    """)
+    out = proc.stdout
+    assert "STATE bytescheduler bytescheduler bytescheduler 4000000 False" in out, out + proc.stderr
+    assert "STATE p3 p3 p3 160000 False" in out, out + proc.stderr
+    assert "SUM bytescheduler [1.0, 2.0]" in out and "SUM p3 [1.0, 2.0]" in out, out + proc.stderr

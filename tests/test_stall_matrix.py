@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
-SCHEDULES = ["fifo", "priority", "prophet", "auto"]
+SCHEDULES = ["fifo", "priority", "prophet", "bytescheduler", "p3", "auto"]
 
 
 def test_every_schedule_finishes_every_step_on_four_workers(run_workers):

@@ -24,17 +24,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SHOW = """
 import json, os, signal, sys, time
+mode = sys.argv[1] if len(sys.argv) > 1 else ""
+if mode == "wait":   # before it says it is up: a test signals it as soon as it is
+    signal.signal(signal.SIGTERM, lambda *_: (print("SIGTERM handled", flush=True), sys.exit(7)))
 print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "pid": os.getpid(), "ppid": os.getppid(),
                   "kept": os.environ.get("KEPT"), "hash": hash("prophet"),
-                  "executable": sys.executable, "path0": sys.path[0]}), flush=True)
+                  "executable": sys.executable, "path0": sys.path[0],
+                  "netns": os.readlink("/proc/self/ns/net")}), flush=True)
 print("on stderr", file=sys.stderr, flush=True)
-mode = sys.argv[1] if len(sys.argv) > 1 else ""
 if mode == "exit":
     sys.exit(int(sys.argv[2]))
 if mode == "raise":
     raise RuntimeError("raised in the worker")
 if mode == "wait":
-    signal.signal(signal.SIGTERM, lambda *_: (print("SIGTERM handled", flush=True), sys.exit(7)))
     time.sleep(60)
 """
 
@@ -139,7 +141,29 @@ def test_the_workers_of_two_ranks_hash_strings_differently(zygotes):
     assert hashes[0] != hashes[1]
 
 
-@pytest.mark.parametrize("case", ["interpreter_flag", "import_time_environment", "handed_fds",
+def test_descriptors_handed_down_keep_their_numbers_in_the_forked_worker(zygotes):
+    """``pass_fds`` (the launcher's standbys say they are ready on one): the worker writes to the
+    number it was told, and reads from another."""
+    client, env, tmp_path, procs = zygotes
+    to_worker_read, to_worker_write = os.pipe()
+    from_worker_read, from_worker_write = os.pipe()
+    os.write(to_worker_write, b"sent in")
+    os.close(to_worker_write)
+    code = ("import os, sys; print(os.getppid(), flush=True); "
+            "os.write(int(sys.argv[2]), b'ready:' + os.read(int(sys.argv[1]), 100))")
+    proc = subprocess.Popen([client, "-c", code, str(to_worker_read), str(from_worker_write)],
+                            env=env, stdout=subprocess.PIPE, text=True,
+                            pass_fds=(to_worker_read, from_worker_write))
+    os.close(to_worker_read)
+    os.close(from_worker_write)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    assert int(out.split()[0]) in {p.pid for p in procs}, "started fresh instead of forked"
+    assert os.read(from_worker_read, 100) == b"ready:sent in"
+    os.close(from_worker_read)
+
+
+@pytest.mark.parametrize("case", ["interpreter_flag", "import_time_environment", "many_fds",
                                   "no_zygote"])
 def test_what_a_fork_cannot_reproduce_starts_a_fresh_interpreter(zygotes, case):
     client, env, tmp_path, procs = zygotes
@@ -148,9 +172,8 @@ def test_what_a_fork_cannot_reproduce_starts_a_fresh_interpreter(zygotes, case):
         argv = [client, "-B", str(tmp_path / "show.py")]
     elif case == "import_time_environment":
         env = dict(env, TF_CPP_MIN_LOG_LEVEL="0")
-    elif case == "handed_fds":
-        read_end, write_end = os.pipe()
-        pass_fds = (read_end,)
+    elif case == "many_fds":
+        pass_fds = tuple(os.pipe()[0] for _ in range(zygote._MAX_HANDED_DOWN + 1))
     else:
         env = dict(env, **{zygote.SOCKET_ENV: str(tmp_path / "nobody.sock")})
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True, pass_fds=pass_fds)
@@ -159,3 +182,28 @@ def test_what_a_fork_cannot_reproduce_starts_a_fresh_interpreter(zygotes, case):
     shown = _shown(out)
     assert shown["pid"] == proc.pid and shown["ppid"] == os.getpid(), shown   # exec'd in place
     assert shown["ppid"] not in {p.pid for p in procs}
+
+
+def test_a_process_on_an_emulated_host_is_forked_into_that_hosts_network(zygotes):
+    """``ip netns exec NS python ...``: the forked worker's sockets are the namespace's (it binds
+    the emulated host's address, which the zygote's namespace has not)."""
+    from prophet_tf.bench import netem
+
+    try:
+        netem.EmulatedCluster.check_available()
+    except netem.NetemError as e:
+        pytest.fail(f"network emulation unavailable ({e}); this test needs root, ip and tc")
+    client, env, tmp_path, procs = zygotes
+    with netem.EmulatedCluster(2, bandwidth_bps=1e9, prefix=f"ptfz{os.getpid()}") as cluster:
+        address = cluster.host_address(1)
+        code = (SHOW.replace('mode = sys.argv[1] if len(sys.argv) > 1 else ""', 'mode = ""')
+                + f"import socket; socket.socket().bind(({address!r}, 0)); print('bound')")
+        done = cluster.run(1, [client, "-c", code], env=env, capture_output=True, text=True,
+                           timeout=60)
+        in_namespace = cluster.run(1, ["readlink", "/proc/self/ns/net"], capture_output=True,
+                                   text=True, timeout=60).stdout.strip()
+    assert done.returncode == 0, done.stderr
+    shown = _shown(done.stdout)
+    assert shown["ppid"] in {p.pid for p in procs}, "started fresh instead of forked"
+    assert shown["netns"] == in_namespace != os.readlink("/proc/self/ns/net"), shown
+    assert done.stdout.splitlines()[-1] == "bound"

@@ -14,10 +14,11 @@ The pieces:
   script.py args``, ``python [-u] -m module args`` or ``python [-u] -c code args``, it hands its
   standard streams, working directory, environment and arguments to a zygote and then mirrors the
   forked process: it forwards the signals it gets and exits with the forked process's status (by
-  the same signal, if that was how it ended). Anything else (other interpreter flags, descriptors
-  beyond the standard streams handed down, an environment that changes what an import does, no
-  zygote ready) it ``exec``s the real interpreter with the same arguments: a zygote only ever
-  saves time.
+  the same signal, if that was how it ended). Descriptors handed down beyond the standard streams
+  (``pass_fds``: the launcher's standbys, ...) are handed on and keep their numbers. Anything else
+  (other interpreter flags, more than a few such descriptors, an environment that changes what an
+  import does, no zygote ready) it ``exec``s the real interpreter with the same arguments: a
+  zygote only ever saves time.
 
 What a forked worker shares with its siblings and what it does not:
 
@@ -28,8 +29,11 @@ What a forked worker shares with its siblings and what it does not:
   re-seeds itself at fork).
 * A forked process watches its client's connection and kills itself (SIGKILL) when the client
   is gone, so ``kill -9`` of the process a test or the launcher started ends the worker as well.
-* A process in another network namespace (an emulated host: ``ip netns exec``) is never forked
-  from a zygote, which would leave it in the zygote's namespace: it starts fresh.
+* A process in another network namespace (an emulated host: ``ip netns exec``) hands the zygote
+  its namespace with its streams, and the forked process enters it (``setns``) before anything
+  else, so its sockets are the emulated host's. Without the right to (no CAP_SYS_ADMIN) it starts
+  fresh. Only the network namespace is entered: the mount namespace ``ip netns exec`` adds (its
+  ``/sys`` and ``/etc/netns`` files) is not, and nothing here reads them.
 * ``os.getpid()`` is the forked process's, which the client does not share: a signal sent to that
   pid reaches the worker itself, and the client then ends the same way.
 """
@@ -54,7 +58,12 @@ IMPORT_TIME_ENV = ("PYTHONHASHSEED", "PYTHONWARNINGS", "PYTHONOPTIMIZE", "PYTHON
                    "TF_XLA_FLAGS", "KERAS_BACKEND", "TF_USE_LEGACY_KERAS", "OMP_NUM_THREADS",
                    "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "KERAS_HOME")
 SOCKET_ENV = "PROPHET_TEST_ZYGOTES"   # the zygotes' socket paths, os.pathsep-separated
-_MAX_FDS = 3
+_MAX_HANDED_DOWN = 4    # descriptors beyond the standard streams that a fork takes on
+# stdin, stdout, stderr, from an emulated host its network namespace, and those handed down
+_MAX_FDS = 4 + _MAX_HANDED_DOWN
+_NETNS = -1             # its "number" among the descriptors a request hands over
+_OUT_OF_THE_WAY = 256   # the forked process's own descriptors go above the numbers it hands on
+_CLONE_NEWNET = 0x40000000
 
 
 def _send(conn: socket.socket, message: dict, fds: tuple = ()) -> None:
@@ -107,7 +116,11 @@ def serve(socket_path: str, preload: bool = True) -> dict:
             for pid in by_pid:
                 _kill(pid)
             os.unlink(socket_path)
-            sys.exit(0)
+            # Without the interpreter's own shutdown: TensorFlow's, after a fork, sometimes
+            # ended with a non-zero status, and nothing here needs it.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         if listener in readable:
             conn, _ = listener.accept()
             try:
@@ -152,13 +165,29 @@ def _kill(pid: int) -> None:
 
 
 def _become(request: dict, fds: list, conn: socket.socket, base_path: list) -> dict:
-    """In the forked child: take the client's streams, directory and environment."""
+    """In the forked child: take the client's streams, descriptors, network, directory and
+    environment."""
+    import fcntl
+
+    received = dict(zip(request["fd_numbers"], fds))
+    if _NETNS in received:   # first, while this is the only thread: later threads inherit it
+        _enter_network_namespace(received.pop(_NETNS))
     os.setsid()
-    for target, fd in enumerate(fds[:3]):
-        os.dup2(fd, target)
-    for fd in fds:
-        if fd > 2:
-            os.close(fd)
+    # The numbers the worker expects may be those the descriptors arrived with, or this
+    # connection's: every one moves out of the way first.
+    kept = fcntl.fcntl(conn.fileno(), fcntl.F_DUPFD_CLOEXEC, _OUT_OF_THE_WAY)
+    conn.close()
+    conn = socket.socket(fileno=kept)
+    moved = {}
+    for number, fd in received.items():
+        moved[number] = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, _OUT_OF_THE_WAY)
+        os.close(fd)
+    for number, fd in moved.items():
+        if number > 2 and _is_open(number):   # the zygote's own: this fork cannot hand it on
+            _send(conn, {"fresh": True})
+            os._exit(0)
+        os.dup2(fd, number)   # inheritable, as a descriptor handed down is
+        os.close(fd)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -182,6 +211,26 @@ def _become(request: dict, fds: list, conn: socket.socket, base_path: list) -> d
     python_path = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
     request["sys_path"] = python_path + base_path
     return request
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def _enter_network_namespace(fd: int) -> None:
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).setns(fd, _CLONE_NEWNET) != 0:
+        # The client checked that it may (the same call on its own namespace): this is a bug.
+        errno = ctypes.get_errno()
+        os.write(2, f"zygote: setns into the client's network namespace failed: "
+                    f"{os.strerror(errno)}\n".encode())
+        os._exit(70)
+    os.close(fd)
 
 
 def run(request: dict) -> None:
@@ -241,15 +290,26 @@ else:
 env = dict(os.environ)
 if any(env.get(k) != ZYGOTE_VALUES.get(k) for k in IMPORT_TIME_ENV):
     fresh()
+handed, numbers = [0, 1, 2], [0, 1, 2]
 if os.readlink("/proc/self/ns/net") != NETWORK_NAMESPACE:
-    fresh()   # an emulated host (ip netns exec): a forked process would stay in the zygote's
+    # An emulated host (ip netns exec): the forked process enters this namespace, if it may (the
+    # same setns on this process's own namespace changes nothing and needs the same right).
+    import ctypes
+    netns = os.open("/proc/self/ns/net", os.O_RDONLY)
+    if ctypes.CDLL(None, use_errno=True).setns(netns, {clone_newnet}) != 0:
+        fresh()
+    handed.append(netns)
+    numbers.append({netns_number})
 own_fd_dir = f"/proc/{{os.getpid()}}/fd"
-for name in os.listdir("/proc/self/fd"):
+for name in os.listdir("/proc/self/fd"):   # descriptors handed down (pass_fds): handed on
     try:
-        if int(name) > 2 and os.readlink(f"/proc/self/fd/{{name}}") != own_fd_dir:
-            fresh()   # descriptors handed down (pass_fds: multiprocessing, ...) reach no fork
+        if int(name) not in handed and os.readlink(f"/proc/self/fd/{{name}}") != own_fd_dir:
+            handed.append(int(name))
+            numbers.append(int(name))
     except OSError:
         pass
+if len([n for n in numbers if n > 2]) > {max_handed_down}:
+    fresh()
 paths = [p for p in env.get(ZYGOTE_ENV, "").split(os.pathsep) if p]
 if not paths:
     fresh()
@@ -260,23 +320,41 @@ try:
 except OSError:
     fresh()   # not ready yet (still importing) or gone
 request = dict(argv=argv, module=module, code=code, unbuffered=unbuffered, cwd=os.getcwd(), env=env,
-               client=sys.argv[0])
-conn.sendmsg([json.dumps(request).encode() + b"\n"],
-             [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
-reader = conn.makefile("rb")
-pid = json.loads(reader.readline())["pid"]
+               client=sys.argv[0], fd_numbers=numbers)
+worker, early = [], []   # a signal that comes before the worker's pid waits for it
 
 def forward(sig, frame):
+    if not worker:
+        early.append(sig)
+        return
     try:
-        os.kill(pid, sig)
+        os.kill(worker[0], sig)
     except ProcessLookupError:
         pass
 
 for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
             signal.SIGUSR2, signal.SIGCONT):
     signal.signal(sig, forward)
-line = reader.readline()
-status = json.loads(line)["status"] if line else (128 + signal.SIGKILL) << 8
+conn.sendmsg([json.dumps(request).encode() + b"\n"],
+             [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", handed))])
+reader = conn.makefile("rb")
+status = None
+while status is None:   # the zygote says the pid, then the status; the fork may say "fresh"
+    line = reader.readline()
+    if not line:
+        if not worker:
+            os._exit(1)   # the zygote went away before it forked
+        status = (128 + signal.SIGKILL) << 8
+        break
+    said = json.loads(line)
+    if said.get("fresh"):
+        fresh()   # nothing of this process's was used yet
+    if "pid" in said:
+        worker.append(said["pid"])
+        for sig in early:
+            forward(sig, None)
+    if "status" in said:
+        status = said["status"]
 if os.WIFSIGNALED(status):
     sig = os.WTERMSIG(status)
     if sig not in (signal.SIGKILL, signal.SIGSTOP):
@@ -292,7 +370,8 @@ def write_client(path: str, zygote_env: dict) -> str:
     source = _CLIENT.format(real=sys.executable, import_time_env=IMPORT_TIME_ENV,
                             zygote_env=SOCKET_ENV,
                             zygote_values={k: zygote_env.get(k) for k in IMPORT_TIME_ENV},
-                            netns=os.readlink("/proc/self/ns/net"))
+                            netns=os.readlink("/proc/self/ns/net"), clone_newnet=_CLONE_NEWNET,
+                            netns_number=_NETNS, max_handed_down=_MAX_HANDED_DOWN)
     with open(path, "w", encoding="utf-8") as f:
         f.write(f"#!{sys.executable} -S\n{source}")
     os.chmod(path, 0o755)

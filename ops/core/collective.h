@@ -60,6 +60,9 @@ class CollectiveHost {
   // the scheduler, which releases it later through Collective::SendScheduled.
   virtual void Announce(const TensorReady& ready) = 0;
   virtual void Schedule(SendTask task) = 0;
+  // The policy also schedules the partitions this worker owns (SchedulerPolicy::
+  // schedules_owned_partitions).
+  virtual bool SchedulesOwnedPartitions() const { return false; }
   // A released push left this worker (its last byte is in the kernel) or never will (the operation
   // ended): returns its credit (SchedulerPolicy::OnPushLeft).
   virtual void PushLeft(const SendTask& task) = 0;

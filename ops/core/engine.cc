@@ -17,6 +17,7 @@
 #include "ops/core/hosts.h"
 #include "ops/core/output_pool.h"
 #include "ops/core/policies.h"
+#include "ops/core/schedule_traits.h"
 #include "ops/core/timeouts.h"
 #include "ops/core/transport.h"
 
@@ -214,6 +215,7 @@ struct Engine::Impl : public Connection::Handler,
     task.enqueue_seq = enqueue_seq++;
     policy->Enqueue(task);
   }
+  bool SchedulesOwnedPartitions() const override { return policy->schedules_owned_partitions(); }
   void PushLeft(const SendTask& task) override {
     unsent_push_bytes -= task.bytes;
     credit_returned = true;
@@ -246,8 +248,11 @@ struct Engine::Impl : public Connection::Handler,
 
 namespace {
 
+// The schedule's partitions and credit where the options leave them to it (schedule_traits.h).
 EngineOptions Resolved(EngineOptions options) {
-  options.credit_bytes = ResolveCreditBytes(options.credit_bytes, options.world_size, options.partition_bytes);
+  options.partition_bytes = ResolvePartitionBytes(options.partition_bytes, options.schedule);
+  options.credit_bytes =
+      ResolveScheduleCreditBytes(options.credit_bytes, options.schedule, options.world_size, options.partition_bytes);
   return options;
 }
 
@@ -263,6 +268,7 @@ Status Engine::Start(const EngineOptions& options, std::unique_ptr<Engine>* out)
   SchedulerOptions sched;
   sched.policy = options.schedule;
   sched.replan_threshold = options.replan_threshold;
+  sched.credit_bytes = engine->options_.credit_bytes;
   m.policy = MakePolicy(sched, &error);
   if (!m.policy) return Status(Code::kInvalidArgument, error);
   m.schedule_name = m.policy->name();
@@ -311,8 +317,8 @@ Status Engine::Start(const EngineOptions& options, std::unique_ptr<Engine>* out)
     ::epoll_ctl(m.epoll_fd, EPOLL_CTL_ADD, fds[r], &ev);
   }
   PROPHET_INFO("runtime started: %d workers, schedule %s, partitions of %llu bytes, credit %llu bytes",
-               options.world_size, m.policy->name(), static_cast<unsigned long long>(options.partition_bytes),
-               static_cast<unsigned long long>(options.credit_bytes));
+               options.world_size, m.policy->name(), static_cast<unsigned long long>(engine->options_.partition_bytes),
+               static_cast<unsigned long long>(engine->options_.credit_bytes));
   if (m.two_level) PROPHET_INFO("push_pulls take the two-level path over %s", m.two_level->Describe().c_str());
   m.thread = std::thread([&m] { m.Run(); });
   *out = std::move(engine);
@@ -677,6 +683,7 @@ void Engine::Impl::Finish(Collective* op, const Status& status) {
     PROPHET_INFO("%s failed: %s", owned->Describe().c_str(), status.message().c_str());
   }
   owned->Complete(status);
+  policy->OnOperationEnded(id);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -716,6 +723,7 @@ void Engine::Impl::SwitchPolicy() {
   SchedulerOptions options;
   options.policy = next;
   options.replan_threshold = options_.replan_threshold;
+  options.credit_bytes = options_.credit_bytes;
   std::string error;
   std::unique_ptr<SchedulerPolicy> fresh = MakePolicy(options, &error);
   if (!fresh) return;  // SetSchedule checked the name
@@ -731,7 +739,7 @@ void Engine::Impl::PushCompleted(const TransferDone& d) {
   policy->OnTransferDone(d);
   const std::vector<BandwidthSample> samples = policy->bandwidth()->TakeSamples();
   if (!timeline.enabled()) return;
-  timeline.Complete(d.exchange ? "exchange" : "push", d.task.name, d.sent_ns, d.done_ns);
+  if (!d.local) timeline.Complete(d.exchange ? "exchange" : "push", d.task.name, d.sent_ns, d.done_ns);
   for (const BandwidthSample& b : samples) timeline.Counter("bandwidth_MBps", b.ts_ns, b.estimate_Bps / 1e6);
 }
 

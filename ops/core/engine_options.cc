@@ -222,10 +222,12 @@ Status ParseEngineOptions(const std::string& text, EngineOptions* o) {
                       "print(secrets.token_hex(16))'); python -m prophet_tf.launch sets one for you), or opt out "
                       "explicitly with allow_no_token=True (or PROPHET_ALLOW_NO_TOKEN=1), which lets any process "
                       "that can reach the workers' ports join the job");
-  if (o->max_early_bytes < o->partition_bytes)
+  // Frames of a partition arrive before their operation: the early-frame memory holds one at least.
+  const uint64_t partition_bytes = ResolvePartitionBytes(o->partition_bytes, o->schedule);
+  if (o->max_early_bytes < partition_bytes)
     return Status(Code::kInvalidArgument, "max_early_bytes (" + std::to_string(o->max_early_bytes) +
                                               ") must be at least partition_bytes (" +
-                                              std::to_string(o->partition_bytes) + ")");
+                                              std::to_string(partition_bytes) + ")");
   return Status::OK();
 }
 
@@ -261,7 +263,7 @@ std::string RuntimeConstantsJson() {
   first = false;
 #include "ops/core/engine_options.def"
 #undef PROPHET_OPTION
-  os << "]}";
+  os << "], \"schedule_traits\": " << ScheduleTraitsJson() << "}";
   return os.str();
 }
 

@@ -10,6 +10,7 @@
 
 #include "ops/core/common.h"
 #include "ops/core/hosts.h"
+#include "ops/core/schedule_traits.h"
 #include "ops/core/scheduler.h"
 
 namespace prophet {

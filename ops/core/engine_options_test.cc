@@ -4,6 +4,7 @@
 
 #include <string>
 
+#include "ops/core/partition.h"
 #include "ops/core/testing.h"
 
 namespace prophet {
@@ -58,11 +59,11 @@ TEST(RejectsBadInputNamingIt) {
   EXPECT_TRUE(!s.ok() && Contains(s.message(), "heartbeat_s must be 0 (off) or a number of at least 0.2, got '0.1'"));
   o = EngineOptions();
   s = ParseEngineOptions("schedule=lifo", &o);
-  EXPECT_TRUE(!s.ok() && Contains(s.message(), "schedule must be one of prophet, priority or fifo, got 'lifo'"));
+  EXPECT_TRUE(!s.ok() && Contains(s.message(), "schedule must be one of prophet, priority, fifo, bytescheduler or p3, got 'lifo'"));
   // Unsigned sizes refuse a sign instead of wrapping around; a number is the whole value.
   o = EngineOptions();
   s = ParseEngineOptions("credit_bytes=-5", &o);
-  EXPECT_TRUE(!s.ok() && Contains(s.message(), "credit_bytes must be 0 (max(16 MiB, (N - 1) x partition_bytes)) or a "
+  EXPECT_TRUE(!s.ok() && Contains(s.message(), "credit_bytes must be 0 (max(16 MiB, (N - 1) x partition_bytes); bytescheduler 16 MB on sums) or a "
                                                 "whole number of at least 1, got '-5'"));
   o = EngineOptions();
   EXPECT_TRUE(!ParseEngineOptions("partition_bytes=4096x", &o).ok());
@@ -133,6 +134,25 @@ TEST(SendBuffersShareTheBudgetFromThreeWorkersOn) {
   EXPECT_EQ(SendBufferRequest(0, 16, wmem_max), 0);
 }
 
+TEST(PartitionsAndCreditLeftToTheScheduleResolveByIt) {
+  EngineOptions o;
+  EXPECT_TRUE(ParseEngineOptions("partition_bytes=0\nschedule=p3\nmax_early_bytes=200000", &o).ok());
+  EXPECT_EQ(o.partition_bytes, kPartitionAuto);
+  Status s = ParseEngineOptions("partition_bytes=32", &o);
+  EXPECT_TRUE(!s.ok() && Contains(s.message(), "0 (the schedule's") && Contains(s.message(), "at least 64"));
+  // max_early_bytes is checked against the schedule's partitions: P3's 160,000 bytes fit in
+  // 200,000, the runtime's 4 MiB do not.
+  o = EngineOptions();
+  s = ParseEngineOptions("schedule=prophet\nmax_early_bytes=200000", &o);
+  EXPECT_TRUE(!s.ok() && Contains(s.message(), "must be at least partition_bytes (4194304)"));
+  EXPECT_EQ(ResolvePartitionBytes(kPartitionAuto, "fifo"), kRuntimePartitionBytes);
+  EXPECT_EQ(ResolveScheduleCreditBytes(kCreditAuto, "prophet", 8, kRuntimePartitionBytes),
+            ResolveCreditBytes(kCreditAuto, 8, kRuntimePartitionBytes));
+  EXPECT_EQ(ResolveScheduleCreditBytes(kCreditAuto, "p3", 8, 160'000), ResolveCreditBytes(kCreditAuto, 8, 160'000));
+  EXPECT_EQ(PartitionMinSplitBytes("priority"), kDefaultMinSplitBytes);
+  EXPECT_EQ(PartitionMinSplitBytes("bytescheduler"), kNoExtraSplit);
+}
+
 TEST(ConstantsForPythonComeFromTheCore) {
   const std::string json = RuntimeConstantsJson();
   for (const char* name : kScheduleNames) EXPECT_TRUE(Contains(json, std::string("\"") + name + "\""));
@@ -142,7 +162,7 @@ TEST(ConstantsForPythonComeFromTheCore) {
   // The option table: one row per option, with its default, what it accepts (as the errors say
   // it), its use and its environment variable.
   EXPECT_TRUE(Contains(json, "{\"name\": \"schedule\", \"type\": \"string\", \"default\": \"" +
-                                 std::string(kDefaultSchedule) + "\", \"accepts\": \"one of prophet, priority or fifo\""));
+                                 std::string(kDefaultSchedule) + "\", \"accepts\": \"one of prophet, priority, fifo, bytescheduler or p3\""));
   EXPECT_TRUE(Contains(json, "{\"name\": \"socket_buffer_bytes\", \"type\": \"int\", \"default\": -1, \"accepts\": "
                              "\"-1 (sized for the workers), 0 (the kernel's autotuning) or an integer of at least 131072\", "
                              "\"specials\": [[-1, \"sized for the workers\"], [0, \"the kernel's autotuning\"]], "
@@ -151,6 +171,8 @@ TEST(ConstantsForPythonComeFromTheCore) {
   EXPECT_TRUE(Contains(json, "\"name\": \"max_early_bytes\", \"type\": \"uint\", \"default\": " +
                                  std::to_string(EngineOptions().max_early_bytes)));
   EXPECT_TRUE(Contains(json, "\"use\": \"job\", \"predicted\": false, \"env\": \"PROPHET_JOB_TOKEN\""));
+  EXPECT_TRUE(Contains(json, "\"p3\": {\"partition_bytes\": 160000, \"exact_partitions\": true, "
+                             "\"credit_bytes\": 0, \"automatic_fusion\": false}"));
   EXPECT_TRUE(Contains(json, "\"name\": \"timeline_path\", \"type\": \"string\", \"default\": \"\", \"accepts\": \"\""));
 }
 
@@ -160,7 +182,7 @@ TEST(OptionsAsJson) {
   EXPECT_TRUE(ParseEngineOptions("world_size=2\naddresses=h:1,h:2\ntoken=t\nhosts=a,b\nheartbeat_s=0.5", &o).ok());
   const std::string json = EngineOptionsJson(o);
   EXPECT_TRUE(Contains(json, "{\"rank\": 0, \"world_size\": 2, \"addresses\": [\"h:1\", \"h:2\"], \"token\": \"t\", "
-                             "\"schedule\": \"prophet\", \"partition_bytes\": 4194304, \"credit_bytes\": 0,"));
+                             "\"schedule\": \"prophet\", \"partition_bytes\": 0, \"credit_bytes\": 0,"));
   EXPECT_TRUE(Contains(json, "\"heartbeat_s\": 0.5, \"socket_buffer_bytes\": -1,"));
   EXPECT_TRUE(Contains(json, "\"allow_no_token\": false, \"bind_host\": \"\", \"hierarchical\": \"off\", "
                              "\"hosts\": [\"a\", \"b\"]}"));

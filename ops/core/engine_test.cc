@@ -417,7 +417,7 @@ TEST(ExchangedControlCollectivesMeasureTheLink) {
   std::string name;
   for (int i = 0; name.empty(); ++i) {
     const std::string candidate = "metrics/m" + std::to_string(i);
-    if (MakePartitions(candidate, 4, 4, 2, EngineOptions().partition_bytes)[0].owner == 0) name = candidate;
+    if (MakePartitions(candidate, 4, 4, 2, kRuntimePartitionBytes)[0].owner == 0) name = candidate;
   }
   OpRequest probe;
   probe.bytes = 4;

@@ -37,8 +37,9 @@ std::vector<Partition> BucketPartitions(const std::string& name, uint64_t bytes,
 }
 
 std::vector<Partition> PlanPartitions(const FusionBucket& bucket, int world_size, uint64_t partition_bytes,
-                                      uint64_t bucket_bytes) {
-  if (!bucket.fused()) return MakePartitions(bucket.name, bucket.bytes, bucket.element_size, world_size, partition_bytes);
+                                      uint64_t bucket_bytes, uint64_t min_split_bytes) {
+  if (!bucket.fused())
+    return MakePartitions(bucket.name, bucket.bytes, bucket.element_size, world_size, partition_bytes, min_split_bytes);
   return BucketPartitions(bucket.name, bucket.bytes, bucket.element_size, world_size, partition_bytes, bucket_bytes);
 }
 

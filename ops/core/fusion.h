@@ -80,9 +80,9 @@ uint64_t FusionBucketBytes(int world_size, double link_Bps, int64_t message_cost
 // them; owners round-robin from the bucket name's hash (MakePartitions does the cutting).
 std::vector<Partition> BucketPartitions(const std::string& name, uint64_t bytes, uint32_t element_size, int world_size,
                                         uint64_t partition_bytes, uint64_t bucket_bytes);
-// BucketPartitions for a fused bucket, MakePartitions for a lone tensor.
+// BucketPartitions for a fused bucket, MakePartitions (with `min_split_bytes`) for a lone tensor.
 std::vector<Partition> PlanPartitions(const FusionBucket& bucket, int world_size, uint64_t partition_bytes,
-                                      uint64_t bucket_bytes);
+                                      uint64_t bucket_bytes, uint64_t min_split_bytes = kDefaultMinSplitBytes);
 
 // The link rate kFusionAuto assumes where the rate is not known alike on every worker (the
 // engine: a bandwidth estimate differs from worker to worker, and the plan must not): 10 Gbit/s.

@@ -16,7 +16,7 @@ std::vector<Partition> MakePartitions(const std::string& name, uint64_t total_by
   const uint64_t elements = element_size ? total_bytes / element_size : 0;
   const uint64_t max_elems_per_part = std::max<uint64_t>(1, partition_bytes / std::max<size_t>(1, element_size));
   uint64_t parts = (elements + max_elems_per_part - 1) / max_elems_per_part;
-  if (world_size > 1 && total_bytes >= static_cast<uint64_t>(world_size) * min_split_bytes) {
+  if (world_size > 1 && total_bytes / static_cast<uint64_t>(world_size) >= min_split_bytes) {
     parts = std::max<uint64_t>(parts, static_cast<uint64_t>(world_size));
     // Pipelining: with several partitions per owner, the first sums travel back while later
     // partitions are still arriving, so both directions of every link stay busy.

@@ -8,6 +8,10 @@
 
 namespace prophet {
 
+// MakePartitions' min_split_bytes unless a schedule asks for its own partitions only
+// (schedule_traits.h: kNoExtraSplit turns the extra cuts off).
+constexpr uint64_t kDefaultMinSplitBytes = 64 * 1024;
+
 struct Partition {
   uint64_t offset = 0;  // bytes
   uint64_t bytes = 0;
@@ -21,10 +25,11 @@ struct Partition {
 // partitions are still arriving. Owners go round-robin
 // from a start rank derived from the tensor name: the same on every worker, and different
 // tensors start on different ranks so small tensors spread too. Every tensor, even an empty one,
-// has at least one partition: partition 0 is where shape mismatches are caught.
+// has at least one partition: partition 0 is where shape mismatches are caught. With
+// min_split_bytes = ~0 (kNoExtraSplit) only `partition_bytes` cuts.
 std::vector<Partition> MakePartitions(const std::string& name, uint64_t total_bytes, size_t element_size,
                                       int world_size, uint64_t partition_bytes,
-                                      uint64_t min_split_bytes = 64 * 1024);
+                                      uint64_t min_split_bytes = kDefaultMinSplitBytes);
 
 }  // namespace prophet
 

@@ -2,7 +2,9 @@
 
 #include <cstdio>
 
+#include "ops/core/bytescheduler_policy.h"
 #include "ops/core/common.h"
+#include "ops/core/p3_policy.h"
 #include "ops/core/profiler.h"
 #include "ops/core/prophet_policy.h"
 
@@ -12,6 +14,8 @@ std::unique_ptr<SchedulerPolicy> MakePolicy(const SchedulerOptions& options, std
   if (options.policy == "fifo") return std::make_unique<FifoPolicy>();
   if (options.policy == "priority") return std::make_unique<PriorityPolicy>();
   if (options.policy == "prophet") return MakeProphetPolicy(options);
+  if (options.policy == "bytescheduler") return std::make_unique<ByteSchedulerPolicy>(options.credit_bytes);
+  if (options.policy == "p3") return std::make_unique<P3Policy>();
   std::string names;
   for (const char* name : kScheduleNames) names += std::string(names.empty() ? "" : ", ") + name;
   *error = "unknown schedule '" + options.policy + "': expected one of " + names;
@@ -26,7 +30,8 @@ std::string PolicyStateJson(const SchedulerPolicy& policy) {
   out += number;
   out += ", \"bandwidth_samples\": " + std::to_string(policy.bandwidth()->samples_taken()) +
          ", \"bandwidth_drained\": " + (policy.bandwidth()->drained() ? "true" : "false") +
-         ", \"planned_blocks\": " + std::to_string(policy.planned_blocks()) + ", \"profile\": ";
+         ", \"planned_blocks\": " + std::to_string(policy.planned_blocks()) +
+         ", \"stall_breaks\": " + std::to_string(policy.stall_breaks()) + ", \"profile\": ";
   const ReadyTimeProfiler* profiler = policy.ready_time_profiler();
   if (profiler == nullptr || !profiler->has_profile()) return out + "null}";
   const Profile& profile = profiler->profile();

@@ -4,6 +4,7 @@
 
 #include "ops/core/fusion.h"
 #include "ops/core/reduce.h"
+#include "ops/core/schedule_traits.h"
 
 namespace prophet {
 
@@ -18,7 +19,8 @@ void PushPull::Start() {
     set_parts(BucketPartitions(r.name, r.bytes, static_cast<uint32_t>(element_bytes()), n(),
                                host()->options().partition_bytes, r.fusion_bucket_bytes));
   } else {
-    set_parts(MakePartitions(r.name, r.bytes, element_bytes(), n(), host()->options().partition_bytes));
+    set_parts(MakePartitions(r.name, r.bytes, element_bytes(), n(), host()->options().partition_bytes,
+                             PartitionMinSplitBytes(host()->options().schedule)));
   }
   const size_t np = parts().size();
   set_pending(static_cast<int>(np));
@@ -32,6 +34,8 @@ void PushPull::Start() {
   seeded_.assign(np, 0);
   encoded_.clear();
   encoded_.resize(np);
+  local_state_.assign(np, PushState::kDone);
+  const bool schedule_owned = host()->SchedulesOwnedPartitions();
 
   // The tensor's bytes (the profile describes tensors); what travels is counted from the tasks.
   AnnounceReady();
@@ -43,7 +47,8 @@ void PushPull::Start() {
       contributed_[p][rank()] = true;
       added_[p] = 1;
       held_[p].resize(n());
-      continue;
+      if (!schedule_owned) continue;
+      local_state_[p] = PushState::kQueued;
     }
     host()->Schedule(PushTask(p));
   }
@@ -69,8 +74,14 @@ void PushPull::PushSent(uint32_t part) {
 
 void PushPull::SendScheduled(const SendTask& task) {
   const uint32_t p = static_cast<uint32_t>(task.partition);
-  push_state_[p] = PushState::kReleased;
   push_released_ns_[p] = NowNs();
+  if (parts()[p].owner == rank()) {  // this worker's own partition: nothing travels
+    local_state_[p] = PushState::kReleased;
+    host()->PushLeft(PushTask(p));
+    if (added_[p] == n()) FinishPartition(p);
+    return;
+  }
+  push_state_[p] = PushState::kReleased;
   const char* values = static_cast<const char*>(req_.input) + parts()[p].offset;
   if (!codec().compresses()) {
     host()->Send(task.peer, Frame(FrameType::kPush, p, values, [this, p] { PushSent(p); }));
@@ -184,7 +195,7 @@ void PushPull::ContributionDone(uint32_t part, int peer) {
     host()->GiveBuffer(std::move(h.data));
     h = Held{};
   }
-  if (added == n()) FinishPartition(part);
+  if (added == n() && local_state_[part] != PushState::kQueued) FinishPartition(part);
 }
 
 void PushPull::FinishPartition(uint32_t part) {
@@ -199,6 +210,14 @@ void PushPull::FinishPartition(uint32_t part) {
     result = Payload{encoded_[part].data(), WireBytes(part), codec().encoding(),
                      codec().Encode(out, p.bytes, encoded_[part].data())};
     codec().Decode(result.data, result.bytes, result.scale_exp, out);
+  }
+  if (local_state_[part] == PushState::kReleased) {
+    TransferDone d;
+    d.task = PushTask(part);
+    d.sent_ns = push_released_ns_[part];
+    d.done_ns = NowNs();
+    d.local = true;
+    host()->PushCompleted(d);
   }
   result_sends_left_[part] = n() - 1;
   for (int peer = 0; peer < n(); ++peer) {

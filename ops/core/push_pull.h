@@ -70,6 +70,10 @@ class PushPull : public Collective {
 
   std::vector<PushState> push_state_;
   std::vector<int64_t> push_released_ns_;
+  // Owned partitions under a policy that schedules them (CollectiveHost::SchedulesOwnedPartitions):
+  // kQueued until released, then kReleased; the sum is sent back only once released. kDone: not
+  // scheduled (every other policy).
+  std::vector<PushState> local_state_;
   // A contribution that arrived before its turn, held until then.
   struct Held {
     ByteBuffer data;

@@ -21,7 +21,9 @@ class ReadyTimeProfiler;
 
 // The policies MakePolicy knows, and the one every entry point (EngineOptions, SchedulerOptions,
 // the Python package through the C API) uses when none is asked for.
-inline constexpr const char* kScheduleNames[] = {"prophet", "priority", "fifo"};
+// bytescheduler and p3 are the published schedulers (bytescheduler_policy.h, p3_policy.h), kept
+// for comparison; schedule_traits.h says what each asks of the partitions, credit and fusion.
+inline constexpr const char* kScheduleNames[] = {"prophet", "priority", "fifo", "bytescheduler", "p3"};
 inline constexpr char kDefaultSchedule[] = "prophet";
 // prophet: re-plan when the bandwidth or a stage interval moved by more than this fraction.
 constexpr double kDefaultReplanThreshold = 0.2;
@@ -56,6 +58,10 @@ struct TransferDone {
   int64_t sent_ns = 0;      // released to the connection
   int64_t done_ns = 0;      // last byte of the reply received
   bool exchange = false;    // an exchange stage (the timeline names it so)
+  // A partition this worker owns, released by a policy that schedules those
+  // (SchedulerPolicy::schedules_owned_partitions): its sum is complete here. Nothing travelled,
+  // so it is no bandwidth sample.
+  bool local = false;
 };
 
 // A stretch of time a policy spent in one phase (a Prophet block, the credit phase), or a moment
@@ -155,8 +161,20 @@ class SchedulerPolicy {
   // every other worker's push of the partition, and workers whose credit is full of pushes that
   // wait on each other's held-back pushes would wait forever.
   virtual void OnPushLeft(const SendTask& /*task*/) {}
+  // Feedback: the operation with this request id ended (its sums came back, or it failed and
+  // those of its released pushes that left will have none).
+  virtual void OnOperationEnded(uint64_t /*request_id*/) {}
   // Feedback: a push's sum came back. A policy that overrides this calls it.
-  virtual void OnTransferDone(const TransferDone& d) { bandwidth_.OnTransfer(d.task.bytes, d.sent_ns, d.done_ns); }
+  virtual void OnTransferDone(const TransferDone& d) {
+    if (!d.local) bandwidth_.OnTransfer(d.task.bytes, d.sent_ns, d.done_ns);
+  }
+  // True: the partitions this worker owns are tasks too (SendTask::peer is this worker), released
+  // in order with the pushes, under the credit; releasing one sends nothing (it leaves at once,
+  // OnPushLeft) but its sum is not sent back before then, and OnTransferDone (`local`) reports
+  // when the sum is complete. A parameter server's worker pushes every partition, its own
+  // server's too: ByteScheduler's credit counts them all, so that every worker's credit holds the
+  // same partitions (bytescheduler_policy.h).
+  virtual bool schedules_owned_partitions() const { return false; }
   // This worker's link rate (bandwidth.h: what its full sockets took, or before any filled, the
   // completed transfers' goodput): the one estimate that the planner, the timeline's bandwidth
   // counter and schedule="auto" read.
@@ -174,6 +192,10 @@ class SchedulerPolicy {
   // Blocks of the plan the policy follows (prophet; 0 before its first plan or when the plan has
   // none), or -1 for a policy without plans.
   virtual int planned_blocks() const { return -1; }
+  // Times the policy released work past its own flow control because it stayed blocked with
+  // nothing coming back (bytescheduler's stall break: a window taken for a deadlock); 0 for
+  // policies that never do. Reported by the engine's scheduler state and by the predictor.
+  virtual uint64_t stall_breaks() const { return 0; }
 
  private:
   BandwidthMonitor bandwidth_;
@@ -207,6 +229,9 @@ class PriorityPolicy : public SchedulerPolicy {
 struct SchedulerOptions {
   std::string policy = kDefaultSchedule;  // one of kScheduleNames
   double replan_threshold = kDefaultReplanThreshold;
+  // bytescheduler: its credit, the job's credit_bytes as resolved (schedule_traits.h); 0: its
+  // default.
+  uint64_t credit_bytes = 0;
 };
 
 }  // namespace prophet

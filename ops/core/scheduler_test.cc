@@ -213,7 +213,7 @@ TEST(MakePolicyByName) {
   EXPECT_EQ(std::string(SchedulerOptions().policy), std::string("prophet"));  // the default exists
   p = MakePolicy(SchedulerOptions(), &error);
   EXPECT_TRUE(p != nullptr);
-  for (const char* bad : {"bytescheduler", "", "FIFO", "priority "}) {
+  for (const char* bad : {"lifo", "", "FIFO", "priority "}) {
     o.policy = bad;
     error.clear();
     p = MakePolicy(o, &error);

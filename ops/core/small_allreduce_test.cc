@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "ops/core/schedule_traits.h"
 #include "ops/core/testing.h"
 
 namespace prophet {
@@ -244,6 +245,9 @@ TEST(TheExchangeWhereItsPredictedLatencyIsBelowTheOwners) {
   OpRequest gradient = control;
   gradient.priority = 5;
   EngineOptions options;
+  // The engine hands its policies options with the schedule's partition size resolved (a setting
+  // of 0 means the schedule's own).
+  options.partition_bytes = ResolvePartitionBytes(options.partition_bytes, options.schedule);
   options.small_allreduce = EngineOptions::kSmallAllreduceAuto;
   EXPECT_TRUE(ExchangesThis(control, 8, options) && !ExchangesThis(gradient, 8, options));
   EXPECT_TRUE(!ExchangesThis(control, 3, options));

@@ -4,6 +4,7 @@
 
 #include "ops/core/fusion.h"
 #include "ops/core/reduce.h"
+#include "ops/core/schedule_traits.h"
 
 namespace prophet {
 
@@ -15,7 +16,8 @@ void TwoLevelPushPull::Start() {
                                host()->options().partition_bytes,
                                r.fusion_bucket_bytes / static_cast<uint64_t>(n()) * static_cast<uint64_t>(hosts)));
   } else {
-    set_parts(MakePartitions(r.name, r.bytes, element_bytes(), hosts, host()->options().partition_bytes));
+    set_parts(MakePartitions(r.name, r.bytes, element_bytes(), hosts, host()->options().partition_bytes,
+                             PartitionMinSplitBytes(host()->options().schedule)));
   }
   const size_t np = parts().size();
   set_pending(static_cast<int>(np));

@@ -217,7 +217,8 @@ std::string PredictionJson(const StepPrediction& p) {
       {"overlap", p.overlap},             {"gate_wait_s", p.gate_wait_s},
       {"bandwidth_Bps", p.bandwidth_Bps}, {"messages_per_step", p.messages_per_step},
       {"io_busy_s", p.io_busy_s},
-      {"exchanged_per_step", p.exchanged_per_step}};
+      {"exchanged_per_step", p.exchanged_per_step},
+      {"stall_breaks", static_cast<double>(p.stall_breaks)}};
   for (const auto& entry : numbers) {
     out += ", \"";
     out += entry.first;

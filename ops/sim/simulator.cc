@@ -11,6 +11,7 @@
 
 #include "ops/core/partition.h"
 #include "ops/core/policies.h"
+#include "ops/core/schedule_traits.h"
 #include "ops/core/scheduler.h"
 #include "ops/core/small_allreduce.h"
 #include "ops/core/timeline.h"
@@ -84,6 +85,9 @@ struct PartState {
   int contributions = 0;      // owned (or led, two-level) partitions: contributions added, own included
   int results_unwritten = 0;  // sums not yet written to sockets (owner; two-level: the host's leader too)
   int64_t push_sent_ns = 0;
+  // An owned partition the policy schedules (SchedulerPolicy::schedules_owned_partitions): the own
+  // contribution counts once the policy released it, and its sum reports back as a local transfer.
+  bool local_task = false;
 };
 
 // One push_pull of one tensor in one step, on one worker.
@@ -549,11 +553,13 @@ void Simulation::Submit(int w, int step, int tensor) {
     Pump(w);
     return;
   }
+  const bool schedule_owned = worker.policy->schedules_owned_partitions();
   for (size_t p = 0; p < parts.size(); ++p) {
-    if (parts[p].owner == w) {
+    if (parts[p].owner == w && !schedule_owned) {
       ++op.parts[p].contributions;
       continue;
     }
+    op.parts[p].local_task = parts[p].owner == w;
     EnqueuePush(w, step, tensor, static_cast<int>(p), parts[p].owner);
   }
   for (size_t p = 0; p < parts.size(); ++p) {
@@ -581,7 +587,7 @@ void Simulation::EnqueuePush(int w, int step, int tensor, int partition, int own
 void Simulation::Pump(int w) {
   Worker& worker = workers_[w];
   if (worker.policy->queued() > 0) {
-    const uint64_t credit = ResolveCreditBytes(runtime_.credit_bytes, n_, runtime_.partition_bytes);
+    const uint64_t credit = ResolveScheduleCreditBytes(runtime_.credit_bytes, runtime_.schedule, n_, runtime_.partition_bytes);
     std::vector<SendTask>& tasks = released_;
     tasks.clear();
     worker.policy->Dequeue(worker.unsent_push_bytes < credit ? credit - worker.unsent_push_bytes : 0, now_ns_, &tasks);
@@ -592,10 +598,18 @@ void Simulation::Pump(int w) {
                                       std::to_string(span.bytes) + "}");
       }
     }
+    bool owned_released = false;
     for (const SendTask& task : tasks) {
       const uint64_t key = worker.op_of_request[task.request_id];
       Op& op = OpAt(w, key);
       op.parts[task.partition].push_sent_ns = now_ns_;
+      if (task.peer == w) {  // an owned partition: nothing travels, its own contribution counts
+        ++op.parts[task.partition].contributions;
+        worker.policy->OnPushLeft(task);
+        MaybeSum(w, key, task.partition);
+        owned_released = true;
+        continue;
+      }
       worker.unsent_push_bytes += task.bytes;
       FrameInfo info;
       info.kind = FrameKind::kPush;
@@ -604,6 +618,11 @@ void Simulation::Pump(int w) {
       info.partition = task.partition;
       info.bytes = task.bytes;
       SendFrame(w, task.peer, task.priority, info);
+    }
+    // Released owned partitions took credit for a moment only, as in the engine's pump loop.
+    if (owned_released && worker.policy->queued() > 0) {
+      Pump(w);
+      return;
     }
   }
   const int64_t wake = worker.policy->NextWakeupNs();
@@ -740,7 +759,18 @@ void Simulation::SumDone(int owner, uint64_t key, int partition) {
   // A compressed sum is encoded once, before its first frame.
   int64_t encode_ns = Encoded(info) ? static_cast<int64_t>(2.0 * static_cast<double>(info.bytes) * network_.cast_byte_ns) : 0;
   if (!two_level()) {
-    OpAt(owner, key).parts[partition].results_unwritten = n_ - 1;
+    PartState& part = OpAt(owner, key).parts[partition];
+    if (part.local_task) {
+      TransferDone& done = scratch_done_;
+      done.task = PushTask(owner, owner, info);
+      done.sent_ns = part.push_sent_ns;
+      done.done_ns = now_ns_;
+      done.exchange = false;
+      done.local = true;
+      TransferCompleted(owner, done);
+      done.local = false;
+    }
+    part.results_unwritten = n_ - 1;
     for (int peer = 0; peer < n_; ++peer) {
       if (peer != owner) SendFrame(owner, peer, priority, info, std::exchange(encode_ns, 0));
     }
@@ -862,7 +892,7 @@ void Simulation::TransferCompleted(int w, const TransferDone& done) {
   Worker& worker = workers_[w];
   worker.policy->OnTransferDone(done);
   const std::vector<BandwidthSample> samples = worker.policy->bandwidth()->TakeSamples();
-  if (!worker.timeline) return;
+  if (!worker.timeline || done.local) return;
   worker.timeline->Complete(done.exchange ? "exchange" : "push", done.task.name, done.sent_ns, done.done_ns);
   for (const BandwidthSample& b : samples) worker.timeline->Counter("bandwidth_MBps", b.ts_ns, b.estimate_Bps / 1e6);
 }
@@ -1040,7 +1070,7 @@ void Simulation::PlanUnits() {
     units_.push_back(unit);
     unit_members_.push_back(b.members);
     if (!two_level()) {
-      partitions_.push_back(PlanPartitions(b, n_, runtime_.partition_bytes, bucket_bytes));
+      partitions_.push_back(PlanPartitions(b, n_, runtime_.partition_bytes, bucket_bytes, PartitionMinSplitBytes(runtime_.schedule)));
       continue;
     }
     // Two-level: cut for the hosts, owned by hosts (a bucket keeps each owner's share of bytes);
@@ -1048,7 +1078,8 @@ void Simulation::PlanUnits() {
     // the unit's name's hash points.
     const int hosts = link_.hosts();
     partitions_.push_back(PlanPartitions(b, hosts, runtime_.partition_bytes,
-                                         bucket_bytes / static_cast<uint64_t>(n_) * static_cast<uint64_t>(hosts)));
+                                         bucket_bytes / static_cast<uint64_t>(n_) * static_cast<uint64_t>(hosts),
+                                         PartitionMinSplitBytes(runtime_.schedule)));
     const uint64_t start = HashString(unit.name);
     std::vector<int> ranks(partitions_.back().size());
     for (size_t p = 0; p < ranks.size(); ++p) ranks[p] = static_cast<int>((start + p) % static_cast<uint64_t>(per_host()));
@@ -1124,6 +1155,7 @@ Status Simulation::Run(StepPrediction* prediction) {
   SchedulerOptions scheduler;
   scheduler.policy = mwms() ? "fifo" : runtime_.schedule;  // mwms never asks its policy
   scheduler.replan_threshold = runtime_.replan_threshold;
+  scheduler.credit_bytes = ResolveScheduleCreditBytes(runtime_.credit_bytes, runtime_.schedule, n_, runtime_.partition_bytes);
   for (int w = 0; w < n_; ++w) {
     Worker& worker = workers_[w];
     std::string error;
@@ -1218,6 +1250,7 @@ Status Simulation::Run(StepPrediction* prediction) {
     p.policy = "mwms: one ring all-reduce of every gradient after the backward pass";
   } else {
     p.policy = first.policy->Describe();
+    p.stall_breaks = first.policy->stall_breaks();
   }
   p.tensor_times = timings_;
   return Status::OK();
@@ -1289,8 +1322,8 @@ Status Simulate(const StepProfile& profile, const NetworkModel& network, const R
     return Status(Code::kInvalidArgument, "need at least one measured step and no negative warm-up");
   }
   if (profile.layers.empty()) return Status(Code::kInvalidArgument, "the profile has no layer");
-  if (runtime.partition_bytes < 64) {
-    return Status(Code::kInvalidArgument, "partition_bytes must be at least 64");
+  if (runtime.partition_bytes != kPartitionAuto && runtime.partition_bytes < 64) {
+    return Status(Code::kInvalidArgument, "partition_bytes must be 0 (the schedule's) or at least 64");
   }
   if (runtime.schedule != "mwms") {
     std::string error;
@@ -1322,7 +1355,13 @@ Status Simulate(const StepProfile& profile, const NetworkModel& network, const R
   for (const ModelLayer& l : profile.layers) {
     if (l.forward_ns < 0 || l.backward_ns < 0) return Status(Code::kInvalidArgument, "layer '" + l.name + "' has a negative time");
   }
-  Simulation simulation(profile, network, runtime, options);
+  // The schedule's partitions and fusion where the options leave them to it (schedule_traits.h), as
+  // the engine and ProphetStrategy resolve them.
+  RuntimeModel resolved = runtime;
+  resolved.partition_bytes = ResolvePartitionBytes(runtime.partition_bytes, runtime.schedule);
+  const ScheduleTraits* traits = FindScheduleTraits(runtime.schedule);
+  if (resolved.fusion_bytes == kFusionAuto && traits != nullptr && !traits->automatic_fusion) resolved.fusion_bytes = 0;
+  Simulation simulation(profile, network, resolved, options);
   return simulation.Run(prediction);
 }
 

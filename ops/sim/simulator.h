@@ -17,7 +17,8 @@
 //    the tensor's bytes when it is ready, as the engine does;
 //  - push_pull: every partition not owned by this worker is pushed to its owner; the owner adds
 //    the N contributions (its own arrives when its tensor is ready there) and sends the sum back
-//    to each other worker; a push's credit returns when its sum arrives; an owner is done with a
+//    to each other worker; a push's credit returns when it is written to its socket (bytescheduler
+//    also holds its own window until the sum arrives); an owner is done with a
 //    partition once the sum's frames are written to the sockets;
 //  - links: LinkModel (per-host egress and ingress shared by the host's workers, loopback between
 //    them, one connection per peer, frames in the engine's queue order);
@@ -246,6 +247,7 @@ struct StepPrediction {
   double io_busy_s = 0;
   double exchanged_per_step = 0;     // collectives per step that go by exchange (small_allreduce.h)
   std::string policy;                // the policy's Describe() at the end (worker 0)
+  uint64_t stall_breaks = 0;         // the policy's stall breaks over the whole run (worker 0)
   std::vector<TensorTiming> tensor_times;  // in StepProfile::tensors order
 };
 

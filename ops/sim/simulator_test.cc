@@ -650,7 +650,7 @@ TEST(ExchangeSendsLog2NMessagesPerWorker) {
     for (const ExchangeStep& step : ExchangePlan(0, n)) sends += step.send_to >= 0;
     double owned_frames = 0, chosen_frames = 0;
     for (const ModelTensor& t : profile.tensors) {
-      const uint64_t partition_bytes = EngineOptions().partition_bytes;
+      const uint64_t partition_bytes = ResolvePartitionBytes(EngineOptions().partition_bytes, "prophet");
       const int by_owner = MakePartitions(t.name, t.bytes, 4, n, partition_bytes)[0].owner == 0 ? n - 1 : 1;
       owned_frames += by_owner;
       // The engine's rule: by exchange at 2, 8 and 16 workers, by owners at 6.

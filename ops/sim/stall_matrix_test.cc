@@ -62,8 +62,9 @@ TEST(EveryScheduleFinishesEveryStepAtAnyN) {
   options.warmup_steps = 3;  // prophet: a profile and a bandwidth estimate, then plans
   options.steps = 1;
   int runs = 0, stalls = 0;
+  uint64_t bytescheduler_breaks = 0, other_breaks = 0;
   for (const int workers : {16, 32, 64, 128}) {
-    for (const char* schedule : {"fifo", "priority", "prophet"}) {
+    for (const char* schedule : {"fifo", "priority", "prophet", "bytescheduler", "p3"}) {
       for (const uint64_t partition : {uint64_t{64} * kKiB, uint64_t{64} << 20}) {
         // One partition (the smallest credit that moves one push at a time), and no limit.
         for (const uint64_t credit : {partition, uint64_t{1} << 40}) {
@@ -91,6 +92,8 @@ TEST(EveryScheduleFinishesEveryStepAtAnyN) {
             StepPrediction prediction;
             const Status s = Simulate(profile, network, runtime, options, &prediction);
             ++runs;
+            (std::string(schedule) == "bytescheduler" ? bytescheduler_breaks : other_breaks) +=
+                prediction.stall_breaks;
             if (s.ok() && prediction.step_s > 0) continue;
             ++stalls;
             std::fprintf(stderr, "%d workers, %s, partitions %llu, credit %llu, socket buffer %llu, unsent %llu, fusion %lld: %s\n",
@@ -103,8 +106,13 @@ TEST(EveryScheduleFinishesEveryStepAtAnyN) {
       }
     }
   }
-  std::printf("%d settings, %d stalled\n", runs, stalls);
+  std::printf("%d settings, %d stalled; bytescheduler's stall breaks: %llu\n", runs, stalls,
+              static_cast<unsigned long long>(bytescheduler_breaks));
   EXPECT_EQ(stalls, 0);
+  // Its window of partitions waiting for their sums fills at these N, and only its breaks open it
+  // (the prediction reports them); no other policy ever breaks its flow control.
+  EXPECT_TRUE(bytescheduler_breaks > 0);
+  EXPECT_EQ(other_breaks, 0u);
 }
 
 }  // namespace

@@ -192,7 +192,7 @@ def carry_stop_flag(extended: Any, values: Any) -> Any:
                        "the grace period)", type(values).__name__)
         return values
 
-    agreed = extended._push_pull(flag, extended._namer.site("preemption"),
+    agreed = extended.collectives.push_pull(flag, extended.collectives.site("preemption"),
                                  runtime.control_priority(), False)
     return dict(values, **{STOP_KEY: agreed[0]})
 

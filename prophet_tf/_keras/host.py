@@ -16,11 +16,11 @@ class KerasHost:
 
     * who: ``_rank``, ``_world_size``, ``_multi`` (several workers), ``_communicates`` (several
       workers, or one recording a profile), ``_cross_barrier``, ``_compression``;
-    * collectives named the same on every worker: ``_namer.site(kind)``, ``_push_pull(t, name,
-      priority, mean)``, ``_broadcast(t, name, root_rank)``, ``_allgather(t, name)``;
-    * Keras's cross-worker steps: ``_reduce_metric_state``, ``_all_finite``,
-      ``_optimizer_update_step``, ``clips_after_reduction``, ``_gathering_outputs``,
-      ``_compiling_steps`` (``jit_compile=True``);
+    * ``collectives`` (``prophet_tf._collectives.Collectives``): collectives named the same on
+      every worker (``site(kind)``, ``push_pull``, ``broadcast``, ``allgather``) and Keras's
+      cross-worker reductions (``reduce_metric_state``, ``all_finite``);
+    * Keras's cross-worker steps: ``_optimizer_update_step``, ``clips_after_reduction``,
+      ``_gathering_outputs``, ``_compiling_steps`` (``jit_compile=True``);
     * what the strategy was created with: ``_auto_schedule``, ``_step_reporter``,
       ``_checkpoint_dir``, ``_fit_count``.
     """

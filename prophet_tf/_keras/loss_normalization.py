@@ -51,7 +51,7 @@ def _global_sum(ext, values: list, kind: str) -> list:
     import tensorflow as tf
 
     local = tf.stop_gradient(tf.stack([tf.cast(v, tf.float64) for v in values]))
-    total = ext._push_pull(local, ext._namer.site(kind), runtime.control_priority(), False)
+    total = ext.collectives.push_pull(local, ext.collectives.site(kind), runtime.control_priority(), False)
     return tf.unstack(total)
 
 

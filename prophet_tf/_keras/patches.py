@@ -224,7 +224,7 @@ def _patch_metrics():
         flat = [v for vs in per_metric for v in vs]
 
         stop_flag = preemption.flag_to_carry() if ext._multi else None
-        reduced, agreed_stop = ext._reduce_metric_state(flat, stop_flag)
+        reduced, agreed_stop = ext.collectives.reduce_metric_state(flat, stop_flag)
         return_metrics = {}
         k = 0
         for metric, vs in zip(metrics, per_metric):
@@ -304,7 +304,7 @@ def _patch_loss_scale():
         ext = _current_extended()
         if ext is None:
             return finite
-        return ext._all_finite(finite)
+        return ext.collectives.all_finite(finite)
 
     patch(lso.LossScaleOptimizer, "check_finite", check_finite)
 
@@ -366,16 +366,16 @@ def _average_step_outputs(ext, values):
     if not groups:
         return values
     out = list(flat)
-    site = ext._namer.site("step_outputs")
+    site = ext.collectives.site("step_outputs")
     for dtype, idx in groups.items():
         parts = [tf.reshape(flat[i], [-1]) for i in idx]
         sizes = [tf.size(p) for p in parts]
         joined = tf.concat(parts, axis=0)
         name = f"{site}/{dtype.name}/{len(idx)}"
         if dtype.is_floating:
-            reduced = ext._push_pull(joined, name, runtime.control_priority(), True)
+            reduced = ext.collectives.push_pull(joined, name, runtime.control_priority(), True)
         else:
-            reduced = ext._broadcast(joined, name, root_rank=0)
+            reduced = ext.collectives.broadcast(joined, name, root_rank=0)
         for i, part in zip(idx, tf.split(reduced, tf.stack(sizes))):
             out[i] = tf.reshape(part, tf.shape(flat[i]))
             _mark_global(out[i])

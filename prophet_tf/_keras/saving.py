@@ -170,7 +170,7 @@ def _agree_through(extended: Any, error: Optional[BaseException]) -> None:
     # Rank order, each entry [length, bytes...] (all-gather concatenates along dim 0).
     local = np.concatenate([[len(mine)], np.frombuffer(mine, np.uint8)]).astype(np.int32)
     try:
-        gathered = extended._allgather(tf.constant(local), extended._namer.site("save_outcome"),
+        gathered = extended.collectives.allgather(tf.constant(local), extended.collectives.site("save_outcome"),
                                        runtime.control_priority()).numpy()
     except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError) as failure:
         failure.add_note(_NOT_EVERY_WORKER_SAVED)

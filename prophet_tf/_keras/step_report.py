@@ -294,7 +294,7 @@ class StepReporter:
         contribution = [local.step_ms / n, local.wait_ms / n, local.gate_wait_ms / n,
                         local.barrier_wait_ms / n, local.link_gbps / n,
                         rank0 * (local.plan_blocks if local.plan_blocks is not None else -1)]
-        summed = ext._push_pull(tf.constant(contribution, tf.float64), ext._namer.site("step_report"),
+        summed = ext.collectives.push_pull(tf.constant(contribution, tf.float64), ext.collectives.site("step_report"),
                                 runtime.control_priority(), False).numpy().tolist()
         blocks = int(round(summed[5]))
         return dataclasses.replace(

@@ -36,7 +36,7 @@ def _worker(probes: int) -> None:
     strategy = ProphetStrategy()
     for k in range(probes):
         if k == 0:
-            strategy.extended._fusion_link_Bps()  # what fusion's first declaration runs
+            strategy.extended.collectives.fusion_link_Bps()  # what fusion's first declaration runs
             rate = strategy.fusion_link_rate
         else:
             rate = _link_probe.probe(strategy.world_size, control_priority())

@@ -69,7 +69,8 @@ QUICK_STEPS, QUICK_WARMUP = 8, 4
 #: The predictor's schedule of each base system of the training benchmark (the same names;
 #: ``auto`` has none: it runs one of the others).
 SYSTEM_SCHEDULES = {"prophet": "prophet", "prophet_nocross": "prophet_nocross",
-                    "priority": "priority", "fifo": "fifo", "mwms": "mwms"}
+                    "priority": "priority", "fifo": "fifo", "bytescheduler": "bytescheduler",
+                    "p3": "p3", "mwms": "mwms"}
 
 
 def predict_options(opts: "train.SweepOptions", system: Optional["train.System"] = None) -> Any:
@@ -152,15 +153,14 @@ def _worker_emulation(facts: Mapping[str, Any]) -> Optional[dict[str, Any]]:
 
 
 def predict_setting(setting: Mapping[str, Any], profile: Any, opts: "train.SweepOptions",
-                    systems: Sequence[str], costs: Optional[dict] = None
-                    ) -> dict[str, Optional[float]]:
-    """Predicted step time of every system of ``setting`` (None: the simulated runtime
-    deadlocked; the reason is logged), each with its own runtime options. With ``costs``
-    (``prophet_tf.predict calibrate``) the workers' CPU is charged: their I/O threads share this
-    machine's cores, as the emulated cluster's workers do."""
+                    systems: Sequence[str], costs: Optional[dict] = None) -> dict[str, Any]:
+    """The prediction (``prophet_tf.predict.Prediction``) of every system of ``setting`` (None:
+    the simulated runtime deadlocked; the reason is logged), each with its own runtime options.
+    With ``costs`` (``prophet_tf.predict calibrate``) the workers' CPU is charged: their I/O
+    threads share this machine's cores, as the emulated cluster's workers do."""
     from prophet_tf.predict import SimulatedDeadlock, predict
     from prophet_tf.predict.costs import apply_costs
-    out: dict[str, Optional[float]] = {}
+    out: dict[str, Any] = {}
     for system in systems:
         spec = train.parse_system(system)
         schedule = SYSTEM_SCHEDULES.get(spec.base)
@@ -173,7 +173,7 @@ def predict_setting(setting: Mapping[str, Any], profile: Any, opts: "train.Sweep
                 options.shared_cores = os.cpu_count() or 1
             out[system] = predict(profile, workers=int(setting["workers"]),
                                   bandwidth_bps=float(setting["bandwidth_bps"]), schedule=schedule,
-                                  options=options).step_s
+                                  options=options)
         except SimulatedDeadlock as e:
             sys.stderr.write(f"  predicted deadlock: {e}\n")
             out[system] = None
@@ -198,8 +198,8 @@ def summary_line(rows: Sequence[Mapping[str, Any]], key: str = "predicted_s") ->
 
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """Markdown: one row per (setting, system)."""
-    lines = ["| compute | model | N | comm/comp | link | system | predicted ms | measured ms | error |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| compute | model | N | comm/comp | link | system | predicted ms | measured ms | error "
+             "| stall breaks: predicted / measured |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         pred, meas = r.get("predicted_s"), r.get("measured_s")
         predicted = f"{pred * 1e3:.0f}" if pred else ("deadlock" if r.get("deadlock") else "n/a")
@@ -211,9 +211,11 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
             predicted += " / " + (f"{charged * 1e3:.0f}" if charged else "n/a")
             if charged and meas:
                 err += f" / {100 * (charged - meas) / meas:+.1f}%"
+        breaks = " / ".join("n/a" if r.get(k) is None else str(r[k])
+                            for k in ("predicted_stall_breaks", "measured_stall_breaks"))
         lines.append(f"| {r['compute']} | {r['model']} | {r['workers']} | {r['ratio']:g} | "
                      f"{train.format_bandwidth(r['bandwidth_bps'])} | {system} | {predicted} | "
-                     f"{measured} | {err} |")
+                     f"{measured} | {err} | {breaks} |")
     if any("predicted_cpu_s" in r for r in rows):
         lines.append("\n(predicted and error: without / with the CPU charged)")
     return "\n".join(lines) + "\n"
@@ -287,16 +289,25 @@ def _rows_for(settings: Sequence[Mapping[str, Any]], opts: "train.SweepOptions",
             if train.parse_system(system).base not in SYSTEM_SCHEDULES:
                 continue
             foreign = res.get("foreign_cores")
+            prediction = predicted.get(system)
             rows.append({"compute": st.get("compute", opts.compute), "model": st["model"],
                          "workers": st["workers"], "ratio": st.get("comm_compute_ratio") or 0.0,
                          "bandwidth_bps": st["bandwidth_bps"], "system": system,
                          "measured_s": res.get("step_s_median"),
-                         "predicted_s": predicted.get(system),
-                         "deadlock": system in predicted and predicted[system] is None,
+                         "predicted_s": prediction.step_s if prediction else None,
+                         "deadlock": system in predicted and prediction is None,
+                         # bytescheduler's windows opened for a deadlock (worker 0; the
+                         # prediction's over its whole run, the measurement's over the launch)
+                         "predicted_stall_breaks": prediction.stall_breaks if prediction else None,
+                         "measured_stall_breaks": res.get("stall_breaks"),
                          "noisy": isinstance(foreign, (int, float)) and foreign > train.NOISY_CORES,
                          "profile_step_s": profile.step_s if profile else None,
-                         **({"predicted_cpu_s": charged.get(system)} if costs else {})})
+                         **({"predicted_cpu_s": _step_s(charged.get(system))} if costs else {})})
     return rows, notes
+
+
+def _step_s(prediction: Any) -> Optional[float]:
+    return prediction.step_s if prediction else None
 
 
 def auto_lines(settings: Sequence[Mapping[str, Any]]) -> list[str]:

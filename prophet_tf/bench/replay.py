@@ -227,7 +227,7 @@ def run_replay(profile: Any, *, workers: int, workers_per_host: int, schedule: s
     from prophet_tf.bench import netem
     from prophet_tf.launch import free_ports
     from prophet_tf.predict import SimulatedDeadlock, ideal_bound, predict
-    from prophet_tf.predict.model import _request
+    from prophet_tf.predict.model import simulation_request
     if workers < 2 or workers % workers_per_host:
         raise ValueError(f"--workers ({workers}) must be at least 2 and a multiple of "
                          f"--workers_per_host ({workers_per_host})")
@@ -239,7 +239,7 @@ def run_replay(profile: Any, *, workers: int, workers_per_host: int, schedule: s
     link_bps = bandwidth_bps * byte_scale / time_scale
     options = predict_options(workers_per_host, hierarchical, 0 if fusion == "off" else -1,
                               warmup, steps, costs, None, shared_cores, mtu)
-    request = _request(played, workers, link_bps, schedule, options, None, 0)
+    request = simulation_request(played, workers, link_bps, schedule, options, None, 0)
     os.makedirs(workdir, exist_ok=True)
     request_path = os.path.join(workdir, "request.txt")
     with open(request_path, "w") as f:

@@ -1,29 +1,38 @@
-"""Where Prophet's blocks beat priority order, and by how much: a map made by the predictor.
+"""Where Prophet's blocks beat priority order and the published schedulers, and by how much: a
+map made by the predictor.
 
     python -m prophet_tf.bench.schedule_map [--models resnet50,vgg16,bert_base]
         [--workers 2,4,8,16] [--bandwidth 1G,2.5G,10G,25G,100G] [--rtt 50us,200us,1ms,3ms,10ms]
-        [--accelerator_tflops 100] [--out bench_out] [--prophet_options JSON]
+        [--schedules prophet,priority,bytescheduler,p3] [--accelerator_tflops 100]
+        [--out bench_out] [--prophet_options JSON]
 
 This machine's kernel has no ``sch_netem``, so the emulated cluster cannot add delay; the
 predictor (``prophet_tf.predict``: the runtime's own policies replayed over a model of the
 links) can. For every model, worker count N, link rate and round-trip time it predicts the step
-time of ``prophet`` and ``priority`` (both crossing the barrier, the runtime's default options or
-``--prophet_options``) and the ideal bound (docs/design.md, "The ideal bound"), and reports
-``priority / prophet`` (above 1: Prophet's blocks are faster) and each one's step over the ideal.
+time of every schedule of ``--schedules`` (default ``prophet``, ``priority`` and the published
+``bytescheduler`` and ``p3``, each with its own partitions and credit; ``fifo`` and ``mwms``, the
+ring, on request; all but ``mwms`` crossing the barrier; the runtime's default options or
+``--prophet_options``) and the ideal bound (docs/design.md, "The ideal bound"), and reports each
+other schedule's step over prophet's (``priority / prophet``: above 1, Prophet's blocks are
+faster) and prophet's step over the ideal. ``--bytescheduler_credits 1,2,4,8,16`` also predicts
+``bytescheduler`` with each of those credits (millions of float32 parameters; ByteScheduler's
+tuner searches 1-16 for a parameter server) and reports the best of them as
+``bytescheduler_tuned``: what its auto-tuning could find at best.
 
 The modelled cluster: each worker's step is the emulated accelerator's (``--accelerator_tflops``,
 default 100 TFLOP/s; layer times from FLOPs, backward = 2 x forward, each layer's gradients ready
 when its backward pass ends; :func:`prophet_tf.bench.emulated.emulated_profile`) with the
 benchmark's per-worker batch; every host has one NIC limited to the link rate both ways; TCP over
 Ethernet carries 1448 payload bytes per 1538 on the wire; a frame arrives one one-way latency
-(RTT / 2) after its last byte left, so a push's credit returns one RTT after it was sent at the
-earliest; updates take no time. Not modelled: TCP's congestion window (the kernel's send window is
+(RTT / 2) after its last byte left, so a sum comes back one RTT after its push was sent at the
+earliest (``bytescheduler``'s credit waits for it); updates take no time. Not modelled: TCP's congestion window (the kernel's send window is
 assumed to cover the bandwidth-delay product), the host CPU.
 
 The layer specs are built once per model from the real Keras model (one TensorFlow process) and
 kept in ``OUT/specs/`` (shared with ``python -m prophet_tf.bench.train --out OUT``). Outputs in
 ``OUT/schedule_map/``: ``map.md`` (a table per model: rows N x link rate, columns RTT), ``map.json``
-(every prediction) and ``map.png`` (a heat map of priority / prophet per model and N).
+(every prediction), ``map.png`` (a heat map of priority / prophet per model and N) and
+``map_OTHER.png`` for each other schedule.
 
 Every setting is also appended to ``OUT/schedule_map/points.jsonl`` as soon as it is predicted. A
 map that was stopped keeps what it had, and running the same command again predicts only the
@@ -51,9 +60,21 @@ DEFAULT_MODELS = ("resnet50", "vgg16", "bert_base")
 DEFAULT_WORKERS = ("2", "4", "8", "16")
 DEFAULT_BANDWIDTHS = ("1G", "2.5G", "10G", "25G", "100G")
 DEFAULT_RTTS = ("50us", "200us", "1ms", "3ms", "10ms")
-SCHEDULES = ("prophet", "priority")
-#: Prophet counts as faster (or slower) than priority beyond this relative difference.
+#: The schedules the map predicts by default; prophet is what the others are compared with.
+SCHEDULES = ("prophet", "priority", "bytescheduler", "p3")
+#: Every schedule a map may name (``mwms``: TensorFlow's ring, without barrier crossing).
+KNOWN_SCHEDULES = ("prophet", "priority", "fifo", "bytescheduler", "p3", "mwms")
+#: The best of the ``bytescheduler`` credits predicted (``--bytescheduler_credits``).
+TUNED = "bytescheduler_tuned"
+#: Prophet counts as faster (or slower) than another schedule beyond this relative difference.
 MARGIN = 0.02
+#: The ratio the summary counts settings at (the seed paper's claim, checked).
+CLAIM = 1.2
+
+
+def credit_key(millions: float) -> str:
+    """The ``step_s`` key of ``bytescheduler`` with a credit of ``millions`` float32 parameters."""
+    return f"bytescheduler[credit={millions:g}M]"
 
 
 @dataclasses.dataclass
@@ -72,8 +93,18 @@ class MapPoint:
     @property
     def speedup(self) -> Optional[float]:
         """priority / prophet: above 1, Prophet's blocks are faster."""
-        prophet, priority = self.step_s.get("prophet"), self.step_s.get("priority")
-        return priority / prophet if prophet and priority else None
+        return self.ratio("priority")
+
+    def ratio(self, other: str) -> Optional[float]:
+        """``other``'s step over prophet's (above 1: prophet is faster); None when either
+        deadlocked or was not predicted."""
+        prophet, theirs = self.step_s.get("prophet"), self.step_s.get(other)
+        return theirs / prophet if prophet and theirs else None
+
+    def others(self) -> list[str]:
+        """The schedules compared with prophet, in the order predicted (the credits searched
+        for ``bytescheduler_tuned`` count as that one)."""
+        return [s for s in self.step_s if s != "prophet" and not s.startswith("bytescheduler[")]
 
     def over_ideal(self, schedule: str) -> Optional[float]:
         s = self.step_s.get(schedule)
@@ -87,6 +118,7 @@ class MapPoint:
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["speedup_prophet_over_priority"] = self.speedup
+        data["prophet_speedup"] = {s: self.ratio(s) for s in self.others()}
         data["over_ideal"] = {s: self.over_ideal(s) for s in self.step_s}
         return data
 
@@ -152,27 +184,36 @@ class PointLog:
 def map_points(profiles: dict[str, Any], workers: Sequence[int], bandwidths: Sequence[float],
                rtts: Sequence[float], options: Any, threads: int = 0,
                progress: Any = None, known: Sequence[MapPoint] = (),
-               on_point: Any = None) -> list[MapPoint]:
+               on_point: Any = None, schedules: Sequence[str] = SCHEDULES,
+               bytescheduler_credits: Sequence[float] = ()) -> list[MapPoint]:
     """Predicts every (model, N, link rate, RTT) of the map; ``profiles``: model -> Profile,
-    ``options``: the :class:`prophet_tf.predict.PredictOptions` apart from the latency. The
-    simulations run on ``threads`` threads (0: one per core; ctypes releases the GIL). Settings
-    of ``known`` are taken from there, not predicted again; ``on_point`` is called with each
-    point as soon as it is predicted (from the simulation threads)."""
+    ``options``: the :class:`prophet_tf.predict.PredictOptions` apart from the latency,
+    ``schedules``: what to predict (prophet first), ``bytescheduler_credits``: credits in
+    millions of float32 parameters to predict ``bytescheduler`` with, the best of which becomes
+    :data:`TUNED`. The simulations run on ``threads`` threads (0: one per core; ctypes releases
+    the GIL). Settings of ``known`` are taken from there, not predicted again; ``on_point`` is
+    called with each point as soon as it is predicted (from the simulation threads)."""
     from prophet_tf.predict import SimulatedDeadlock, ideal_bound, predict
     cells = [(m, n, bw, rtt) for m in profiles for n in workers for bw in bandwidths
              for rtt in rtts]
     known_points = {p.setting: p for p in known}
+    runs = [(s, s, None) for s in schedules]
+    runs += [(credit_key(c), "bytescheduler", int(round(c * 4e6))) for c in bytescheduler_credits]
 
     def one(cell: tuple[str, int, float, float]) -> MapPoint:
         model, n, bw, rtt = cell
         opts = dataclasses.replace(options, latency_s=rtt / 2)
         steps: dict[str, Optional[float]] = {}
-        for schedule in SCHEDULES:
+        for key, schedule, credit in runs:
+            run_opts = opts if credit is None else dataclasses.replace(opts, credit_bytes=credit)
             try:
-                steps[schedule] = predict(profiles[model], workers=n, bandwidth_bps=bw,
-                                          schedule=schedule, options=opts).step_s
+                steps[key] = predict(profiles[model], workers=n, bandwidth_bps=bw,
+                                     schedule=schedule, options=run_opts).step_s
             except SimulatedDeadlock:
-                steps[schedule] = None
+                steps[key] = None
+        if bytescheduler_credits:
+            tried = [steps[credit_key(c)] for c in bytescheduler_credits]
+            steps[TUNED] = min((t for t in tried if t), default=None)
         b = ideal_bound(profiles[model], workers=n, bandwidth_bps=bw, options=opts)
         point = MapPoint(model, n, bw, rtt, b.compute_s, b.step_s, steps)
         if on_point is not None:
@@ -198,7 +239,8 @@ def _duration(s: float) -> str:
 
 def format_tables(points: Sequence[MapPoint]) -> str:
     """Markdown, one table per model: a row per (N, link rate), a column per RTT; each cell is
-    priority / prophet (bold when Prophet is faster by more than :data:`MARGIN`) and, in
+    every other schedule's step over prophet's, in the order predicted (``priority /
+    bytescheduler / p3``; bold when prophet is faster by more than :data:`MARGIN`) and, in
     parentheses, prophet's step over the ideal bound."""
     out = []
     for model in dict.fromkeys(p.model for p in points):
@@ -218,48 +260,67 @@ def format_tables(points: Sequence[MapPoint]) -> str:
 
 
 def _cell(p: MapPoint) -> str:
-    if p.speedup is None:
-        stuck = [s for s, v in p.step_s.items() if v is None]
+    stuck = [s for s, v in p.step_s.items() if v is None and not s.startswith("bytescheduler[")]
+    if p.step_s.get("prophet") is None or not p.others():
         return "deadlock: " + ", ".join(stuck)
-    text = f"{p.speedup:.2f}"
-    if p.speedup > 1 + MARGIN:
-        text = f"**{text}**"
-    return f"{text} ({p.over_ideal('prophet'):.2f})"
+    texts = []
+    for other in p.others():
+        r = p.ratio(other)
+        if r is None:
+            texts.append(f"dl {other}")
+        else:
+            texts.append(f"**{r:.2f}**" if r > 1 + MARGIN else f"{r:.2f}")
+    return " / ".join(texts) + f" ({p.over_ideal('prophet'):.2f})"
 
 
 def summary_lines(points: Sequence[MapPoint]) -> list[str]:
-    """What the map says, in a few lines: how often and where Prophet is faster or slower than
-    priority beyond :data:`MARGIN`, the largest gains, and how far both stay from the ideal."""
-    ok = [p for p in points if p.speedup is not None]
-    lines = [f"{len(points)} settings, {len(points) - len(ok)} with a simulated deadlock"]
-    if not ok:
-        return lines
-    faster = [p for p in ok if p.speedup > 1 + MARGIN]
-    slower = [p for p in ok if p.speedup < 1 - MARGIN]
-    lines.append(f"prophet faster than priority by more than {MARGIN:.0%}: {len(faster)} of "
-                 f"{len(ok)}; slower by more than {MARGIN:.0%}: {len(slower)}; within: "
-                 f"{len(ok) - len(faster) - len(slower)}")
-    for p in sorted(ok, key=lambda q: -q.speedup)[:5]:
-        lines.append(f"  largest gain {p.speedup:.2f}x: {p.model}, N={p.workers}, "
-                     f"{_rate(p.bandwidth_bps)}, RTT {_duration(p.rtt_s)} (prophet "
-                     f"{p.over_ideal('prophet'):.2f}, priority {p.over_ideal('priority'):.2f} x "
-                     "the ideal)")
-    for p in sorted(ok, key=lambda q: q.speedup)[:3]:
-        if p.speedup < 1 - MARGIN:
-            lines.append(f"  largest loss {p.speedup:.2f}x: {p.model}, N={p.workers}, "
-                         f"{_rate(p.bandwidth_bps)}, RTT {_duration(p.rtt_s)}")
-    for model in dict.fromkeys(p.model for p in ok):
-        mine = [p for p in ok if p.model == model]
-        best = [min(p.over_ideal("prophet"), p.over_ideal("priority")) for p in mine]
-        lines.append(f"{model}: the better schedule within 1.05x of the ideal in "
-                     f"{sum(b <= 1.05 for b in best)} of {len(mine)} settings (median "
-                     f"{sorted(best)[len(best) // 2]:.2f}x, worst {max(best):.2f}x)")
+    """What the map says, in a few lines per other schedule: how often and where Prophet is
+    faster or slower beyond :data:`MARGIN`, the largest gains, the settings where it is at least
+    :data:`CLAIM` x faster, and how far the schedules stay from the ideal."""
+    stuck = [p for p in points
+             if any(v is None for s, v in p.step_s.items() if not s.startswith("bytescheduler["))]
+    lines = [f"{len(points)} settings, {len(stuck)} with a simulated deadlock"]
+    others = list(dict.fromkeys(o for p in points for o in p.others()))
+    for other in others:
+        ok = [p for p in points if p.ratio(other) is not None]
+        if not ok:
+            continue
+        faster = [p for p in ok if p.ratio(other) > 1 + MARGIN]
+        slower = [p for p in ok if p.ratio(other) < 1 - MARGIN]
+        lines.append(f"prophet faster than {other} by more than {MARGIN:.0%}: {len(faster)} of "
+                     f"{len(ok)}; slower by more than {MARGIN:.0%}: {len(slower)}; within: "
+                     f"{len(ok) - len(faster) - len(slower)}")
+        for p in sorted(ok, key=lambda q: -q.ratio(other))[:5]:
+            lines.append(f"  largest gain {p.ratio(other):.2f}x: {p.model}, N={p.workers}, "
+                         f"{_rate(p.bandwidth_bps)}, RTT {_duration(p.rtt_s)} (prophet "
+                         f"{p.over_ideal('prophet'):.2f}, {other} {p.over_ideal(other):.2f} x "
+                         "the ideal)")
+        for p in sorted(ok, key=lambda q: q.ratio(other))[:3]:
+            if p.ratio(other) < 1 - MARGIN:
+                lines.append(f"  largest loss {p.ratio(other):.2f}x: {p.model}, N={p.workers}, "
+                             f"{_rate(p.bandwidth_bps)}, RTT {_duration(p.rtt_s)}")
+        claim = [p for p in ok if p.ratio(other) >= CLAIM]
+        if claim:
+            where = {}
+            for p in claim:
+                where.setdefault((p.model, p.workers), []).append(p)
+            lines.append(f"  prophet at least {CLAIM:g}x faster than {other} in {len(claim)} "
+                         "settings: " + "; ".join(
+                             f"{m} N={n} ({len(ps)})" for (m, n), ps in sorted(where.items())))
+    for model in dict.fromkeys(p.model for p in points):
+        mine = [p for p in points if p.model == model and p.step_s.get("prophet")]
+        best = [min(v for v in (p.over_ideal(s) for s in ["prophet", *p.others()]) if v)
+                for p in mine]
+        if best:
+            lines.append(f"{model}: the best schedule within 1.05x of the ideal in "
+                         f"{sum(b <= 1.05 for b in best)} of {len(mine)} settings (median "
+                         f"{sorted(best)[len(best) // 2]:.2f}x, worst {max(best):.2f}x)")
     return lines
 
 
-def plot(points: Sequence[MapPoint], path: str, title: str = "") -> None:
-    """Heat maps of priority / prophet: a row of panels per model, a panel per N; link rate
-    against RTT, red where Prophet is faster, blue where priority is."""
+def plot(points: Sequence[MapPoint], path: str, title: str = "", other: str = "priority") -> None:
+    """Heat maps of ``other`` / prophet: a row of panels per model, a panel per N; link rate
+    against RTT, red where Prophet is faster, blue where ``other`` is."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -270,7 +331,7 @@ def plot(points: Sequence[MapPoint], path: str, title: str = "") -> None:
     rtts = sorted({p.rtt_s for p in points})
     bws = sorted({p.bandwidth_bps for p in points})
     # Colours by log2 of the ratio, so that 2x faster and 2x slower are equally far from white.
-    values = [p.speedup for p in points if p.speedup is not None]
+    values = [p.ratio(other) for p in points if p.ratio(other) is not None]
     spread = max([abs(math.log2(v)) for v in values] + [math.log2(1.1)])
     norm = TwoSlopeNorm(vmin=-spread, vcenter=0.0, vmax=spread)
     fig, axes = plt.subplots(len(models), len(workers), squeeze=False,
@@ -281,8 +342,8 @@ def plot(points: Sequence[MapPoint], path: str, title: str = "") -> None:
             ax = axes[i][j]
             grid = [[math.nan] * len(rtts) for _ in bws]
             for p in points:
-                if p.model == model and p.workers == n and p.speedup is not None:
-                    grid[bws.index(p.bandwidth_bps)][rtts.index(p.rtt_s)] = p.speedup
+                if p.model == model and p.workers == n and p.ratio(other) is not None:
+                    grid[bws.index(p.bandwidth_bps)][rtts.index(p.rtt_s)] = p.ratio(other)
             image = ax.imshow([[math.log2(v) for v in row] for row in grid], origin="lower",
                               cmap="RdBu_r", norm=norm, aspect="auto")
             for y, row in enumerate(grid):
@@ -302,11 +363,11 @@ def plot(points: Sequence[MapPoint], path: str, title: str = "") -> None:
                 ax.set_ylabel("link", fontsize=7)
     if image is not None:
         bar = fig.colorbar(image, ax=axes, shrink=0.6,
-                           label="priority / prophet step (>1: prophet faster)")
+                           label=f"{other} / prophet step (>1: prophet faster)")
         ticks = [t for t in range(-4, 5) if abs(t) <= spread] or [0]
         bar.set_ticks(ticks)
         bar.set_ticklabels([f"{2.0 ** t:g}" for t in ticks])
-    fig.suptitle(title or "predicted step time, priority / prophet (dl: a schedule deadlocked)",
+    fig.suptitle(title or f"predicted step time, {other} / prophet (dl: a schedule deadlocked)",
                  fontsize=9)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
@@ -338,7 +399,8 @@ def _header(options: Any, profiles: dict[str, Any], flags_: Any) -> dict[str, An
     from prophet_tf._library import library_path
     with open(library_path("_prophet_predict.so"), "rb") as f:
         library = hashlib.sha256(f.read()).hexdigest()
-    return {"options": dataclasses.asdict(options),
+    return {"options": dataclasses.asdict(options), "schedules": list(flags_.schedules),
+            "bytescheduler_credits": [float(c) for c in flags_.bytescheduler_credits],
             "accelerator_tflops": flags_.accelerator_tflops, "batch": flags_.batch,
             "profiles": {m: [p.source, p.step_s, p.gradient_bytes, len(p.tensors)]
                          for m, p in profiles.items()},
@@ -351,6 +413,11 @@ def _define_flags() -> None:
     flags.DEFINE_list("workers", list(DEFAULT_WORKERS), "Worker counts.")
     flags.DEFINE_list("bandwidth", list(DEFAULT_BANDWIDTHS), "Link rates per host and direction.")
     flags.DEFINE_list("rtt", list(DEFAULT_RTTS), "Round-trip times (one-way latency = RTT / 2).")
+    flags.DEFINE_list("schedules", list(SCHEDULES), "Schedules to predict, prophet first "
+                      f"({', '.join(KNOWN_SCHEDULES)}; mwms is TensorFlow's ring).")
+    flags.DEFINE_list("bytescheduler_credits", [], "Also predict bytescheduler with each of these "
+                      "credits (millions of float32 parameters; its tuner searches 1-16 for a "
+                      f"parameter server) and report the best as {TUNED}.")
     flags.DEFINE_float("accelerator_tflops", 100.0, "The emulated accelerator's TFLOP/s.")
     flags.DEFINE_integer("batch", None, "Per-worker batch (default: the training benchmark's).")
     flags.DEFINE_string("prophet_options", "{}", "JSON of runtime options for both schedules "
@@ -389,6 +456,16 @@ def main(argv: Sequence[str]) -> int:
             raise ValueError(f"--workers must be at least 2, got {FLAGS.workers}")
         bandwidths = [parse_rate(b) for b in FLAGS.bandwidth]
         rtts = [parse_duration(r) for r in FLAGS.rtt]
+        schedules = list(FLAGS.schedules)
+        if not schedules or schedules[0] != "prophet" or len(set(schedules)) != len(schedules):
+            raise ValueError(f"--schedules must start with prophet and name each schedule once, "
+                             f"got {FLAGS.schedules}")
+        bad = [x for x in schedules if x not in KNOWN_SCHEDULES]
+        if bad:
+            raise ValueError(f"--schedules: unknown {bad}; choose from {', '.join(KNOWN_SCHEDULES)}")
+        credits = [float(c) for c in FLAGS.bytescheduler_credits]
+        if any(not c > 0 for c in credits):
+            raise ValueError(f"--bytescheduler_credits must be positive, got {credits}")
         runtime = json.loads(FLAGS.prophet_options or "{}")
         if not isinstance(runtime, dict):
             raise ValueError("--prophet_options must be a JSON object")
@@ -421,25 +498,29 @@ def main(argv: Sequence[str]) -> int:
             print(f"  {done[0]}/{total} settings predicted ({time.monotonic() - t0:.0f} s)",
                   flush=True)
 
-    print(f"predicting {total} settings x {len(SCHEDULES)} schedules (+ the ideal bound) ...",
-          flush=True)
+    print(f"predicting {total} settings x {len(schedules) + len(credits)} schedules (+ the ideal "
+          "bound) ...", flush=True)
     try:
         points = map_points(profiles, workers, bandwidths, rtts, options, FLAGS.threads, progress,
-                            known=log.kept, on_point=log.add)
+                            known=log.kept, on_point=log.add, schedules=schedules,
+                            bytescheduler_credits=credits)
     finally:
         log.close()
     tables = format_tables(points)
     summary = summary_lines(points)
     command = " ".join(["python -m prophet_tf.bench.schedule_map", *sys.argv[1:]])
     with open(os.path.join(out, "map.md"), "w") as f:
-        f.write(f"# priority / prophet, predicted ({command})\n\nEach cell: priority's step over "
-                f"prophet's (bold: prophet faster by more than {MARGIN:.0%}) and, in "
-                "parentheses, prophet's step over the ideal bound.\n\n" + tables + "\n"
-                + "\n".join(summary) + "\n")
+        others = [x for x in points[0].others()] if points else []
+        f.write(f"# {' / '.join(others)} over prophet, predicted ({command})\n\nEach cell: the "
+                f"step of {', '.join(others)} over prophet's, in that order (bold: prophet faster "
+                f"by more than {MARGIN:.0%}) and, in parentheses, prophet's step over the ideal "
+                "bound.\n\n" + tables + "\n" + "\n".join(summary) + "\n")
     with open(os.path.join(out, "map.json"), "w") as f:
         json.dump({"command": command, "options": dataclasses.asdict(options),
                    "points": [p.to_json() for p in points], "summary": summary}, f, indent=1)
-    plot(points, os.path.join(out, "map.png"))
+    for other in (points[0].others() if points else []):
+        plot(points, os.path.join(out, "map.png" if other == "priority" else f"map_{other}.png"),
+             other=other)
     print()
     print(tables)
     print("\n".join(summary))

@@ -26,7 +26,7 @@ __all__ = ["SCHEDULES", "FIXED_SCHEDULES", "PredictOptions", "Prediction", "Pred
 #: The schedules the predictor knows: the runtime's policies with barrier crossing (their default)
 #: or without (``_nocross``), and TensorFlow's MultiWorkerMirroredStrategy as the baseline.
 SCHEDULES = ("prophet", "prophet_nocross", "priority", "priority_nocross", "fifo", "fifo_nocross",
-             "mwms")
+             "bytescheduler", "bytescheduler_nocross", "p3", "p3_nocross", "mwms")
 #: ProphetStrategy's fixed schedules (what ``schedule="auto"`` chooses among).
 FIXED_SCHEDULES = ("prophet", "priority", "fifo")
 _NOCROSS = "_nocross"
@@ -109,7 +109,8 @@ class PredictOptions:
         rate (TCP small queues: about 1 ms of the pacing rate).
       sum_bps: an owner's summation rate in bytes per second (0: instant).
       partition_bytes, credit_bytes, replan_threshold: the runtime's options (None: the
-        runtime's defaults).
+        runtime's defaults; partition_bytes and credit_bytes 0, their defaults: the schedule's,
+        as the engine resolves them: ops/core/schedule_traits.h).
       apply_threads: threads running optimizer updates (TensorFlow's inter-op pool).
       ring_message_s: mwms: time each ring message costs on arrival (gRPC).
       workers_per_host: workers placed on each host (N workers on N / workers_per_host hosts):
@@ -215,6 +216,9 @@ class Prediction:
     io_busy_s: float = 0.0
     # That estimate at each measured step's beginning (how steady it is).
     bandwidth_samples_Bps: list[float] = dataclasses.field(default_factory=list)
+    # Times worker 0's policy broke its own flow control to end a wait that looked like a
+    # deadlock, over the whole simulated run (bytescheduler's stall breaks; 0 for the others).
+    stall_breaks: int = 0
 
     @property
     def speedup(self) -> float:
@@ -271,8 +275,12 @@ def _small_allreduce_mode(setting: Union[bool, str]) -> str:
                        f"{setting!r}")
 
 
-def _request(profile: Profile, workers: int, bandwidth_bps: float, schedule: str,
-             options: PredictOptions, timeline_path: Optional[str], timeline_workers: int) -> str:
+def simulation_request(profile: Profile, workers: int, bandwidth_bps: float, schedule: str,
+                       options: PredictOptions, timeline_path: Optional[str],
+                       timeline_workers: int) -> str:
+    """The text the C++ simulator reads (ops/sim/simulation_request.h): the options, the
+    profile's layers and gradients, and where to write a timeline of the first
+    ``timeline_workers`` workers. The replay benchmark sends its workers the same request."""
     base, cross = parse_schedule(schedule)
     layer_index = {layer.name: i for i, layer in enumerate(profile.layers)}
     lines = [
@@ -355,8 +363,8 @@ def predict(profile: Profile, *, workers: int, bandwidth_bps: float, schedule: s
         root, dot, ext = timeline_path.rpartition(".")
         timeline_path = f"{root}.{{rank}}.{ext}" if dot and "/" not in ext else f"{timeline_path}.{{rank}}.json"
     profile.validate()
-    request = _request(profile, workers, bandwidth_bps if workers > 1 else 1.0, schedule, options,
-                       timeline_path, timeline_workers)
+    request = simulation_request(profile, workers, bandwidth_bps if workers > 1 else 1.0,
+                                 schedule, options, timeline_path, timeline_workers)
     data = _call("prophet_predict", request,
                  f"{schedule}, {workers} workers, {bandwidth_bps:g} bit/s")
     times = [{k: (v if not isinstance(v, (int, float)) or v >= 0 else None) for k, v in t.items()}
@@ -370,7 +378,8 @@ def predict(profile: Profile, *, workers: int, bandwidth_bps: float, schedule: s
                       exchanged_per_step=data["exchanged_per_step"],
                       periods_s=list(data["periods_s"]), tensor_times=times,
                       io_busy_s=data.get("io_busy_s", 0.0),
-                      bandwidth_samples_Bps=list(data.get("bandwidth_samples_Bps", [])))
+                      bandwidth_samples_Bps=list(data.get("bandwidth_samples_Bps", [])),
+                      stall_breaks=int(data.get("stall_breaks", 0)))
 
 
 def predict_many(profile: Profile, *, workers: Sequence[int], bandwidths_bps: Sequence[float],
@@ -396,8 +405,8 @@ def ideal_bound(profile: Profile, *, workers: int, bandwidth_bps: Optional[float
         raise PredictError(f"the link rate must be a positive number of bit/s, got "
                            f"{bandwidth_bps!r}")
     profile.validate()
-    request = _request(profile, workers, bandwidth_bps if workers > 1 else 1.0, "prophet", options,
-                       None, 0)
+    request = simulation_request(profile, workers, bandwidth_bps if workers > 1 else 1.0,
+                                 "prophet", options, None, 0)
     data = _call("prophet_predict_ideal", request, f"ideal bound, {workers} workers, "
                  f"{bandwidth_bps or 0:g} bit/s")
     binding = data["binding_layer"]

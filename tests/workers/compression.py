@@ -157,7 +157,7 @@ def strategy_checks(strategy: ProphetStrategy) -> None:
     with strategy.scope():
         state = tf.Variable(local, synchronization=tf.VariableSynchronization.ON_READ,
                             aggregation=tf.VariableAggregation.SUM)
-    reduced_state, _ = strategy.extended._reduce_metric_state([state])  # what Keras metrics use
+    reduced_state, _ = strategy.extended.collectives.reduce_metric_state([state])  # what Keras metrics use
     metric = reduced_state[0].numpy()
     common.result(check="control", reduce_exact=bool(np.array_equal(reduced, expected)),
                   metric_exact=bool(np.array_equal(metric, expected)),

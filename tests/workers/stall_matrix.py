@@ -1,7 +1,7 @@
 """Trains an emulated model through ProphetStrategy with each given schedule in turn, the byte
 credit, partitions and socket buffers at their smallest, and reports each run's steps.
 
-Run: python -m prophet_tf.launch -n 4 tests/workers/stall_matrix.py fifo,priority,prophet,auto
+Run: python -m prophet_tf.launch -n 4 tests/workers/stall_matrix.py fifo,priority,prophet,bytescheduler,p3,auto
 
 The model (prophet_tf/bench/emulated.py) has the shape that stalls ``priority`` on 4 workers when
 the credit waits for sums: one large first-layer gradient, the most urgent and the last one the

@@ -134,9 +134,9 @@ def run_case(strategy, name):
     x, y = data(data_kind)
     if name == "embedding_small_dense":
         x = x % 50
-    default_sparse = strategy.extended._sparse_as_dense_bytes
+    default_sparse = strategy.extended.collectives.sparse_as_dense_bytes
     if sparse_bytes is not None:
-        strategy.extended._sparse_as_dense_bytes = sparse_bytes
+        strategy.extended.collectives.sparse_as_dense_bytes = sparse_bytes
     try:
         with strategy.scope():
             model = build()
@@ -147,7 +147,7 @@ def run_case(strategy, name):
         hist = fit(model, x, y, input_kind, GLOBAL_BATCH)
         ops_after, fused_after = _runtime_ops()
     finally:
-        strategy.extended._sparse_as_dense_bytes = default_sparse
+        strategy.extended.collectives.sparse_as_dense_bytes = default_sparse
     final = model.get_weights()
 
     t_ref = time.time()

@@ -2,7 +2,7 @@
 
     python -m prophet_tf.bench.train [--compute real|emulated] [--quick | --full]
         [--models resnet50,vgg16,transformer,bert_base] [--workers 2,4,8] [--ratios 0.5,1]
-        [--systems prophet,prophet_nocross,priority,fifo,auto,mwms,'prophet[KEY=VALUE]']
+        [--systems prophet,prophet_nocross,priority,fifo,bytescheduler,p3,auto,mwms,'prophet[KEY=VALUE]']
         [--compression fp16,bf16]
         [--batch 64] [--steps 20]
         [--warmup 5] [--accelerator_tflops 100] [--time_scale 28] [--out bench_out/]
@@ -41,7 +41,9 @@ For every model and worker count N (2-8):
    each host's NIC; names start with ``--netns_prefix``), and each system is a separate launch
    of N worker processes inside it (``prophet_tf.launch.launch(..., hosts=...,
    wrap_argv=cluster.exec_argv)``), on the same model and global batch (N x ``--batch``):
-   ``ProphetStrategy`` with ``schedule="prophet"``, ``"priority"`` and ``"fifo"``; ``prophet``
+   ``ProphetStrategy`` with ``schedule="prophet"``, ``"priority"`` and ``"fifo"``; the published
+   schedulers ByteScheduler and P3 as their code defines them (``bytescheduler``, ``p3``: their
+   own partitions, credit and flow control, docs/design.md); ``prophet``
    with barrier crossing off (``prophet_nocross``: ``cross_barrier=False``, passed only when the
    constructor has that parameter, otherwise the run equals ``prophet`` and the output says so);
    ``auto`` (``schedule="auto"``: the schedule the predictor expects to be fastest, chosen by

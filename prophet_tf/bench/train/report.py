@@ -99,8 +99,8 @@ CSV_FIELDS = ("model", "workers", "global_batch", "compute", "comm_compute_ratio
               "lower_bound_s", "ideal_bound_s", "time_scale", "accelerator_tflops",
               "accelerator_s", "modelled_bandwidth_bps", "system", "step_s_median",
               "samples_per_s", "speedup_vs_mwms", "ratio_to_lower_bound", "ratio_to_ideal_bound",
-              "schedule_effective", "cross_barrier", "foreign_cores", "machine_cpu",
-              "workers_cpu", "attempts", "note", "error")
+              "schedule_effective", "cross_barrier", "stall_breaks", "foreign_cores",
+              "machine_cpu", "workers_cpu", "attempts", "note", "error")
 
 
 def write_csv(path: str, settings: Sequence[Mapping[str, Any]]) -> None:
@@ -137,7 +137,8 @@ def plot(settings: Sequence[Mapping[str, Any]], path: str, title: str = "") -> N
         return
     systems = list(dict.fromkeys(s for st in settings for s in st["results"]))
     colors = {"prophet": "#d62728", "prophet_nocross": "#ff9896", "priority": "#1f77b4",
-              "fifo": "#7f7f7f", "auto": "#9467bd", "mwms": "#2ca02c"}
+              "fifo": "#7f7f7f", "auto": "#9467bd", "mwms": "#2ca02c",
+              "bytescheduler": "#ff7f0e", "p3": "#8c564b"}
     variants = [s for s in systems if parse_system(s).is_variant]
     fig, axes = plt.subplots(1, len(groups), figsize=(max(5.5, 4.8 * len(groups)), 4.2),
                              squeeze=False)

@@ -715,6 +715,7 @@ def _run_setting(model: str, n: int, cfg: Any, batch: int, ratio: Optional[float
                 info["compression"] = res.get("compression")
                 if res.get("runtime_options"):
                     info["runtime_options"] = res["runtime_options"]
+                info["stall_breaks"] = res.get("stall_breaks")
                 if spec.base == "auto" and res.get("schedule_in_use"):
                     info["schedule_in_use"] = res["schedule_in_use"]
                     info["schedule_decisions"] = res.get("schedule_decisions")
@@ -747,6 +748,9 @@ def _run_setting(model: str, n: int, cfg: Any, batch: int, ratio: Optional[float
             if spec.compression:  # its own bounds: the bytes that travel
                 c = (compressed or {}).get(spec.compression) or {}
                 own = f"{spec.compression} " + bounds_text(c.get("gradient_bytes"), c.get("ideal"))
+            breaks = res.get("stall_breaks")
+            if breaks:
+                after += f" [{breaks} stall breaks]"
             progress.finish(f"{res['step_s_median'] * 1e3:.0f} ms/step ({own}; "
                             f"launch {launch_text(facts['launch_s'], res)}){after}"
                             f"{noise_text(facts)}")

@@ -40,6 +40,10 @@ PROPHET_BASES = {
     "priority": ("priority", True),
     "fifo": ("fifo", True),
     "auto": ("auto", True),   # the schedule the predictor expects to be fastest (rank 0 decides)
+    # The published schedulers as their code defines them (docs/design.md, "The published
+    # schedulers"); both let the next forward pass start layer by layer, as their frameworks do.
+    "bytescheduler": ("bytescheduler", True),
+    "p3": ("p3", True),
 }
 #: The base systems: ProphetStrategy's and TensorFlow's MultiWorkerMirroredStrategy.
 BASE_SYSTEMS = tuple(PROPHET_BASES) + ("mwms",)
@@ -49,9 +53,10 @@ SYSTEMS = BASE_SYSTEMS
 #: quick run leaves it out unless ``--systems`` names it; one launch less.
 QUICK_SYSTEMS = ("prophet", "prophet_nocross", "priority", "fifo", "mwms")
 #: The emulated-compute sweeps' systems without ``--full``: what the goals compare (prophet
-#: against priority, fifo and MultiWorkerMirroredStrategy); ``prophet_nocross`` and ``auto`` add a
-#: launch per setting each and come with ``--full`` or ``--systems``.
-EMULATED_DEFAULT_SYSTEMS = ("prophet", "priority", "fifo", "mwms")
+#: against priority, fifo, the published ByteScheduler and P3, and MultiWorkerMirroredStrategy);
+#: ``prophet_nocross`` and ``auto`` add a launch per setting each and come with ``--full`` or
+#: ``--systems``.
+EMULATED_DEFAULT_SYSTEMS = ("prophet", "priority", "fifo", "bytescheduler", "p3", "mwms")
 #: The ProphetStrategy option the compression modifiers set.
 COMPRESSION_OPTION = "compression"
 
@@ -66,7 +71,7 @@ def compressions() -> tuple[str, ...]:
 #: Modifier -> the ProphetStrategy options it stands for (see the module docstring).
 MODIFIERS: dict[str, dict[str, Any]] = {c: {COMPRESSION_OPTION: c} for c in compressions()}
 
-_NAME = re.compile(r"^([a-z_]+)((?:\+[A-Za-z0-9_]+)*)(?:\[(.*)\])?$")
+_NAME = re.compile(r"^([a-z_][a-z0-9_]*)((?:\+[A-Za-z0-9_]+)*)(?:\[(.*)\])?$")
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 

@@ -246,6 +246,10 @@ def run_worker(config: Mapping[str, Any]) -> None:
         **facts,
     }
     if strategy is not None and hasattr(strategy, "schedule_in_use"):
+        from prophet_tf import runtime
+        # Times the policy broke its flow control for a wait taken for a deadlock (bytescheduler;
+        # over the whole launch, warm-up included).
+        result["stall_breaks"] = runtime.scheduler_state().get("stall_breaks")
         result["schedule_in_use"] = strategy.schedule_in_use
         result["schedule_decisions"] = [dict(step=d.step, schedule=d.schedule, reason=d.reason)
                                         for d in strategy.schedule_decisions]
