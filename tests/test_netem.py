@@ -212,5 +212,13 @@ def test_argument_checks() -> None:
         EmulatedCluster(2, RATE).host_address(2)
     with pytest.raises(ValueError, match="shaped cluster"):
         EmulatedCluster(2, None).rate_change_argv(RATE)
+    with pytest.raises(ValueError, match="mtu"):
+        EmulatedCluster(2, RATE, mtu=100)
+
+
+def test_frame_efficiency_is_tcp_payload_per_ethernet_frame() -> None:
+    from prophet_tf.bench.netem import TBF_FRAME_EFFICIENCY, frame_efficiency
+    assert TBF_FRAME_EFFICIENCY == frame_efficiency(1500) == 1448 / 1514
+    assert frame_efficiency(9000) == 8948 / 9014
     assert EmulatedCluster(2, RATE).rate_change_argv(RATE / 2)[:8] == [
         "tc", "qdisc", "change", "dev", "eth0", "root", "handle", "1:"]

@@ -96,10 +96,10 @@ def test_the_predictor_models_the_options_the_table_marks_and_sends_only_those_s
     fields = {f.name for f in dataclasses.fields(PredictOptions)}
     predicted = _options.predicted_options()
     assert {"partition_bytes", "socket_buffer_bytes", "hierarchical"} <= set(predicted) <= fields
-    request = model._request(tiny_profile(), 4, 1e9, "prophet", PredictOptions(), None, 2)
+    request = model.simulation_request(tiny_profile(), 4, 1e9, "prophet", PredictOptions(), None, 2)
     assert not [line for line in request.splitlines()
                 if line.startswith("option ") and line[7:].split("=")[0] in predicted]
-    request = model._request(tiny_profile(), 4, 1e9, "prophet",
+    request = model.simulation_request(tiny_profile(), 4, 1e9, "prophet",
                              PredictOptions(socket_buffer_bytes=1 << 20, hierarchical="auto"), None, 2)
     assert "option socket_buffer_bytes=1048576\n" in request and "option hierarchical=auto\n" in request
     # What the engine refuses the predictor refuses, in the same words.

@@ -127,6 +127,7 @@ void Connection::Flush() {
       if (f.written < f.total()) break;
       if (f.on_sent) sent.push_back(std::move(f.on_sent));
       out_.pop_front();
+      frames_sent_.fetch_add(1, std::memory_order_relaxed);
     }
     for (auto& callback : sent) callback();
     // A short write means the socket is full (it holds its unsent limit, transport.h): trying
@@ -330,6 +331,7 @@ bool Connection::ConsumeMeta() {
     return false;
   }
   header_got_ = 0;
+  frames_received_.fetch_add(1, std::memory_order_relaxed);
   stage_ = Stage::kPayload;
   payload_got_ = 0;
   BeginPayload();

@@ -108,6 +108,9 @@ class Connection {
   bool awaiting_room() const { return want_write_; }
   uint64_t bytes_sent() const { return bytes_sent_.load(std::memory_order_relaxed); }
   uint64_t bytes_received() const { return bytes_received_.load(std::memory_order_relaxed); }
+  // Frames wholly written to the socket, and frames whose header arrived (every kind).
+  uint64_t frames_sent() const { return frames_sent_.load(std::memory_order_relaxed); }
+  uint64_t frames_received() const { return frames_received_.load(std::memory_order_relaxed); }
   // When bytes last arrived from the peer (the connection's creation before any did).
   int64_t last_receive_ns() const { return last_receive_ns_; }
 
@@ -162,6 +165,7 @@ class Connection {
   bool full_ = false;
   std::deque<OutFrame> out_;
   std::atomic<uint64_t> bytes_sent_{0}, bytes_received_{0};
+  std::atomic<uint64_t> frames_sent_{0}, frames_received_{0};
   int64_t last_receive_ns_;
 
   // Receive state.

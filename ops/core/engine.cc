@@ -15,6 +15,7 @@
 #include "ops/core/failures.h"
 #include "ops/core/fuser.h"
 #include "ops/core/hosts.h"
+#include "ops/core/output_pool.h"
 #include "ops/core/policies.h"
 #include "ops/core/schedule_traits.h"
 #include "ops/core/timeouts.h"
@@ -417,11 +418,13 @@ uint64_t Engine::BytesSent() const {
 
 std::string Engine::StatsJson() const {
   const Impl& m = *impl_;
-  uint64_t sent = 0, received = 0;
+  uint64_t sent = 0, received = 0, frames_sent = 0, frames_received = 0;
   for (const auto& c : m.conns) {
     if (!c) continue;
     sent += c->bytes_sent();
     received += c->bytes_received();
+    frames_sent += c->frames_sent();
+    frames_received += c->frames_received();
   }
   std::string schedule;
   {
@@ -431,10 +434,12 @@ std::string Engine::StatsJson() const {
   std::ostringstream os;
   os << "{\"rank\": " << m.rank() << ", \"world_size\": " << m.world_size() << ", \"schedule\": \""
      << schedule << "\", \"bytes_sent\": " << sent << ", \"bytes_received\": " << received
+     << ", \"frames_sent\": " << frames_sent << ", \"frames_received\": " << frames_received
      << ", \"ops_done\": " << m.ops_done.load() << ", \"ops_failed\": " << m.ops_failed.load()
      << ", \"fusion_questions\": " << m.fusion_questions.load()
      << ", \"fused_submitted\": " << m.fused_submitted.load()
-     << ", \"two_level_hosts\": " << (m.two_level ? m.two_level->hosts() : 0) << "}";
+     << ", \"two_level_hosts\": " << (m.two_level ? m.two_level->hosts() : 0)
+     << ", \"outputs_recycled\": " << GlobalOutputPool().reused() << "}";
   return os.str();
 }
 

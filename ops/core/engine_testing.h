@@ -2,7 +2,12 @@
 #ifndef PROPHET_OPS_CORE_ENGINE_TESTING_H_
 #define PROPHET_OPS_CORE_ENGINE_TESTING_H_
 
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -41,6 +46,35 @@ inline std::vector<std::unique_ptr<Engine>> StartCluster(const std::vector<Engin
   for (std::thread& t : threads) t.join();
   return engines;
 }
+
+// Waits for the done callbacks of operations a benchmark submitted: Expect(n), hand Callback() to
+// each of the n requests, Wait(). A failed operation ends the program with its message.
+class DoneCounter {
+ public:
+  void Expect(int n) {
+    std::lock_guard<std::mutex> lock(mu_);
+    left_ = n;
+  }
+  std::function<void(const Status&, const GatherResult*)> Callback() {
+    return [this](const Status& s, const GatherResult*) {
+      if (!s.ok()) {
+        std::fprintf(stderr, "operation failed: %s\n", s.message().c_str());
+        std::exit(1);
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      if (--left_ == 0) cv_.notify_all();
+    };
+  }
+  void Wait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [this] { return left_ == 0; });
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int left_ = 0;
+};
 
 }  // namespace testing
 }  // namespace prophet

@@ -1,12 +1,13 @@
 // C entry points of the TensorFlow-free library (ctypes): the predictor (one simulation per call),
-// the core's constants and option table that the Python package reads instead of keeping copies,
-// and the check of the runtime's options.
+// its calibration of the CPU costs, the core's constants and option table that the Python package
+// reads instead of keeping copies, and the check of the runtime's options.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <string>
 
 #include "ops/core/engine_options.h"
+#include "ops/predict/calibrate.h"
 #include "ops/sim/ideal_bound.h"
 #include "ops/sim/simulation_request.h"
 #include "ops/sim/simulator.h"
@@ -49,6 +50,19 @@ __attribute__((visibility("default"))) int prophet_predict_ideal(const char* req
     return static_cast<int>(s.code());
   }
   *result = CopyOut(prophet::IdealBoundJson(bound));
+  return 0;
+}
+
+// Measures the CPU costs the predictor charges (calibrate.h) on this machine, spending about
+// `effort` x 5 s. Same conventions as prophet_predict: *result is the costs as JSON, or the error.
+__attribute__((visibility("default"))) int prophet_predict_calibrate(double effort, char** result) {
+  prophet::CpuCosts costs;
+  const prophet::Status s = prophet::MeasureCpuCosts(effort, &costs);
+  if (!s.ok()) {
+    *result = CopyOut(s.message());
+    return static_cast<int>(s.code());
+  }
+  *result = CopyOut(prophet::CpuCostsJson(costs));
   return 0;
 }
 

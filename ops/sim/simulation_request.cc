@@ -98,6 +98,13 @@ std::map<std::string, std::function<bool(const std::string&)>> OptionSetters(Sim
       {"sum_Bps", real(&r->network.sum_Bps)},
       {"message_send_ns", i64(&r->network.message_send_ns)},
       {"message_receive_ns", i64(&r->network.message_receive_ns)},
+      {"send_byte_ns", real(&r->network.send_byte_ns)},
+      {"receive_byte_ns", real(&r->network.receive_byte_ns)},
+      {"sum_byte_ns", real(&r->network.sum_byte_ns)},
+      {"cast_byte_ns", real(&r->network.cast_byte_ns)},
+      {"copy_byte_ns", real(&r->network.copy_byte_ns)},
+      {"shared_cores", integer(&r->network.shared_cores)},
+      {"io_threads", integer(&r->network.io_threads)},
       {"schedule", text(&r->runtime.schedule)},
       {"cross_barrier", boolean(&r->runtime.cross_barrier)},
       {"apply_threads", integer(&r->runtime.apply_threads)},
@@ -209,6 +216,7 @@ std::string PredictionJson(const StepPrediction& p) {
       {"comm_s", p.comm_s},               {"wire_bytes_per_step", p.wire_bytes_per_step},
       {"overlap", p.overlap},             {"gate_wait_s", p.gate_wait_s},
       {"bandwidth_Bps", p.bandwidth_Bps}, {"messages_per_step", p.messages_per_step},
+      {"io_busy_s", p.io_busy_s},
       {"exchanged_per_step", p.exchanged_per_step},
       {"stall_breaks", static_cast<double>(p.stall_breaks)}};
   for (const auto& entry : numbers) {

@@ -1,11 +1,13 @@
 #include "ops/sim/simulator.h"
 
 #include <algorithm>
+#include <cmath>
 #include <deque>
 #include <limits>
 #include <memory>
 #include <queue>
 #include <unordered_map>
+#include <utility>
 
 #include "ops/core/partition.h"
 #include "ops/core/policies.h"
@@ -23,6 +25,10 @@ namespace {
 // The engine sums a push in chunks of this size as it arrives (connection.cc, kStageBytes): when
 // the last contribution's last byte is in, one chunk is left to add.
 constexpr uint64_t kSumChunkBytes = 256 * 1024;
+// With CPU costs per byte (NetworkModel), what is left to read and add once a payload's last byte
+// is in, where the I/O thread handles bytes faster than they arrive (it keeps pace, waiting):
+// one receive's worth (the kernel hands over about 64 KiB at a time, GRO's size).
+constexpr uint64_t kReceiveTailBytes = 64 * 1024;
 constexpr uint64_t kMaxEvents = uint64_t{2} << 30;
 
 enum class EventKind : uint8_t {
@@ -141,7 +147,9 @@ struct Worker {
   int applies_running = 0;
   int64_t wakeup_ns = -1;
   std::unique_ptr<Timeline> timeline;
-  int64_t io_free_ns = 0;    // its I/O thread is busy with frames until then (message costs)
+  // Per I/O thread (NetworkModel::io_threads): busy with frames until then (CPU costs).
+  std::vector<int64_t> io_free_ns;
+  int64_t io_busy_ns = 0;    // the CPU work charged to those threads so far
   uint64_t frames_sent = 0;  // every kind
   std::vector<ExchangeStep> exchange_plan;  // ExchangePlan(w, N)
 };
@@ -219,7 +227,9 @@ class Simulation {
   // The runtime.
   void Submit(int w, int step, int tensor);
   void Pump(int w);
-  void SendFrame(int src, int dst, int64_t priority, const FrameInfo& info);
+  // `extra_work_ns`: CPU the sender spends on the frame before writing it, beyond its own
+  // costs (an owner's encoding of a compressed sum, once for all its frames).
+  void SendFrame(int src, int dst, int64_t priority, const FrameInfo& info, int64_t extra_work_ns = 0);
   void EnqueuePush(int w, int step, int tensor, int partition, int owner);
   void MaybeSum(int owner, uint64_t key, int partition);
   void SendLocalResults(int leader, uint64_t key, int partition);
@@ -228,8 +238,23 @@ class Simulation {
   void OpDone(int w, int step, int unit);          // every member of the unit is summed
   void TensorDone(int w, int step, int tensor);
   void Arrive(int dst, int src, uint64_t frame);
-  // Hands a frame to the link (after the sender's message cost, if any).
+  // Hands a frame to the link (after the sender's CPU work on it, if any).
   void QueueOnLink(uint64_t frame);
+  // Charges `work_ns` of CPU to worker w's I/O thread that serves `peer`'s connection (-1: the
+  // thread free first) (and, with shared cores, one of the pool's cores), starting no earlier
+  // than `earliest_ns`; returns when the work starts.
+  int64_t IoWork(int w, int peer, int64_t earliest_ns, int64_t work_ns);
+  // The I/O thread of worker w that serves `peer`'s connection: connections are spread over the
+  // threads round-robin by peer; -1: whichever is free first.
+  int64_t& IoThread(int w, int peer);
+  // The fastest a frame between these workers can move its bytes (the link's payload rate, or
+  // loopback), bytes per ns.
+  double FrameRate(int src, int dst) const;
+  // Whether a frame's values travel encoded (compression: half the bytes of its tensor's).
+  bool Encoded(const FrameInfo& info) const {
+    return info.kind != FrameKind::kRing && info.kind != FrameKind::kExchange &&
+           units_[info.tensor].encoding != Encoding::kNone;
+  }
   // The receiver's I/O thread takes the frame (after its message cost, if any).
   void Received(int dst, int src, uint64_t frame);
   // By exchange: runs worker w's plan as far as the frames here allow; the last step completes
@@ -271,6 +296,10 @@ class Simulation {
   uint64_t seq_ = 0;
   int64_t now_ns_ = 0;
   std::vector<Worker> workers_;
+  const bool charges_cpu_ = ChargesCpu(network_);
+  // With NetworkModel::shared_cores: when each core of the pool is next free.
+  std::priority_queue<int64_t, std::vector<int64_t>, std::greater<int64_t>> cores_;
+  int64_t io_busy_begin_ns_ = 0, io_busy_end_ns_ = 0;
   // What travels: one unit per fusion bucket (fusion.h), a lone tensor as itself. Ops, frames
   // and partitions are per unit; FrameInfo::tensor and OpKey's tensor index a unit.
   std::vector<ModelTensor> units_;
@@ -337,12 +366,14 @@ void Simulation::StepBegin(int w, int step) {
     busy_begin_ns_ = link_.egress_busy_ns(0, now_ns_);
     wire_begin_ = link_.sent_wire_bytes(0);
     frames_begin_ = worker.frames_sent;
+    io_busy_begin_ns_ = worker.io_busy_ns;
   }
   if (w == 0 && step == options_.warmup_steps + options_.steps) {
     measure_end_ns_ = now_ns_;
     busy_end_ns_ = link_.egress_busy_ns(0, now_ns_);
     wire_end_ = link_.sent_wire_bytes(0);
     frames_end_ = worker.frames_sent;
+    io_busy_end_ns_ = worker.io_busy_ns;
   }
   Push(now_ns_ + profile_.launch_ns, EventKind::kForwardStart, w, step, 0);
 }
@@ -481,6 +512,10 @@ void Simulation::Submit(int w, int step, int tensor) {
   const uint64_t key = OpKey(step, tensor);
   Op& op = OpAt(w, key);
   op.submit_ns = now_ns_;
+  // A fused bucket's members are packed into it on the I/O thread before its frames go.
+  if (charges_cpu_ && unit_members_[tensor].size() > 1) {
+    IoWork(w, -1, now_ns_, static_cast<int64_t>(static_cast<double>(t.bytes) * network_.copy_byte_ns));
+  }
   TensorReady ready;
   ready.name = &t.name;
   ready.round = static_cast<uint64_t>(step);
@@ -598,7 +633,32 @@ void Simulation::Pump(int w) {
   }
 }
 
-void Simulation::SendFrame(int src, int dst, int64_t priority, const FrameInfo& info) {
+int64_t& Simulation::IoThread(int w, int peer) {
+  std::vector<int64_t>& threads = workers_[w].io_free_ns;
+  if (peer >= 0) return threads[static_cast<size_t>(peer) % threads.size()];
+  return *std::min_element(threads.begin(), threads.end());
+}
+
+int64_t Simulation::IoWork(int w, int peer, int64_t earliest_ns, int64_t work_ns) {
+  Worker& worker = workers_[w];
+  int64_t& free_ns = IoThread(w, peer);
+  int64_t start = std::max(earliest_ns, free_ns);
+  if (network_.shared_cores > 0) {
+    start = std::max(start, cores_.top());
+    cores_.pop();
+    cores_.push(start + work_ns);
+  }
+  free_ns = start + work_ns;
+  worker.io_busy_ns += work_ns;
+  return start;
+}
+
+double Simulation::FrameRate(int src, int dst) const {
+  if (link_.host_of(src) == link_.host_of(dst)) return network_.loopback_Bps / 1e9;
+  return network_.link_Bps * network_.payload_efficiency / 1e9;
+}
+
+void Simulation::SendFrame(int src, int dst, int64_t priority, const FrameInfo& info, int64_t extra_work_ns) {
   uint64_t id;
   if (!free_frames_.empty()) {
     id = free_frames_.back();
@@ -613,13 +673,20 @@ void Simulation::SendFrame(int src, int dst, int64_t priority, const FrameInfo& 
   f.dst = dst;
   f.priority = priority;
   ++workers_[src].frames_sent;
-  if (network_.message_send_ns <= 0) {
+  if (!charges_cpu_) {
     QueueOnLink(id);
     return;
   }
-  Worker& sender = workers_[src];
-  sender.io_free_ns = std::max(sender.io_free_ns, now_ns_) + network_.message_send_ns;
-  Push(sender.io_free_ns, EventKind::kSendFrame, src, 0, 0, id);
+  // The header and system call, the values' encoding (a compressed push), then the payload's
+  // copy into the socket, which holds the frame back only where it is slower than the link.
+  const double wire = static_cast<double>(info.bytes);
+  const bool encodes = Encoded(info) && (info.kind == FrameKind::kPush || info.kind == FrameKind::kLocalPush);
+  const int64_t before = network_.message_send_ns + extra_work_ns +
+                         (encodes ? static_cast<int64_t>(2 * wire * network_.cast_byte_ns) : 0);
+  const double copy_ns = wire * network_.send_byte_ns;
+  const int64_t start = IoWork(src, dst, now_ns_, before + static_cast<int64_t>(copy_ns));
+  const int64_t held_ns = static_cast<int64_t>(std::max(0.0, copy_ns - wire / FrameRate(src, dst)));
+  Push(start + before + held_ns, EventKind::kSendFrame, src, 0, 0, id);
 }
 
 void Simulation::QueueOnLink(uint64_t id) {
@@ -634,13 +701,30 @@ void Simulation::QueueOnLink(uint64_t id) {
 }
 
 void Simulation::Received(int dst, int src, uint64_t frame) {
-  if (network_.message_receive_ns <= 0) {
+  if (!charges_cpu_) {
     Arrive(dst, src, frame);
     return;
   }
-  Worker& receiver = workers_[dst];
-  receiver.io_free_ns = std::max(receiver.io_free_ns, now_ns_) + network_.message_receive_ns;
-  Push(receiver.io_free_ns, EventKind::kArrive, dst, 0, src, frame);
+  const FrameInfo& info = frames_[frame];
+  const double wire = static_cast<double>(info.bytes);
+  const double values = Encoded(info) ? 2 * wire : wire;  // float32 bytes of the sum
+  const bool sums = info.kind == FrameKind::kPush || info.kind == FrameKind::kLocalPush ||
+                    info.kind == FrameKind::kExchange || (info.kind == FrameKind::kRing && info.round < n_ - 1);
+  const double per_byte = network_.receive_byte_ns + (sums ? values / wire * network_.sum_byte_ns : 0) +
+                          (Encoded(info) ? values / wire * network_.cast_byte_ns : 0);
+  const double payload_ns = wire * per_byte;
+  // The thread reads and sums a payload as it arrives: it may have started on it as soon as its
+  // first bytes could be in, and, where it is faster than the link (it waits for the bytes), has
+  // one receive's work left once the last one is.
+  const double rate = FrameRate(src, dst);
+  const int64_t first_bytes_ns = now_ns_ - static_cast<int64_t>(wire / rate);
+  const int64_t start = IoWork(dst, src, first_bytes_ns, network_.message_receive_ns + static_cast<int64_t>(payload_ns));
+  const double tail_ns = per_byte * rate < 1 ? std::min(wire, static_cast<double>(kReceiveTailBytes)) * per_byte : 0;
+  const int64_t end = std::max(start + network_.message_receive_ns + static_cast<int64_t>(payload_ns),
+                               now_ns_ + network_.message_receive_ns + static_cast<int64_t>(tail_ns));
+  int64_t& thread = IoThread(dst, src);
+  thread = std::max(thread, end);
+  Push(end, EventKind::kArrive, dst, 0, src, frame);
 }
 
 void Simulation::MaybeSum(int owner, uint64_t key, int partition) {
@@ -672,6 +756,8 @@ void Simulation::SumDone(int owner, uint64_t key, int partition) {
   info.partition = partition;
   info.bytes = units_[tensor].WireBytes(partitions_[tensor][partition].bytes);
   const int64_t priority = units_[tensor].priority;
+  // A compressed sum is encoded once, before its first frame.
+  int64_t encode_ns = Encoded(info) ? static_cast<int64_t>(2.0 * static_cast<double>(info.bytes) * network_.cast_byte_ns) : 0;
   if (!two_level()) {
     PartState& part = OpAt(owner, key).parts[partition];
     if (part.local_task) {
@@ -686,7 +772,7 @@ void Simulation::SumDone(int owner, uint64_t key, int partition) {
     }
     part.results_unwritten = n_ - 1;
     for (int peer = 0; peer < n_; ++peer) {
-      if (peer != owner) SendFrame(owner, peer, priority, info);
+      if (peer != owner) SendFrame(owner, peer, priority, info, std::exchange(encode_ns, 0));
     }
     return;
   }
@@ -694,7 +780,7 @@ void Simulation::SumDone(int owner, uint64_t key, int partition) {
   const int hosts = link_.hosts(), host = link_.host_of(owner);
   OpAt(owner, key).parts[partition].results_unwritten = hosts - 1 + per_host() - 1;
   for (int h = 0; h < hosts; ++h) {
-    if (h != host) SendFrame(owner, Leader(h, tensor, partition), priority, info);
+    if (h != host) SendFrame(owner, Leader(h, tensor, partition), priority, info, std::exchange(encode_ns, 0));
   }
   SendLocalResults(owner, key, partition);
 }
@@ -739,6 +825,10 @@ void Simulation::PartitionDone(int w, uint64_t key) {
 }
 
 void Simulation::OpDone(int w, int step, int unit) {
+  // ... and their sums copied back out of it.
+  if (charges_cpu_ && unit_members_[unit].size() > 1) {
+    IoWork(w, -1, now_ns_, static_cast<int64_t>(static_cast<double>(units_[unit].bytes) * network_.copy_byte_ns));
+  }
   for (const int tensor : unit_members_[unit]) TensorDone(w, step, tensor);
 }
 
@@ -1027,7 +1117,7 @@ void Simulation::HandleLink(const LinkEvent& e) {
   const int64_t extra = info.kind == FrameKind::kRing ? runtime_.ring_message_ns : 0;
   // kArrive (kFrameArrived) carries the sender in `index` and the frame id in `tag`.
   Push(e.time_ns + network_.latency_ns + extra,
-       network_.message_receive_ns > 0 ? EventKind::kFrameArrived : EventKind::kArrive, e.frame.dst, 0, e.frame.src,
+       charges_cpu_ ? EventKind::kFrameArrived : EventKind::kArrive, e.frame.dst, 0, e.frame.src,
        e.frame.tag);
 }
 
@@ -1061,6 +1151,7 @@ Status Simulation::Run(StepPrediction* prediction) {
   workers_.resize(n_);
   timings_.resize(profile_.tensors.size());
   for (size_t t = 0; t < profile_.tensors.size(); ++t) timings_[t].name = profile_.tensors[t].name;
+  for (int c = 0; c < network_.shared_cores; ++c) cores_.push(0);
   SchedulerOptions scheduler;
   scheduler.policy = mwms() ? "fifo" : runtime_.schedule;  // mwms never asks its policy
   scheduler.replan_threshold = runtime_.replan_threshold;
@@ -1073,6 +1164,7 @@ Status Simulation::Run(StepPrediction* prediction) {
     worker.steps.resize(total_steps());
     worker.updates_pending.assign(profile_.layers.size(), 0);
     worker.exchange_plan = ExchangePlan(w, n_);
+    worker.io_free_ns.assign(static_cast<size_t>(std::max(1, network_.io_threads)), 0);
     if (!options_.timeline_path.empty() && w < options_.timeline_workers) {
       std::string path = options_.timeline_path;
       const size_t at = path.find("{rank}");
@@ -1143,6 +1235,7 @@ Status Simulation::Run(StepPrediction* prediction) {
   p.comm_s = static_cast<double>(busy_end_ns_ - busy_begin_ns_) / 1e9 / steps;
   p.wire_bytes_per_step = (wire_end_ - wire_begin_) / steps;
   p.messages_per_step = static_cast<double>(frames_end_ - frames_begin_) / steps;
+  p.io_busy_s = static_cast<double>(io_busy_end_ns_ - io_busy_begin_ns_) / 1e9 / steps;
   p.exchanged_per_step = static_cast<double>(std::count(exchanged_.begin(), exchanged_.end(), true));
   const double mean_step = static_cast<double>(measure_end_ns_ - measure_begin_ns_) / 1e9 / steps;
   if (p.comm_s > 0) p.overlap = std::min(1.0, std::max(0.0, (p.single_step_s + p.comm_s - mean_step) / p.comm_s));
@@ -1164,6 +1257,12 @@ Status Simulation::Run(StepPrediction* prediction) {
 }
 
 }  // namespace
+
+bool ChargesCpu(const NetworkModel& network) {
+  return network.message_send_ns > 0 || network.message_receive_ns > 0 || network.send_byte_ns > 0 ||
+         network.receive_byte_ns > 0 || network.sum_byte_ns > 0 || network.cast_byte_ns > 0 ||
+         network.copy_byte_ns > 0;
+}
 
 uint64_t KernelSendBufferBytes(const NetworkModel& network) {
   uint64_t buffer = network.autotuned_socket_buffer_bytes;
@@ -1206,6 +1305,18 @@ Status Simulate(const StepProfile& profile, const NetworkModel& network, const R
   }
   if (runtime.hierarchical == Hierarchy::kOn && runtime.schedule == "mwms") {
     return Status(Code::kInvalidArgument, "the two-level path (hierarchical) applies to the runtime's schedules, not mwms");
+  }
+  for (const double cost : {network.send_byte_ns, network.receive_byte_ns, network.sum_byte_ns, network.cast_byte_ns,
+                            network.copy_byte_ns}) {
+    if (!(cost >= 0) || !std::isfinite(cost)) {
+      return Status(Code::kInvalidArgument, "a CPU cost per byte must be a finite number of ns >= 0, got " + std::to_string(cost));
+    }
+  }
+  if (network.message_send_ns < 0 || network.message_receive_ns < 0 || network.shared_cores < 0) {
+    return Status(Code::kInvalidArgument, "message costs and shared_cores must not be negative");
+  }
+  if (network.io_threads < 1) {
+    return Status(Code::kInvalidArgument, "io_threads must be at least 1, got " + std::to_string(network.io_threads));
   }
   if (options.warmup_steps < 0 || options.steps < 1) {
     return Status(Code::kInvalidArgument, "need at least one measured step and no negative warm-up");

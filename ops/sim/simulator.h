@@ -136,7 +136,36 @@ struct NetworkModel {
   // assumption.
   int64_t message_send_ns = 0;
   int64_t message_receive_ns = 0;
+  // CPU per byte on the same thread (ns per byte; 0, the default: free), measured on the machine
+  // at hand by `python -m prophet_tf.predict calibrate`:
+  //  - send_byte_ns: writing a frame's payload into its socket (the kernel's copy, TCP's work);
+  //  - receive_byte_ns: reading a payload out of its socket;
+  //  - sum_byte_ns: adding a received contribution into a sum (an owner's push, an exchange
+  //    stage, a ring chunk), per byte of the sum's values;
+  //  - cast_byte_ns: converting float32 values to or from 16 bits (compression), per float32 byte;
+  //  - copy_byte_ns: a memory copy (fusion packs its members into the bucket and copies the sums
+  //    back).
+  // A frame's sending work occupies the thread before its bytes can enter the socket; where that
+  // work is slower than the link, the frame leaves correspondingly later. Receiving overlaps the
+  // arrival: the thread may start on a frame as soon as its first bytes could be in (at the
+  // link's rate), and is done with it at the earliest one chunk's work after its last byte.
+  double send_byte_ns = 0;
+  double receive_byte_ns = 0;
+  double sum_byte_ns = 0;
+  double cast_byte_ns = 0;
+  double copy_byte_ns = 0;
+  // The I/O threads each worker's runtime spreads its connections over (round-robin by peer): a
+  // frame's CPU is charged to the thread of its connection; fusion's copies to whichever is free
+  // first.
+  int io_threads = 1;
+  // > 0: every worker's I/O thread runs on one pool of this many cores shared by all the workers
+  // (the replay benchmark's workers on one machine, prophet_tf/bench/replay.py); 0: each worker
+  // has a core of its own for it (a cluster).
+  int shared_cores = 0;
 };
+
+// Whether any CPU cost of `network` is charged (message or byte costs).
+bool ChargesCpu(const NetworkModel& network);
 
 // Bytes a connection commits ahead of the NIC, which frames queued later cannot overtake: what
 // the kernel lets the socket hold, unsent or sent and not yet acknowledged.
@@ -213,6 +242,9 @@ struct StepPrediction {
   double bandwidth_Bps = 0;          // worker 0's bandwidth estimate as a measured step begins (median)
   std::vector<double> bandwidth_samples_Bps;  // that estimate at each measured step's beginning
   double messages_per_step = 0;      // frames worker 0 sent per measured step (every kind)
+  // Worker 0's I/O thread busy with the charged CPU work (NetworkModel's costs) per measured step:
+  // above the step time, one thread cannot keep up and the runtime needs more.
+  double io_busy_s = 0;
   double exchanged_per_step = 0;     // collectives per step that go by exchange (small_allreduce.h)
   std::string policy;                // the policy's Describe() at the end (worker 0)
   uint64_t stall_breaks = 0;         // the policy's stall breaks over the whole run (worker 0)

@@ -682,6 +682,103 @@ TEST(ExchangeSendsLog2NMessagesPerWorker) {
   }
 }
 
+// The CPU charged per byte on the I/O threads (NetworkModel's byte costs), one 100,000-byte tensor
+// on two workers over 1 MB/s links (210 ms per step free: a push and its sum of 100 ms each):
+//  - receiving at 2 us per byte, twice the link's time: the thread started on each frame when its
+//    first byte could be in, so each of the two transfers ends 100 ms after its last byte: 410 ms;
+//  - adding the push into the sum at 2 us per byte: only the owner's push pays it: 310 ms;
+//  - sending at 3 us per byte: each frame leaves (3 - 1) us x 100,000 later: 610 ms;
+//  - receiving at 0.5 us per byte, faster than the link: the thread keeps pace and has one
+//    receive's worth (64 KiB) left after the last byte of each frame: 210 + 2 x 32.768 ms.
+// The I/O thread's busy time per step is what worker 0 received (or sent) times the cost.
+TEST(CpuPerByteLengthensTheStepByWhatTheThreadCannotHide) {
+  RuntimeModel runtime = OwnerPath();
+  runtime.schedule = "priority";
+  runtime.cross_barrier = false;
+  const NetworkModel base = SlowNetwork(2);
+  EXPECT_NEAR(Run(OneTensor(), base, runtime).step_s, 210 * kMsS, 1e-6);
+  EXPECT_NEAR(Run(OneTensor(), base, runtime).io_busy_s, 0.0, 1e-12);
+  NetworkModel receive = base;
+  receive.receive_byte_ns = 2000;
+  EXPECT_NEAR(Run(OneTensor(), receive, runtime).step_s, 410 * kMsS, 1e-6);
+  EXPECT_NEAR(Run(OneTensor(), receive, runtime).io_busy_s, 200 * kMsS, 1e-6);
+  NetworkModel sum = base;
+  sum.sum_byte_ns = 2000;
+  EXPECT_NEAR(Run(OneTensor(), sum, runtime).step_s, 310 * kMsS, 1e-6);
+  NetworkModel send = base;
+  send.send_byte_ns = 3000;
+  EXPECT_NEAR(Run(OneTensor(), send, runtime).step_s, 610 * kMsS, 1e-6);
+  EXPECT_NEAR(Run(OneTensor(), send, runtime).io_busy_s, 300 * kMsS, 1e-6);
+  NetworkModel fast = base;
+  fast.receive_byte_ns = 500;
+  EXPECT_NEAR(Run(OneTensor(), fast, runtime).step_s, 210 * kMsS + 2 * 65536 * 500e-9, 1e-6);
+  // A message cost on top adds its 1 + 2 ms per frame on the way (two frames).
+  fast.message_send_ns = 1 * kMs;
+  fast.message_receive_ns = 2 * kMs;
+  EXPECT_NEAR(Run(OneTensor(), fast, runtime).step_s, 216 * kMsS + 2 * 65536 * 500e-9, 1e-6);
+}
+
+// Compressed (fp16): every frame carries 50,000 bytes (50 ms on the link), and the values are
+// converted at 1 us per float32 byte: the push encoded before it is written (100 ms), decoded at
+// the owner as it arrives (100 ms of work from its first byte: 50 ms after the last), the sum
+// encoded once (100 ms) and decoded at the other worker (50 ms after the last byte again):
+// 10 + 100 + 50 + 50 + 100 + 50 + 50 = 410 ms.
+TEST(CompressionChargesItsConversions) {
+  RuntimeModel runtime = OwnerPath();
+  runtime.schedule = "priority";
+  runtime.cross_barrier = false;
+  StepProfile profile = OneTensor();
+  CompressGradients(Encoding::kFloat16, &profile);
+  NetworkModel network = SlowNetwork(2);
+  EXPECT_NEAR(Run(profile, network, runtime).step_s, 110 * kMsS, 1e-6);
+  network.cast_byte_ns = 1000;
+  EXPECT_NEAR(Run(profile, network, runtime).step_s, 410 * kMsS, 1e-6);
+}
+
+// Shared cores (the replay's workers on one machine): four workers whose pushes to one owner each
+// cost 10 ms to send. With a core each they send at once; on one shared core one after another.
+TEST(SharedCoresSerialiseTheWorkersThreads) {
+  StepProfile profile;
+  profile.layers = {{"dense", 10 * kMs, 0}};
+  profile.tensors = {Tensor(NameOwnedBy("t", 0, 4), 100, 1, 0, 0)};
+  RuntimeModel runtime = OwnerPath();
+  runtime.schedule = "priority";
+  runtime.cross_barrier = false;
+  NetworkModel network = SlowNetwork(4);
+  network.link_Bps = 1e9;
+  const double free_s = Run(profile, network, runtime).step_s;
+  network.message_send_ns = 10 * kMs;
+  const double own_s = Run(profile, network, runtime).step_s;
+  network.shared_cores = 1;
+  const double shared_s = Run(profile, network, runtime).step_s;
+  // Own cores: the three pushes in parallel (10 ms), then the owner's three sums one after the
+  // other on its thread (30 ms). One core: the pushes one after the other (30 ms), then the sums.
+  EXPECT_NEAR(own_s - free_s, 40 * kMsS, 0.2 * kMsS);
+  EXPECT_NEAR(shared_s - free_s, 60 * kMsS, 0.2 * kMsS);
+}
+
+// Several I/O threads per worker (connections spread over them by peer): an owner receiving two
+// pushes at 2 us per byte (200 ms of work each, slower than its link) handles them one after the
+// other on one thread, at once on two: the step is 200 ms shorter.
+TEST(IoThreadsShareAWorkersCpuWork) {
+  StepProfile profile;
+  profile.layers = {{"dense", 10 * kMs, 0}};
+  profile.tensors = {Tensor(NameOwnedBy("t", 0, 3), 100'000, 1, 0, 0)};
+  RuntimeModel runtime = OwnerPath();
+  runtime.schedule = "priority";
+  runtime.cross_barrier = false;
+  NetworkModel network = SlowNetwork(3);
+  network.receive_byte_ns = 2000;
+  const double one_s = Run(profile, network, runtime).step_s;
+  network.io_threads = 2;
+  const double two_s = Run(profile, network, runtime).step_s;
+  EXPECT_NEAR(one_s - two_s, 200 * kMsS, 1e-6);
+  network.io_threads = 0;
+  StepPrediction p;
+  const Status s = Simulate(profile, network, runtime, SimulationOptions(), &p);
+  EXPECT_TRUE(!s.ok() && s.message().find("io_threads") != std::string::npos);
+}
+
 TEST(BadInputIsRejectedWithTheReason) {
   StepPrediction p;
   RuntimeModel runtime;

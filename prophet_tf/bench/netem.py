@@ -6,7 +6,8 @@ Layout (nothing is created in, or routed through, the root namespace)::
     eth0 10.77.0.1/24  <veth>  p0 --+-- br0 (bridge) --+-- p1  <veth>  eth0 10.77.0.2/24
     tc: tbf [+ netem] on eth0                                    tc: tbf [+ netem] on eth0
 
-Each host's own ``eth0`` gets ``tbf rate R`` (and ``netem delay D`` if asked), so every host's NIC
+Every host knows the others' MAC addresses (static neighbours: no ARP). Each host's own ``eth0``
+gets ``tbf rate R`` (and ``netem delay D`` if asked), so every host's NIC
 sends at most R, as on a real cluster with one NIC per host (shaping ``lo`` instead would model
 one shared link, which is a different thing). ``delay_ms`` is added on each host's egress, so the
 round trip between two hosts grows by ``2 * delay_ms``.
@@ -42,7 +43,14 @@ from typing import Any, Optional, Sequence
 from prophet_tf.errors import ProphetError
 
 __all__ = ["EmulatedCluster", "LoopbackCluster", "NetemError", "NetemUnavailableError",
-           "TBF_FRAME_EFFICIENCY", "cleanup_stale", "list_namespaces"]
+           "TBF_FRAME_EFFICIENCY", "cleanup_stale", "frame_efficiency", "list_namespaces"]
+
+
+def frame_efficiency(mtu: int = 1500) -> float:
+    """TCP's payload share of what tbf counts on a link of this MTU: a full segment carries
+    mtu - 52 bytes (20 IP, 32 TCP with timestamps) in a frame of mtu + 14 (Ethernet)."""
+    return (mtu - 52.0) / (mtu + 14.0)
+
 
 SUBNET_PREFIX = "10.77.0"   # hosts are SUBNET_PREFIX.1 ... SUBNET_PREFIX.N, /24
 HOST_IFACE = "eth0"
@@ -55,7 +63,7 @@ _ACTIVE_PREFIXES: set[str] = set()   # prefixes of clusters alive in this proces
 #: tbf but are too few to count (GRO acknowledges many segments at once): a single TCP stream
 #: through tbf at 1 Gbit/s measured 0.96 Gbit/s, and a ResNet50 all-reduce at 983 Mbit/s needs at
 #: least 0.951 of the rate for its measured 876 ms steps (docs/benchmarks.md).
-TBF_FRAME_EFFICIENCY = 1448.0 / 1514.0
+TBF_FRAME_EFFICIENCY = frame_efficiency(1500)
 _FIX = ("Run as root (e.g. `sudo -E python ...`) so that network namespaces and tc can be used, "
         "or use --loopback to run the workers on 127.0.0.x without bandwidth shaping.")
 
@@ -165,11 +173,23 @@ class EmulatedCluster:
       burst_bytes: tbf bucket size; default max(64 KiB, rate/250 s), enough for GSO packets and
         the kernel's timer granularity without letting much more than the rate through.
       latency_ms: tbf queue limit expressed as time (``latency`` parameter).
+      gso_max_segs: the hosts' interfaces hand the qdisc packets of at most this many TCP
+        segments (``ip link set eth0 gso_max_segs``; None: the kernel's default, up to 64 KiB per
+        packet). 1: one segment per packet, as a NIC's wire carries them; what each TCP socket
+        keeps queued in the host (TCP small queues: two packets at low rates) is then a few KiB
+        instead of up to 128 KiB, which matters at the few Mbit/s a slowed replay runs with many
+        connections per host.
+      sysctls: per-namespace kernel settings of every host (``{"net.ipv4.tcp_congestion_control":
+        "reno"}``), set with ``sysctl -w`` inside it.
+      mtu: the MTU of every host's link (None: 1500). Jumbo frames (9000) carry the same bytes in
+        a sixth of the packets, each of which costs CPU on its way through two veths, the bridge
+        and tbf; TCP's payload share is then (mtu - 52) / (mtu + 14) (:func:`frame_efficiency`).
     """
 
     def __init__(self, n_hosts: int, bandwidth_bps: Optional[float], delay_ms: float = 0,
                  prefix: str = "ptf", *, burst_bytes: Optional[int] = None,
-                 latency_ms: float = 20.0) -> None:
+                 latency_ms: float = 20.0, gso_max_segs: Optional[int] = None,
+                 sysctls: Optional[dict[str, str]] = None, mtu: Optional[int] = None) -> None:
         _check_prefix(prefix)
         if not 1 <= n_hosts <= _MAX_HOSTS:
             raise ValueError(f"n_hosts must be in 1..{_MAX_HOSTS}, got {n_hosts}")
@@ -184,6 +204,13 @@ class EmulatedCluster:
         rate_bytes = self.bandwidth_bps / 8
         self.burst_bytes = int(burst_bytes) if burst_bytes else max(64 * 1024, int(rate_bytes / 250))
         self.latency_ms = float(latency_ms)
+        if gso_max_segs is not None and gso_max_segs < 1:
+            raise ValueError(f"gso_max_segs must be at least 1, got {gso_max_segs}")
+        self.gso_max_segs = gso_max_segs
+        self.sysctls = dict(sysctls or {})
+        if mtu is not None and not 576 <= mtu <= 65535:
+            raise ValueError(f"mtu must be in 576..65535, got {mtu}")
+        self.mtu = mtu
         self._lock = threading.RLock()
         self._active = False
         self._created: list[str] = []
@@ -313,9 +340,41 @@ class EmulatedCluster:
             _run(["ip", "-n", sw, "link", "set", port, "master", _BRIDGE])
             _run(["ip", "-n", sw, "link", "set", port, "up"])
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            _run(["ip", "-n", ns, "link", "set", HOST_IFACE, "address", self.host_mac(i)])
+            if self.mtu is not None:
+                _run(["ip", "-n", sw, "link", "set", port, "mtu", str(self.mtu)])
+                _run(["ip", "-n", ns, "link", "set", HOST_IFACE, "mtu", str(self.mtu)])
+            for key, value in self.sysctls.items():
+                _run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", f"{key}={value}"])
+            if self.gso_max_segs is not None:
+                _run(["ip", "-n", ns, "link", "set", HOST_IFACE, "gso_max_segs",
+                      str(self.gso_max_segs)])
             _run(["ip", "-n", ns, "addr", "add", f"{self.host_address(i)}/24", "dev", HOST_IFACE])
             _run(["ip", "-n", ns, "link", "set", HOST_IFACE, "up"])
             self._shape(ns)
+        self._add_neighbours()
+
+    def host_mac(self, i: int) -> str:
+        """The MAC address of host ``i``'s interface (locally administered, fixed)."""
+        self._check_index(i)
+        return f"02:77:00:00:{(i + 1) >> 8:02x}:{(i + 1) & 0xff:02x}"
+
+    def _add_neighbours(self) -> None:
+        """Every host knows every other host's MAC address (static neighbour entries): hosts never
+        resolve addresses. At start-up every worker connects to every other host at once, and
+        with tens of hosts on one bridge those N(N-1) ARP broadcasts, each delivered to every
+        port, left requests unanswered for seconds on 2 busy cores ("No route to host"; 64 hosts
+        did not connect within 120 s)."""
+        if self.n_hosts < 2:
+            return
+        for i in range(self.n_hosts):
+            lines = "".join(f"neigh replace {self.host_address(j)} lladdr {self.host_mac(j)} dev "
+                            f"{HOST_IFACE} nud permanent\n" for j in range(self.n_hosts) if j != i)
+            r = subprocess.run(["ip", "-n", self.namespace(i), "-batch", "-"], input=lines,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            if r.returncode != 0:
+                raise NetemError(f"adding the neighbours of {self.namespace(i)} failed: "
+                                 f"{r.stderr.strip()}")
 
     def _shape(self, ns: str) -> None:
         tc = ["tc", "-n", ns, "qdisc", "add", "dev", HOST_IFACE]

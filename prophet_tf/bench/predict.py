@@ -33,7 +33,10 @@ prophet_tf.bench.train`` measured (its ``results.json``, e.g. the default sweep'
 profiles with that run's time scales, batches and options.
 
 It prints predicted vs measured per setting and system, then ``prediction error: median X%,
-max Y%`` (absolute relative error over every setting and system). With an ``auto`` system in the
+max Y%`` (absolute relative error over every setting and system). ``--costs FILE`` (``python -m
+prophet_tf.predict calibrate --out FILE``) also predicts every system with the workers' CPU
+charged (per frame and per byte on their runtimes' I/O threads, which share this machine's
+cores as the emulated cluster's workers do) and prints that error too. With an ``auto`` system in the
 sweep it also prints how ``schedule="auto"`` compared with the best fixed schedule. Outputs in
 ``OUT/predict/``: ``predict.md``, ``predict.json`` and ``predict.png`` (predicted against
 measured), plus the training benchmark's own outputs per mode and the recorded profiles.
@@ -150,10 +153,13 @@ def _worker_emulation(facts: Mapping[str, Any]) -> Optional[dict[str, Any]]:
 
 
 def predict_setting(setting: Mapping[str, Any], profile: Any, opts: "train.SweepOptions",
-                    systems: Sequence[str]) -> dict[str, Any]:
+                    systems: Sequence[str], costs: Optional[dict] = None) -> dict[str, Any]:
     """The prediction (``prophet_tf.predict.Prediction``) of every system of ``setting`` (None:
-    the simulated runtime deadlocked; the reason is logged), each with its own runtime options."""
+    the simulated runtime deadlocked; the reason is logged), each with its own runtime options.
+    With ``costs`` (``prophet_tf.predict calibrate``) the workers' CPU is charged: their I/O
+    threads share this machine's cores, as the emulated cluster's workers do."""
     from prophet_tf.predict import SimulatedDeadlock, predict
+    from prophet_tf.predict.costs import apply_costs
     out: dict[str, Any] = {}
     for system in systems:
         spec = train.parse_system(system)
@@ -161,26 +167,32 @@ def predict_setting(setting: Mapping[str, Any], profile: Any, opts: "train.Sweep
         if schedule is None:
             continue
         try:
+            options = predict_options(opts, spec)
+            if costs:
+                options = apply_costs(options, costs)
+                options.shared_cores = os.cpu_count() or 1
             out[system] = predict(profile, workers=int(setting["workers"]),
                                   bandwidth_bps=float(setting["bandwidth_bps"]), schedule=schedule,
-                                  options=predict_options(opts, spec))
+                                  options=options)
         except SimulatedDeadlock as e:
             sys.stderr.write(f"  predicted deadlock: {e}\n")
             out[system] = None
     return out
 
 
-def errors(rows: Sequence[Mapping[str, Any]]) -> list[float]:
-    """Absolute relative errors |predicted - measured| / measured of the rows with both."""
-    return [abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in rows
-            if r.get("predicted_s") and r.get("measured_s")]
+def errors(rows: Sequence[Mapping[str, Any]], key: str = "predicted_s") -> list[float]:
+    """Absolute relative errors |predicted - measured| / measured of the rows with both
+    (``key``: ``predicted_cpu_s`` for the predictions with the CPU charged)."""
+    return [abs(r[key] - r["measured_s"]) / r["measured_s"] for r in rows
+            if r.get(key) and r.get("measured_s")]
 
 
-def summary_line(rows: Sequence[Mapping[str, Any]]) -> str:
-    errs = errors(rows)
+def summary_line(rows: Sequence[Mapping[str, Any]], key: str = "predicted_s") -> str:
+    errs = errors(rows, key)
+    label = "prediction error" + (" with the CPU charged" if key == "predicted_cpu_s" else "")
     if not errs:
-        return "prediction error: no setting with both a prediction and a measurement"
-    return (f"prediction error: median {100 * statistics.median(errs):.1f}%, "
+        return f"{label}: no setting with both a prediction and a measurement"
+    return (f"{label}: median {100 * statistics.median(errs):.1f}%, "
             f"max {100 * max(errs):.1f}%")
 
 
@@ -194,11 +206,18 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
         measured = f"{meas * 1e3:.0f}" if meas else "n/a"
         err = f"{100 * (pred - meas) / meas:+.1f}%" if pred and meas else "n/a"
         system = r["system"] + (" (noisy)" if r.get("noisy") else "")
+        if "predicted_cpu_s" in r:
+            charged = r.get("predicted_cpu_s")
+            predicted += " / " + (f"{charged * 1e3:.0f}" if charged else "n/a")
+            if charged and meas:
+                err += f" / {100 * (charged - meas) / meas:+.1f}%"
         breaks = " / ".join("n/a" if r.get(k) is None else str(r[k])
                             for k in ("predicted_stall_breaks", "measured_stall_breaks"))
         lines.append(f"| {r['compute']} | {r['model']} | {r['workers']} | {r['ratio']:g} | "
                      f"{train.format_bandwidth(r['bandwidth_bps'])} | {system} | {predicted} | "
                      f"{measured} | {err} | {breaks} |")
+    if any("predicted_cpu_s" in r for r in rows):
+        lines.append("\n(predicted and error: without / with the CPU charged)")
     return "\n".join(lines) + "\n"
 
 
@@ -236,8 +255,8 @@ def plot(rows: Sequence[Mapping[str, Any]], path: str, title: str = "") -> None:
     plt.close(fig)
 
 
-def _rows_for(settings: Sequence[Mapping[str, Any]], opts: "train.SweepOptions", directory: str
-              ) -> tuple[list[dict], list[str]]:
+def _rows_for(settings: Sequence[Mapping[str, Any]], opts: "train.SweepOptions", directory: str,
+              costs: Optional[dict] = None) -> tuple[list[dict], list[str]]:
     """Records a profile per (model, workers, time scale), predicts every setting."""
     from prophet_tf.predict import load_profile
     profiles: dict[tuple, Any] = {}
@@ -264,6 +283,8 @@ def _rows_for(settings: Sequence[Mapping[str, Any]], opts: "train.SweepOptions",
                 notes.extend(n for n in p.notes if n not in notes)
         profile = profiles[key]
         predicted = predict_setting(st, profile, opts, list(st["results"])) if profile else {}
+        charged = (predict_setting(st, profile, opts, list(st["results"]), costs)
+                   if profile and costs else {})
         for system, res in st["results"].items():
             if train.parse_system(system).base not in SYSTEM_SCHEDULES:
                 continue
@@ -280,8 +301,13 @@ def _rows_for(settings: Sequence[Mapping[str, Any]], opts: "train.SweepOptions",
                          "predicted_stall_breaks": prediction.stall_breaks if prediction else None,
                          "measured_stall_breaks": res.get("stall_breaks"),
                          "noisy": isinstance(foreign, (int, float)) and foreign > train.NOISY_CORES,
-                         "profile_step_s": profile.step_s if profile else None})
+                         "profile_step_s": profile.step_s if profile else None,
+                         **({"predicted_cpu_s": _step_s(charged.get(system))} if costs else {})})
     return rows, notes
+
+
+def _step_s(prediction: Any) -> Optional[float]:
+    return prediction.step_s if prediction else None
 
 
 def auto_lines(settings: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -326,6 +352,9 @@ def _define_flags() -> None:
     train.define_flags()
     flags.DEFINE_list("modes", ["emulated", "real"], "Compute modes to validate (the training "
                       "benchmark's --compute); --quick: emulated.")
+    flags.DEFINE_string("costs", None, "Also predict with the workers' CPU charged: the costs of "
+                        "python -m prophet_tf.predict calibrate --out FILE, on the I/O threads of "
+                        "workers that share this machine's cores.")
     flags.DEFINE_list("measured", None, "results.json of python -m prophet_tf.bench.train (one, "
                       "or the parts of one sweep, comma separated): predict its settings instead "
                       "of measuring them again.")
@@ -351,6 +380,14 @@ def main(argv: Sequence[str]) -> int:
         print(f"error: --modes: unknown {bad}; choose from {', '.join(train.COMPUTE_MODES)}",
               file=sys.stderr)
         return 2
+    costs = None
+    if FLAGS.costs:
+        from prophet_tf.predict.costs import load_costs
+        try:
+            costs = load_costs(FLAGS.costs)
+        except ValueError as e:
+            print(f"error: --costs: {e}", file=sys.stderr)
+            return 2
     measured: Optional[list] = None
     if FLAGS.measured:
         measured = []
@@ -401,11 +438,14 @@ def main(argv: Sequence[str]) -> int:
                 print("\ninterrupted", file=sys.stderr)
                 return 130
         all_settings.extend(settings)
-        mode_rows, mode_notes = _rows_for(settings, opts, os.path.join(out, "profiles", mode))
+        mode_rows, mode_notes = _rows_for(settings, opts, os.path.join(out, "profiles", mode),
+                                          costs)
         rows.extend(mode_rows)
         notes.extend(n for n in mode_notes if n not in notes)
     table = format_table(rows)
     summary = summary_line(rows)
+    if costs:
+        summary += "\n" + summary_line(rows, "predicted_cpu_s")
     autos = auto_lines(all_settings)
     with open(os.path.join(out, "predict.md"), "w") as f:
         f.write(f"# Predicted vs measured step time (python -m prophet_tf.bench.predict "

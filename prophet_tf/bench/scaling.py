@@ -3,7 +3,8 @@
     python -m prophet_tf.bench.scaling [--out bench_out] [--models resnet50,vgg16,bert_base]
         [--bandwidth 10G,25G,100G] [--workers 2,4,8,16,32,64,128,256]
         [--schedules prophet,priority,fifo,mwms] [--accelerator_tflops 100]
-        [--workers_per_host 1] [--hierarchical]
+        [--workers_per_host 1] [--hierarchical] [--costs costs.json [--cost_scale F]
+        [--io_threads auto|T]]
 
 PREDICTIONS ONLY: nothing here runs on a network. Every setting is predicted by
 ``prophet_tf.predict`` (the runtime's own policies replayed over a model of the links) from the
@@ -15,6 +16,13 @@ those of real accelerators, not of this machine's emulation. Each worker has a h
 (``--workers_per_host`` places several on one host; ``--hierarchical`` adds the two-level path,
 the runtime's ``hierarchical="on"``) whose NIC carries the link rate both
 ways, 1448 payload bytes per 1538 on the wire.
+
+``--costs`` (``python -m prophet_tf.predict calibrate --out FILE``) charges each worker's CPU:
+per frame and per byte (socket copies, sums, casts, fusion's copies) on its runtime's I/O
+threads, the ring's (``mwms``) alike; ``--cost_scale`` multiplies every cost (a stated faster or
+slower machine than the calibrated one). ``--io_threads`` gives each worker that many I/O threads,
+or ``auto``: the fewest that keep pace with the link (:func:`io_threads_for`); each cell then
+also gives worker 0's I/O work per step (``io`` in the JSON).
 
 Scaling efficiency = throughput at N / (N x one worker's throughput) = one worker's step / the
 step at N. The ideal bound (docs/design.md) is the best step any schedule could reach; its
@@ -35,8 +43,8 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
-__all__ = ["ScalingPoint", "scaling_points", "format_tables", "shortfalls", "load_points", "plot",
-           "main"]
+__all__ = ["ScalingPoint", "io_threads_for", "scaling_points", "format_tables", "shortfalls",
+           "load_points", "plot", "main"]
 
 DEFAULT_MODELS = ("resnet50", "vgg16", "bert_base")
 DEFAULT_BANDWIDTHS = ("10G", "25G", "100G")
@@ -59,6 +67,8 @@ class ScalingPoint:
     ideal_s: float
     step_s: dict[str, Optional[float]]
     cpu_s: float = 0.0
+    io_busy_s: dict[str, Optional[float]] = dataclasses.field(default_factory=dict)
+    io_threads: int = 1
 
     def efficiency(self, schedule: str) -> Optional[float]:
         s = self.step_s.get(schedule)
@@ -75,11 +85,22 @@ class ScalingPoint:
         return data
 
 
+def io_threads_for(link_bps: float, options: Any) -> int:
+    """The fewest I/O threads whose charged CPU keeps pace with a link of ``link_bps`` per
+    direction under ``options``' costs: at full rate each second a worker sends and receives the
+    link's bytes and adds about half of what it receives (the pushes it owns), so T = ceil(rate x
+    (send + receive + sum / 2) per byte)."""
+    per_byte = options.send_byte_s + options.receive_byte_s + options.sum_byte_s / 2
+    return max(1, math.ceil(link_bps / 8 * per_byte - 1e-9))
+
+
 def scaling_points(profiles: dict[str, Any], bandwidths: Sequence[float], workers: Sequence[int],
                    schedules: Sequence[str], options: Any, hierarchical: bool = False,
-                   threads: int = 0, progress: Any = None) -> list[ScalingPoint]:
+                   threads: int = 0, progress: Any = None,
+                   io_threads: Optional[int] = 1) -> list[ScalingPoint]:
     """Predicts every (model, link, N) for every schedule (and, with ``hierarchical``, the
-    two-level path of each runtime schedule, named ``"<schedule> 2-level"``)."""
+    two-level path of each runtime schedule, named ``"<schedule> 2-level"``). ``io_threads``:
+    I/O threads per worker, None: :func:`io_threads_for` each link."""
     from prophet_tf.predict import SimulatedDeadlock, ideal_bound, predict
     two_level = dataclasses.replace(options, hierarchical=True)
     variants = [(s, options) for s in schedules]
@@ -89,29 +110,35 @@ def scaling_points(profiles: dict[str, Any], bandwidths: Sequence[float], worker
     jobs = [(m, bw, n, name, opts) for n in sorted(workers, reverse=True) for m in profiles
             for bw in bandwidths for name, opts in variants]
 
-    def one(job: tuple) -> tuple[tuple, Optional[float], float]:
+    def threads_for(bw: float) -> int:
+        return io_threads if io_threads is not None else io_threads_for(bw, options)
+
+    def one(job: tuple) -> tuple[tuple, Optional[float], Optional[float], float]:
         model, bw, n, name, opts = job
         schedule = name[:-len(HIERARCHICAL_SUFFIX)] if name.endswith(HIERARCHICAL_SUFFIX) else name
         t0 = time.thread_time()
         try:
-            step = predict(profiles[model], workers=n, bandwidth_bps=bw, schedule=schedule,
-                           options=opts).step_s
+            p = predict(profiles[model], workers=n, bandwidth_bps=bw, schedule=schedule,
+                        options=dataclasses.replace(opts, io_threads=threads_for(bw)))
+            step, io = p.step_s, p.io_busy_s
         except SimulatedDeadlock:
-            step = None
+            step, io = None, None
         if progress is not None:
             progress(job)
-        return job, step, time.thread_time() - t0
+        return job, step, io, time.thread_time() - t0
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=threads or os.cpu_count() or 1) as pool:
         results = list(pool.map(one, jobs))
     points: dict[tuple, ScalingPoint] = {}
-    for (model, bw, n, name, _), step, cpu in results:
+    for (model, bw, n, name, _), step, io, cpu in results:
         key = (model, bw, n)
         if key not in points:
             p = profiles[model]
             bound = ideal_bound(p, workers=n, bandwidth_bps=bw, options=options)
-            points[key] = ScalingPoint(model, bw, n, p.step_s, bound.step_s, {})
+            points[key] = ScalingPoint(model, bw, n, p.step_s, bound.step_s, {},
+                                       io_threads=threads_for(bw))
         points[key].step_s[name] = step
+        points[key].io_busy_s[name] = io
         points[key].cpu_s += cpu
     return sorted(points.values(), key=lambda q: (list(profiles).index(q.model), q.bandwidth_bps,
                                                    q.workers))
@@ -129,15 +156,18 @@ def format_tables(points: Sequence[ScalingPoint], names: Sequence[str]) -> str:
     for model in dict.fromkeys(p.model for p in points):
         mine = [p for p in points if p.model == model]
         out.append(f"**{model}** (one worker: {mine[0].single_s * 1e3:.1f} ms per step)\n")
-        out.append("| link | N | " + " | ".join(names) + " | ideal |")
-        out.append("|---|---|" + "---|" * (len(names) + 1))
+        threads = any(p.io_threads != 1 for p in mine)
+        out.append("| link | N | " + ("I/O threads | " if threads else "") + " | ".join(names)
+                   + " | ideal |")
+        out.append("|---|---|" + ("---|" if threads else "") + "---|" * (len(names) + 1))
         for p in mine:
             cells = []
             for name in names:
                 s, e = p.step_s.get(name), p.efficiency(name)
                 cells.append("deadlock" if s is None else f"{s * 1e3:.1f} ({100 * e:.0f}%)")
             cells.append(f"{p.ideal_s * 1e3:.1f} ({100 * p.ideal_efficiency:.0f}%)")
-            out.append(f"| {_rate(p.bandwidth_bps)} | {p.workers} | " + " | ".join(cells) + " |")
+            out.append(f"| {_rate(p.bandwidth_bps)} | {p.workers} | "
+                       + (f"{p.io_threads} | " if threads else "") + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)
 
@@ -245,6 +275,11 @@ def _define_flags() -> None:
                       "schedule (the runtime's hierarchical='on').")
     flags.DEFINE_string("fusion", "auto", "Fusion of small gradients (ProphetStrategy's fusion): "
                         "auto (the default), off or a bucket size in bytes.")
+    flags.DEFINE_string("costs", None, "Charge the CPU costs of this file (python -m "
+                        "prophet_tf.predict calibrate --out FILE) on every worker, the ring's too.")
+    flags.DEFINE_float("cost_scale", 1.0, "Multiplies every cost of --costs.")
+    flags.DEFINE_string("io_threads", "1", "I/O threads per worker, or auto: the fewest whose "
+                        "charged CPU keeps pace with the link.")
     flags.DEFINE_integer("steps", 5, "Measured simulated steps per setting (median).")
     flags.DEFINE_integer("warmup", 4, "Simulated steps before those (Prophet plans after two).")
     flags.DEFINE_integer("threads", 0, "Simulations at once (0: one per core).")
@@ -276,6 +311,13 @@ def main(argv: Sequence[str]) -> int:
                              f"({k}), got {FLAGS.workers}")
         bandwidths = [parse_rate(b) for b in FLAGS.bandwidth]
         fusion_bytes = parse_fusion(FLAGS.fusion)
+        costs = None
+        if FLAGS.costs:
+            from prophet_tf.predict.costs import load_costs
+            costs = load_costs(FLAGS.costs)
+        io_threads = None if FLAGS.io_threads == "auto" else int(FLAGS.io_threads)
+        if io_threads is not None and io_threads < 1:
+            raise ValueError(f"--io_threads must be auto or at least 1, got {FLAGS.io_threads}")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -285,8 +327,10 @@ def main(argv: Sequence[str]) -> int:
         return _merge(FLAGS.merge, out)
     t0 = time.monotonic()
     profiles = emulated_profiles(FLAGS.models, FLAGS.out, FLAGS.accelerator_tflops, None)
-    options = PredictOptions(steps=FLAGS.steps, warmup_steps=FLAGS.warmup, workers_per_host=k,
-                             fusion_bytes=fusion_bytes)
+    from prophet_tf.predict.costs import apply_costs, describe
+    options = apply_costs(PredictOptions(steps=FLAGS.steps, warmup_steps=FLAGS.warmup,
+                                         workers_per_host=k, fusion_bytes=fusion_bytes),
+                          costs, FLAGS.cost_scale)
     names = list(FLAGS.schedules) + ([s + HIERARCHICAL_SUFFIX for s in FLAGS.schedules
                                       if s != "mwms"] if FLAGS.hierarchical else [])
     total = len(profiles) * len(bandwidths) * len(workers) * len(names)
@@ -299,13 +343,20 @@ def main(argv: Sequence[str]) -> int:
 
     print(f"predicting {total} simulations ...", flush=True)
     points = scaling_points(profiles, bandwidths, workers, FLAGS.schedules, options,
-                            FLAGS.hierarchical, FLAGS.threads, progress)
+                            FLAGS.hierarchical, FLAGS.threads, progress, io_threads)
     wall = time.monotonic() - t0
     tables = format_tables(points, names)
     lines = shortfalls(points, names)
     command = " ".join(["python -m prophet_tf.bench.scaling", *sys.argv[1:]])
     placement = (f"{k} workers per host" if k > 1 else "one worker per host")
     placement += f", fusion {FLAGS.fusion}"
+    if costs:
+        placement += (f", CPU charged ({describe(costs)}; x {FLAGS.cost_scale:g}), I/O threads "
+                      + ("per link: " + ", ".join(f"{_rate(bw)} {io_threads_for(bw, options)}"
+                                                  for bw in bandwidths)
+                         if io_threads is None else str(io_threads)))
+    else:
+        placement += ", CPU not charged"
     header = (f"# Predicted scaling ({command})\n\nPREDICTIONS, not measurements: {placement}, "
               f"{FLAGS.accelerator_tflops:g} TFLOP/s accelerators, {FLAGS.warmup} + {FLAGS.steps} "
               "simulated steps. Each cell: predicted step ms and, in parentheses, scaling "
@@ -313,7 +364,8 @@ def main(argv: Sequence[str]) -> int:
     with open(os.path.join(out, "scaling.md"), "w") as f:
         f.write(header + tables + "\n" + "\n".join(lines) + "\n")
     with open(os.path.join(out, "scaling.json"), "w") as f:
-        json.dump({"command": command, "options": dataclasses.asdict(options),
+        json.dump({"command": command, "options": dataclasses.asdict(options), "costs": costs,
+                   "cost_scale": FLAGS.cost_scale,
                    "points": [p.to_json() for p in points], "shortfalls": lines,
                    "wall_s": wall}, f, indent=1)
     plot(points, names, os.path.join(out, "scaling.png"))

@@ -2,6 +2,13 @@
 
     python -m prophet_tf.bench.transport [--quick] [--sizes 4KiB,64MiB] [--iters N]
         [--compression fp16,bf16]
+    python -m prophet_tf.bench.transport --check     # before an engine change lands
+
+``--check`` measures push_pull uncompressed at 4, 16, 64 and 256 MiB (``--sizes`` overrides) and
+exits with status 1 when any size runs below ``CHECK_MIN_RATIO`` of raw TCP's throughput or above
+``CHECK_MAX_CPU_RATIO`` times its CPU per byte (the transport's goals), naming the sizes: the
+pre-landing check of docs/development.md. It is a measurement, so it needs a quiet machine: on a
+loaded one every ratio moves (the table prints the load average before and after).
 
 Starts 2 workers on loopback. For each tensor size, each worker measures alternately
   * ``push_pull``: the eager op on a float32 tensor of that size (summation, partitioning,
@@ -54,11 +61,20 @@ flags.DEFINE_string("runtime_options", "{}", "JSON object of prophet_tf.runtime.
                     "\"socket_unsent_bytes\": 0}' (raw_tcp's socket options).")
 flags.DEFINE_list("compression", ["fp16", "bf16"],
                   "Compressed push_pull systems measured beside the others ('' for none).")
+flags.DEFINE_bool("check", False, "Measure the transport's goals (uncompressed push_pull at 4-256 MiB) and "
+                  "exit with status 1 if push_pull is below CHECK_MIN_RATIO of raw TCP's throughput or above "
+                  "CHECK_MAX_CPU_RATIO of its CPU per byte at any size.")
 
 _UNITS = {"B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
 DEFAULT_SIZES = ["4KiB", "64KiB", "1MiB", "4MiB", "16MiB", "64MiB", "256MiB"]
 QUICK_SIZES = ["4KiB", "1MiB", "4MiB", "16MiB", "64MiB"]
 SOCKET_BUFFER = 4 << 20
+CHECK_SIZES = ["4MiB", "16MiB", "64MiB", "256MiB"]
+#: The transport's goals, at every size of CHECK_SIZES: push_pull at least this fraction of raw
+#: TCP's throughput ...
+CHECK_MIN_RATIO = 0.9
+#: ... and at most this many times raw TCP's CPU per byte (both processes, every thread).
+CHECK_MAX_CPU_RATIO = 1.15
 
 
 def parse_size(text: str) -> int:
@@ -227,13 +243,29 @@ def format_compressed_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def check_failures(rows: Sequence[dict], min_ratio: float = CHECK_MIN_RATIO,
+                   max_cpu_ratio: float = CHECK_MAX_CPU_RATIO) -> list[str]:
+    """The goals ``rows`` miss, one line per size and goal (empty: every size meets both)."""
+    failures = []
+    for r in rows:
+        if r["ratio"] < min_ratio:
+            failures.append(f"{human(r['bytes'])}: push_pull at {r['ratio']:.2f} of raw TCP's throughput "
+                            f"(goal >= {min_ratio:.2f})")
+        if r["cpu_ratio"] > max_cpu_ratio:
+            failures.append(f"{human(r['bytes'])}: push_pull at {r['cpu_ratio']:.2f}x raw TCP's CPU per byte "
+                            f"(goal <= {max_cpu_ratio:.2f}x)")
+    return failures
+
+
 def main(argv: Sequence[str]) -> int:
     del argv
     if FLAGS.worker:
         run_worker(json.loads(FLAGS.worker))
         return 0
-    sizes = [parse_size(s) for s in (FLAGS.sizes or (QUICK_SIZES if FLAGS.quick else DEFAULT_SIZES))]
-    compressions = [c for c in FLAGS.compression if c]
+    default_sizes = CHECK_SIZES if FLAGS.check else QUICK_SIZES if FLAGS.quick else DEFAULT_SIZES
+    sizes = [parse_size(s) for s in (FLAGS.sizes or default_sizes)]
+    compressions = [] if FLAGS.check else [c for c in FLAGS.compression if c]
+    load_before = os.getloadavg()
     for c in compressions:
         if c not in ("fp16", "bf16"):
             raise app.UsageError(f"--compression: {c!r} is not fp16 or bf16")
@@ -281,6 +313,17 @@ def main(argv: Sequence[str]) -> int:
     else:
         print("push_pull/raw_tcp (>= 4 MiB): n/a (no size of at least 4 MiB was measured)")
         print("push_pull/raw_tcp CPU per byte (>= 4 MiB): n/a")
+    if not FLAGS.check:
+        return 0
+    load_after = os.getloadavg()
+    print(f"load average (1 min) {load_before[0]:.1f} before, {load_after[0]:.1f} after, on {os.cpu_count()} cores")
+    failures = check_failures(rows)
+    for failure in failures:
+        print(f"CHECK FAILED {failure}")
+    if failures:
+        return 1
+    print(f"CHECK PASSED: push_pull >= {CHECK_MIN_RATIO:.2f} of raw TCP's throughput and <= "
+          f"{CHECK_MAX_CPU_RATIO:.2f}x its CPU per byte at every size")
     return 0
 
 

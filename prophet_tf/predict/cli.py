@@ -201,6 +201,11 @@ def define_flags() -> None:
     flags.DEFINE_string("message_cost", "0", "CPU time of one frame on a worker's I/O thread: "
                         "SEND,RECEIVE or one value for both (e.g. 10us,15us); 0: free. See "
                         "PredictOptions.message_send_s for the value measured here.")
+    flags.DEFINE_string("costs", None, "Charge the CPU costs of this file (python -m "
+                        "prophet_tf.predict calibrate --out FILE): per frame and per byte on each "
+                        "worker's I/O thread; overrides --message_cost.")
+    flags.DEFINE_float("cost_scale", 1.0, "Multiplies every cost of --costs (0.5: a machine whose "
+                       "I/O thread is twice as fast as the calibrated one).")
     flags.DEFINE_bool("small_allreduce", True, "Small control collectives by recursive doubling "
                       "where the engine takes them (ops/core/small_allreduce.h), as it does; "
                       "--nosmall_allreduce predicts the owner path for every tensor, for "
@@ -271,6 +276,9 @@ def main(argv: Sequence[str]) -> int:
                                  fusion_bytes=parse_fusion(FLAGS.fusion),
                                  **{name: getattr(FLAGS, name) for name in predicted_options()
                                     if name != "hierarchical"})
+        if FLAGS.costs:
+            from prophet_tf.predict.costs import apply_costs, load_costs
+            options = apply_costs(options, load_costs(FLAGS.costs), FLAGS.cost_scale)
         if FLAGS.timeline and (len(workers), len(bandwidths), len(schedules)) != (1, 1, 1):
             raise ValueError("--timeline draws one setting: give one value each to --workers, "
                              "--bandwidth and --schedule")

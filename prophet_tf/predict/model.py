@@ -141,8 +141,16 @@ class PredictOptions:
         fuse.
       message_send_s, message_receive_s: CPU time of one frame on a worker's one I/O thread,
         sending and receiving (``NetworkModel::message_send_ns`` in ops/sim/simulator.h); 0
-        (the default): free. The value measured on the project's test machine is in that
-        comment (``bazel run -c opt //ops/core/bench:small_allreduce_bench``).
+        (the default): free. ``python -m prophet_tf.predict calibrate`` measures them (and the
+        costs per byte) on the machine at hand.
+      send_byte_s, receive_byte_s, sum_byte_s, cast_byte_s, copy_byte_s: CPU time per byte on
+        that thread (``NetworkModel::send_byte_ns`` ...): a payload's copy into its socket and
+        out of it, adding a contribution into a sum, converting float32 to or from 16 bits
+        (per float32 byte), a memory copy (fusion's packing). 0 (the default): free.
+      shared_cores: > 0: every worker's I/O thread runs on one pool of this many cores (workers
+        on one machine, as the replay benchmark runs them); 0: a core each.
+      io_threads: I/O threads per worker, its connections spread over them round-robin by peer
+        (each frame's CPU on its connection's thread).
       small_allreduce: small control collectives by recursive doubling where the engine's rule
         takes them (ops/core/small_allreduce.h), as the engine sends them (True, the default).
         False predicts the owner path for every tensor, ``"always"`` the exchange for every
@@ -173,6 +181,13 @@ class PredictOptions:
     fusion_bytes: int = -1
     message_send_s: float = 0.0
     message_receive_s: float = 0.0
+    send_byte_s: float = 0.0
+    receive_byte_s: float = 0.0
+    sum_byte_s: float = 0.0
+    cast_byte_s: float = 0.0
+    copy_byte_s: float = 0.0
+    shared_cores: int = 0
+    io_threads: int = 1
     small_allreduce: Union[bool, str] = True
 
 
@@ -196,6 +211,9 @@ class Prediction:
     exchanged_per_step: float     # collectives per step by exchange (ops/core/small_allreduce.h)
     periods_s: list[float]
     tensor_times: list[dict[str, Any]]
+    # Worker 0's I/O thread busy with the charged CPU per step (0 without CPU costs); above
+    # step_s one thread cannot keep up.
+    io_busy_s: float = 0.0
     # That estimate at each measured step's beginning (how steady it is).
     bandwidth_samples_Bps: list[float] = dataclasses.field(default_factory=list)
     # Times worker 0's policy broke its own flow control to end a wait that looked like a
@@ -257,8 +275,12 @@ def _small_allreduce_mode(setting: Union[bool, str]) -> str:
                        f"{setting!r}")
 
 
-def _request(profile: Profile, workers: int, bandwidth_bps: float, schedule: str,
-             options: PredictOptions, timeline_path: Optional[str], timeline_workers: int) -> str:
+def simulation_request(profile: Profile, workers: int, bandwidth_bps: float, schedule: str,
+                       options: PredictOptions, timeline_path: Optional[str],
+                       timeline_workers: int) -> str:
+    """The text the C++ simulator reads (ops/sim/simulation_request.h): the options, the
+    profile's layers and gradients, and where to write a timeline of the first
+    ``timeline_workers`` workers. The replay benchmark sends its workers the same request."""
     base, cross = parse_schedule(schedule)
     layer_index = {layer.name: i for i, layer in enumerate(profile.layers)}
     lines = [
@@ -284,6 +306,13 @@ def _request(profile: Profile, workers: int, bandwidth_bps: float, schedule: str
         f"option fusion_bytes={int(options.fusion_bytes)}",
         f"option message_send_ns={_ns(options.message_send_s)}",
         f"option message_receive_ns={_ns(options.message_receive_s)}",
+        f"option send_byte_ns={float(options.send_byte_s) * 1e9!r}",
+        f"option receive_byte_ns={float(options.receive_byte_s) * 1e9!r}",
+        f"option sum_byte_ns={float(options.sum_byte_s) * 1e9!r}",
+        f"option cast_byte_ns={float(options.cast_byte_s) * 1e9!r}",
+        f"option copy_byte_ns={float(options.copy_byte_s) * 1e9!r}",
+        f"option shared_cores={int(options.shared_cores)}",
+        f"option io_threads={int(options.io_threads)}",
         f"option small_allreduce={_small_allreduce_mode(options.small_allreduce)}",
         f"option launch_ns={_ns(profile.launch_s)}",
         f"option backward_ns={_ns(profile.backward_s)}",
@@ -334,8 +363,8 @@ def predict(profile: Profile, *, workers: int, bandwidth_bps: float, schedule: s
         root, dot, ext = timeline_path.rpartition(".")
         timeline_path = f"{root}.{{rank}}.{ext}" if dot and "/" not in ext else f"{timeline_path}.{{rank}}.json"
     profile.validate()
-    request = _request(profile, workers, bandwidth_bps if workers > 1 else 1.0, schedule, options,
-                       timeline_path, timeline_workers)
+    request = simulation_request(profile, workers, bandwidth_bps if workers > 1 else 1.0,
+                                 schedule, options, timeline_path, timeline_workers)
     data = _call("prophet_predict", request,
                  f"{schedule}, {workers} workers, {bandwidth_bps:g} bit/s")
     times = [{k: (v if not isinstance(v, (int, float)) or v >= 0 else None) for k, v in t.items()}
@@ -348,6 +377,7 @@ def predict(profile: Profile, *, workers: int, bandwidth_bps: float, schedule: s
                       policy=data["policy"], messages_per_step=data["messages_per_step"],
                       exchanged_per_step=data["exchanged_per_step"],
                       periods_s=list(data["periods_s"]), tensor_times=times,
+                      io_busy_s=data.get("io_busy_s", 0.0),
                       bandwidth_samples_Bps=list(data.get("bandwidth_samples_Bps", [])),
                       stall_breaks=int(data.get("stall_breaks", 0)))
 
@@ -375,8 +405,8 @@ def ideal_bound(profile: Profile, *, workers: int, bandwidth_bps: Optional[float
         raise PredictError(f"the link rate must be a positive number of bit/s, got "
                            f"{bandwidth_bps!r}")
     profile.validate()
-    request = _request(profile, workers, bandwidth_bps if workers > 1 else 1.0, "prophet", options,
-                       None, 0)
+    request = simulation_request(profile, workers, bandwidth_bps if workers > 1 else 1.0,
+                                 "prophet", options, None, 0)
     data = _call("prophet_predict_ideal", request, f"ideal bound, {workers} workers, "
                  f"{bandwidth_bps or 0:g} bit/s")
     binding = data["binding_layer"]

@@ -46,6 +46,14 @@ def exact(info: cluster.ClusterInfo, small: bool = False) -> None:
         big = 16 << 20  # 64 MiB of float32
         got = ops.push_pull(tf.fill([big], float(r + 1)), name="exact/64MiB")
         check("sum float32 64MiB", bool(tf.reduce_all(got == n * (n + 1) / 2)))
+    # A large output comes from the recycled pool (ops/core/output_pool.h): the next push_pull of
+    # its size gets the same memory back, holding the last sum, and must overwrite all of it.
+    recycled = runtime.stats()["outputs_recycled"]
+    for step in range(3):
+        got = ops.push_pull(tf.fill([1 << 19], float(r + 2 * step)), name="exact/recycled")
+        check(f"recycled output {step}", bool(tf.reduce_all(got == n * 2 * step + n * (n - 1) / 2)))
+        del got
+    check("outputs recycled", runtime.stats()["outputs_recycled"] >= recycled + 2)
     got = ops.push_pull(tf.constant([2.0 * (r + 1), 4.0]), name="exact/mean", average=True)
     check("mean", np.allclose(got.numpy(), [float(n + 1), 4.0]))
 

@@ -68,7 +68,7 @@ class Job {
     const size_t elements = std::max<uint64_t>(1, bytes / 4);
     in_.assign(static_cast<size_t>(n_), std::vector<float>(elements, 1.0f));
     out_.assign(static_cast<size_t>(n_), std::vector<float>(elements, 0.0f));
-    left_ = n_;
+    done_.Expect(n_);
     const auto start = std::chrono::steady_clock::now();
     for (int r = 0; r < n_; ++r) {
       OpRequest q;
@@ -80,18 +80,10 @@ class Job {
       q.output = out_[r].data();
       q.bytes = 4 * elements;
       q.priority = kControlPriority;
-      q.done = [this](const Status& s, const GatherResult*) {
-        if (!s.ok()) {
-          std::fprintf(stderr, "push_pull failed: %s\n", s.message().c_str());
-          std::exit(1);
-        }
-        std::lock_guard<std::mutex> lock(mu_);
-        if (--left_ == 0) cv_.notify_all();
-      };
+      q.done = done_.Callback();
       engines_[r]->Submit(std::move(q));
     }
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [this] { return left_ == 0; });
+    done_.Wait();
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     for (int r = 0; r < n_; ++r)
       if (out_[r][0] != static_cast<float>(n_)) {
@@ -105,9 +97,7 @@ class Job {
   const int n_;
   std::vector<std::unique_ptr<Engine>> engines_;
   std::vector<std::vector<float>> in_, out_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  int left_ = 0;
+  testing::DoneCounter done_;
 };
 
 // Frames every worker together sends per operation.
