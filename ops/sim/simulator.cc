@@ -760,7 +760,8 @@ void Simulation::SumDone(int owner, uint64_t key, int partition) {
   int64_t encode_ns = Encoded(info) ? static_cast<int64_t>(2.0 * static_cast<double>(info.bytes) * network_.cast_byte_ns) : 0;
   if (!two_level()) {
     PartState& part = OpAt(owner, key).parts[partition];
-    if (part.local_task) {
+    const bool local_task = part.local_task;
+    if (local_task) {
       TransferDone& done = scratch_done_;
       done.task = PushTask(owner, owner, info);
       done.sent_ns = part.push_sent_ns;
@@ -774,6 +775,12 @@ void Simulation::SumDone(int owner, uint64_t key, int partition) {
     for (int peer = 0; peer < n_; ++peer) {
       if (peer != owner) SendFrame(owner, peer, priority, info, std::exchange(encode_ns, 0));
     }
+    // The local transfer returned the partition's credit (bytescheduler's window): the engine asks
+    // the policy again at once (PushPull::FinishPartition's PushCompleted runs inside the pump's
+    // loop or an I/O turn, and both pump after it), after the sum went to the connections. Without
+    // this an owner whose window freed this way waited for an unrelated event, at worst its stall
+    // timer, while its peers' windows waited on its next release.
+    if (local_task) Pump(owner);
     return;
   }
   // Two-level: the sum goes to the other hosts' leaders, then to this host's other workers.

@@ -259,6 +259,39 @@ TEST(CreditReturnsWhenAPushLeavesNotWhenItsSumIsBack) {
   EXPECT_NEAR(p.tensor_times[1].done_s, (10 + 30) * kMsS, 1e-6);
 }
 
+// bytescheduler: an owner's own partition returns its credit when its sum is complete there (a
+// local transfer), and the engine asks the policy for the next partition at once (the engine pumps
+// after every event: PushPull::SendScheduled -> FinishPartition -> PushCompleted runs inside the
+// pump's loop, which pumps again; a push completing a sum is followed by the I/O loop's pump).
+// Worker 1 owns X, Y and Z (10,000 bytes each, X most urgent) and the window holds one partition.
+// From the backward pass's start b: both release X; worker 0's push arrives at b+10, worker 1's
+// sum is complete and its window free, so it releases its own Y then (worker 1 sends no push
+// and gets no sum back, so no other event would pump it before its stall timer, 1 s away);
+// worker 0 gets X's sum at b+20 and pushes Y, which completes Y at b+30 (worker 1 releases its
+// own Z), Y's sum is back at b+40, worker 0 pushes Z, Z's sum is back at b+60. Nothing waits long
+// enough for a stall break: a simulator that let worker 1's freed window idle until its timer
+// made worker 0 break its window (a full window, nothing back for longer than its threshold).
+TEST(ByteschedulerOwnerReleasesItsNextPartitionWhenItsOwnSumCompletes) {
+  StepProfile profile;
+  profile.layers = {{"only", 10 * kMs, 0}};
+  profile.tensors = {Tensor(NameOwnedBy("X", 1, 2), 10'000, 3, 0, 0), Tensor(NameOwnedBy("Y", 1, 2), 10'000, 2, 0, 0),
+                     Tensor(NameOwnedBy("Z", 1, 2), 10'000, 1, 0, 0)};
+  RuntimeModel runtime = OwnerPath();
+  runtime.schedule = "bytescheduler";
+  runtime.cross_barrier = false;
+  runtime.credit_bytes = 10'000;
+  SimulationOptions options;
+  options.warmup_steps = 1;
+  options.steps = 3;
+  const StepPrediction p = Run(profile, SlowNetwork(2), runtime, options);
+  EXPECT_EQ(p.stall_breaks, 0u);
+  // From the step's begin: the backward pass starts after the 10 ms forward pass.
+  EXPECT_NEAR(p.tensor_times[0].done_s, (10 + 20) * kMsS, 1e-6);
+  EXPECT_NEAR(p.tensor_times[1].done_s, (10 + 40) * kMsS, 1e-6);
+  EXPECT_NEAR(p.tensor_times[2].done_s, (10 + 60) * kMsS, 1e-6);
+  EXPECT_NEAR(p.step_s, (10 + 60) * kMsS, 1e-6);
+}
+
 // Two layers: L0 (50 ms forward) owns g_first (1,000 bytes, owned by worker 1), L1 (10 ms) owns
 // g_last (100,000 bytes, owned by worker 0), ready first. From the backward pass's start b:
 //   1->0: worker 1 pushes g_last                     b+0   .. b+100
