@@ -51,20 +51,6 @@ from typing import Optional, Sequence
 from absl import app, flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_bool("quick", False, "Fewer sizes and iterations (finishes within a minute).")
-flags.DEFINE_list("sizes", None, "Tensor sizes, e.g. 4KiB,1MiB,256MiB (default: 4 KiB to 256 MiB).")
-flags.DEFINE_integer("iters", None, "Timed iterations per size and system (default depends on size).")
-flags.DEFINE_string("worker", None, "Internal: run as a worker with this JSON configuration.")
-flags.DEFINE_string("json", None, "Also write the results to this JSON file.")
-flags.DEFINE_string("runtime_options", "{}", "JSON object of prophet_tf.runtime.init keyword "
-                    "arguments for push_pull, e.g. '{\"socket_buffer_bytes\": 4194304, "
-                    "\"socket_unsent_bytes\": 0}' (raw_tcp's socket options).")
-flags.DEFINE_list("compression", ["fp16", "bf16"],
-                  "Compressed push_pull systems measured beside the others ('' for none).")
-flags.DEFINE_bool("check", False, "Measure the transport's goals (uncompressed push_pull at 4-256 MiB) and "
-                  "exit with status 1 if push_pull is below CHECK_MIN_RATIO of raw TCP's throughput or above "
-                  "CHECK_MAX_CPU_RATIO of its CPU per byte at any size.")
-
 _UNITS = {"B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
 DEFAULT_SIZES = ["4KiB", "64KiB", "1MiB", "4MiB", "16MiB", "64MiB", "256MiB"]
 QUICK_SIZES = ["4KiB", "1MiB", "4MiB", "16MiB", "64MiB"]
@@ -327,5 +313,24 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
+def _define_flags() -> None:
+    """The command's flags, defined when it runs (not on import: other modules defining the same
+    names, e.g. bench.faults' --quick, can then share a process with this one)."""
+    flags.DEFINE_bool("quick", False, "Fewer sizes and iterations (finishes within a minute).")
+    flags.DEFINE_list("sizes", None, "Tensor sizes, e.g. 4KiB,1MiB,256MiB (default: 4 KiB to 256 MiB).")
+    flags.DEFINE_integer("iters", None, "Timed iterations per size and system (default depends on size).")
+    flags.DEFINE_string("worker", None, "Internal: run as a worker with this JSON configuration.")
+    flags.DEFINE_string("json", None, "Also write the results to this JSON file.")
+    flags.DEFINE_string("runtime_options", "{}", "JSON object of prophet_tf.runtime.init keyword "
+                        "arguments for push_pull, e.g. '{\"socket_buffer_bytes\": 4194304, "
+                        "\"socket_unsent_bytes\": 0}' (raw_tcp's socket options).")
+    flags.DEFINE_list("compression", ["fp16", "bf16"],
+                      "Compressed push_pull systems measured beside the others ('' for none).")
+    flags.DEFINE_bool("check", False, "Measure the transport's goals (uncompressed push_pull at 4-256 MiB) and "
+                      "exit with status 1 if push_pull is below CHECK_MIN_RATIO of raw TCP's throughput or above "
+                      "CHECK_MAX_CPU_RATIO of its CPU per byte at any size.")
+
+
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)
