@@ -123,12 +123,14 @@ else
 fi
 
 # --- 4. Build the libraries --------------------------------------------------------------------
-# Only the libraries the package loads: the C++ tests are built by `bazel test` (scripts/test.sh).
+# Only what the package loads or starts: the libraries and the replay benchmark's worker (no
+# TensorFlow; python -m prophet_tf.bench.replay runs it from bazel-bin). The C++ tests are built by
+# `bazel test` (scripts/test.sh).
 LIB_TARGETS="//ops/tf:_prophet_ops.so //ops/predict:_prophet_predict.so //ops/tf_bench:_prophet_bench_ops.so"
-STEP="bazel build $LIB_TARGETS"
-log "bazel build $LIB_TARGETS"
+STEP="bazel build $LIB_TARGETS //ops/replay:replay_worker"
+log "bazel build $LIB_TARGETS //ops/replay:replay_worker"
 start=$(date +%s)
-bazel build $LIB_TARGETS || die "bazel build failed (see the compiler output above)"
+bazel build $LIB_TARGETS //ops/replay:replay_worker || die "bazel build failed (see the compiler output above)"
 log "bazel build finished in $(( $(date +%s) - start ))s"
 
 # The op library (TensorFlow ops + runtime), the predictor (no TensorFlow) and the benchmarks'
