@@ -1257,7 +1257,9 @@ Status Simulation::Run(StepPrediction* prediction) {
     p.policy = "mwms: one ring all-reduce of every gradient after the backward pass";
   } else {
     p.policy = first.policy->Describe();
-    p.stall_breaks = first.policy->stall_breaks();
+    // Summed over the workers: the first whose timer fires opens a deadlock for all, so worker 0's
+    // own count misses rounds in which another broke first.
+    for (const Worker& w : workers_) p.stall_breaks += w.policy->stall_breaks();
   }
   p.tensor_times = timings_;
   return Status::OK();

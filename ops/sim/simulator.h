@@ -247,7 +247,7 @@ struct StepPrediction {
   double io_busy_s = 0;
   double exchanged_per_step = 0;     // collectives per step that go by exchange (small_allreduce.h)
   std::string policy;                // the policy's Describe() at the end (worker 0)
-  uint64_t stall_breaks = 0;         // the policy's stall breaks over the whole run (worker 0)
+  uint64_t stall_breaks = 0;         // the policies' stall breaks over the whole run, all workers
   std::vector<TensorTiming> tensor_times;  // in StepProfile::tensors order
 };
 

@@ -216,8 +216,9 @@ class Prediction:
     io_busy_s: float = 0.0
     # That estimate at each measured step's beginning (how steady it is).
     bandwidth_samples_Bps: list[float] = dataclasses.field(default_factory=list)
-    # Times worker 0's policy broke its own flow control to end a wait that looked like a
-    # deadlock, over the whole simulated run (bytescheduler's stall breaks; 0 for the others).
+    # Times the workers' policies broke their own flow control to end a wait that looked like a
+    # deadlock, summed over the workers and the whole simulated run (bytescheduler's stall
+    # breaks; 0 for the others).
     stall_breaks: int = 0
 
     @property

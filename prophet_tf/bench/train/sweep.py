@@ -715,7 +715,11 @@ def _run_setting(model: str, n: int, cfg: Any, batch: int, ratio: Optional[float
                 info["compression"] = res.get("compression")
                 if res.get("runtime_options"):
                     info["runtime_options"] = res["runtime_options"]
-                info["stall_breaks"] = res.get("stall_breaks")
+                # Summed over the workers that reported: the first whose timer fires opens a
+                # deadlock for all, so one worker's count misses rounds another broke first.
+                breaks = [r["stall_breaks"] for r in runs.values()
+                          if r.get("stall_breaks") is not None]
+                info["stall_breaks"] = sum(breaks) if breaks else None
                 if spec.base == "auto" and res.get("schedule_in_use"):
                     info["schedule_in_use"] = res["schedule_in_use"]
                     info["schedule_decisions"] = res.get("schedule_decisions")
@@ -748,7 +752,7 @@ def _run_setting(model: str, n: int, cfg: Any, batch: int, ratio: Optional[float
             if spec.compression:  # its own bounds: the bytes that travel
                 c = (compressed or {}).get(spec.compression) or {}
                 own = f"{spec.compression} " + bounds_text(c.get("gradient_bytes"), c.get("ideal"))
-            breaks = res.get("stall_breaks")
+            breaks = extra[system].get("stall_breaks")
             if breaks:
                 after += f" [{breaks} stall breaks]"
             progress.finish(f"{res['step_s_median'] * 1e3:.0f} ms/step ({own}; "
