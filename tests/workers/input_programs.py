@@ -326,7 +326,8 @@ def main() -> None:
             _seeds.set_job_seed(job_seed[0])
         run(name, strategy, workdir, rank, role)
 
-    common.run_programs_main(PROGRAMS, run_as_a_fresh_program, timeout_s=60.0)
+    common.run_programs_main(PROGRAMS, run_as_a_fresh_program, timeout_s=60.0,
+                             eager_reference=True, traced_reference={"tf_data_pipelines"})
 
 
 if __name__ == "__main__":

@@ -556,4 +556,5 @@ if __name__ == "__main__":
     common.run_programs_main(
         PROGRAMS, lambda name, strategy, *rest: run(
             name, strategy if strategy is not None else tf.distribute.get_strategy(), *rest),
-        timeout_s=60.0, leave_without_barrier={"horovod_style_save_on_rank_0_only"})
+        timeout_s=60.0, leave_without_barrier={"horovod_style_save_on_rank_0_only"},
+        eager_reference=True, traced_reference={"uneven_last_batch_filtered_dataset"})
