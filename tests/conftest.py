@@ -39,6 +39,7 @@ def _base_env() -> dict:
     env.setdefault("PYTHONWARNINGS", "ignore")
     env.pop("TF_CONFIG", None)
     env.pop(zygote.SOCKET_ENV, None)
+    env.pop(_SHARED_ZYGOTES_ENV, None)
     return env
 
 
@@ -56,33 +57,49 @@ def _worker_env(extra: Optional[dict] = None) -> dict:
 # suite's workers would otherwise spend most of its CPU importing it. PROPHET_TEST_ZYGOTE=0 starts
 # every worker as a fresh interpreter instead.
 _zygote_state: dict = {}
+# Under pytest-xdist the controller starts the zygotes, before its test processes, and hands them
+# their socket paths and client here: one pair serves the whole run (each zygote costs an import
+# of TensorFlow, 9 CPU-s, and its memory).
+_SHARED_ZYGOTES_ENV = "PROPHET_TEST_SHARED_ZYGOTES"
+
+
+def _zygotes_enabled() -> bool:
+    return os.environ.get("PROPHET_TEST_ZYGOTE", "1") != "0"
 
 
 def _zygotes() -> list:
-    """The zygotes' socket paths (two per test process: see zygote.py), once they serve.
+    """The zygotes' socket paths (two: see zygote.py), once they serve.
 
-    Started on first use, or when the session starts under pytest-xdist (the suite's run: they
-    import TensorFlow while the tests are collected). The first use waits until they serve: a
-    worker that did not would import TensorFlow itself, beside the zygotes' own imports."""
-    if os.environ.get("PROPHET_TEST_ZYGOTE", "1") == "0":
+    Started on first use, or by the xdist controller when the run starts (they import TensorFlow
+    while the tests are collected). The first use waits until they serve: a worker that did not
+    would import TensorFlow itself, beside the zygotes' own imports."""
+    if not _zygotes_enabled():
         return []
     _start_zygotes()
     if not _zygote_state.get("served"):
         deadline = time.monotonic() + 120
-        for path, proc in zip(_zygote_state["paths"], _zygote_state["procs"]):
-            while (not os.path.exists(path) and proc.poll() is None
+        procs = _zygote_state["procs"] or [None] * len(_zygote_state["paths"])
+        for path, proc in zip(_zygote_state["paths"], procs):
+            while (not os.path.exists(path) and (proc is None or proc.poll() is None)
                    and time.monotonic() < deadline):
                 time.sleep(0.05)
         _zygote_state["served"] = True   # or failed to start: workers then start afresh
     return _zygote_state["paths"]
 
 
-def pytest_sessionstart(session) -> None:
-    if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("PROPHET_TEST_ZYGOTE", "1") != "0":
+def pytest_configure(config) -> None:
+    if (not os.environ.get("PYTEST_XDIST_WORKER") and _zygotes_enabled()
+            and getattr(config.option, "numprocesses", None)):   # the xdist controller
         _start_zygotes()
+        os.environ[_SHARED_ZYGOTES_ENV] = json.dumps(
+            {"paths": _zygote_state["paths"], "python": _zygote_state["python"]})
 
 
 def _start_zygotes() -> None:
+    shared = os.environ.get(_SHARED_ZYGOTES_ENV)
+    if shared and "paths" not in _zygote_state:
+        started = json.loads(shared)
+        _zygote_state.update(paths=started["paths"], python=started["python"], procs=[])
     if "paths" not in _zygote_state:
         import atexit
         import tempfile
@@ -363,15 +380,15 @@ def _cpu_seconds() -> float:
 
 
 def _zygote_children_cpu_seconds() -> float:
-    """What the processes forked from this test process's zygotes used (the zygote reaps them)."""
+    """What the processes forked for this test process used, as the zygotes reaped them."""
+    owner = os.environ.get(zygote.OWNER_ENV, "")
     total = 0.0
-    for proc in _zygote_state.get("procs", ()):
+    for path in _zygote_state.get("paths", ()):
         try:
-            with open(f"/proc/{proc.pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
+            with open(zygote.cpu_path(path)) as f:
+                total += json.load(f).get(owner, 0.0)
+        except (OSError, ValueError):
             continue
-        total += (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")  # cutime, cstime
     return total
 
 

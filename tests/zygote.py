@@ -34,6 +34,9 @@ What a forked worker shares with its siblings and what it does not:
   else, so its sockets are the emulated host's. Without the right to (no CAP_SYS_ADMIN) it starts
   fresh. Only the network namespace is entered: the mount namespace ``ip netns exec`` adds (its
   ``/sys`` and ``/etc/netns`` files) is not, and nothing here reads them.
+* The CPU each forked process used (its ``wait4`` usage, once reaped) is added up per test process
+  that asked for it (the request's ``PYTEST_XDIST_WORKER``) in ``SOCKET.cpu.json``: one set of
+  zygotes serves every test process of a run, and each charges its tests only its own forks.
 * ``os.getpid()`` is the forked process's, which the client does not share: a signal sent to that
   pid reaches the worker itself, and the client then ends the same way.
 """
@@ -58,6 +61,7 @@ IMPORT_TIME_ENV = ("PYTHONHASHSEED", "PYTHONWARNINGS", "PYTHONOPTIMIZE", "PYTHON
                    "TF_XLA_FLAGS", "KERAS_BACKEND", "TF_USE_LEGACY_KERAS", "OMP_NUM_THREADS",
                    "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "KERAS_HOME")
 SOCKET_ENV = "PROPHET_TEST_ZYGOTES"   # the zygotes' socket paths, os.pathsep-separated
+OWNER_ENV = "PYTEST_XDIST_WORKER"     # which test process a request comes from (CPU accounting)
 _MAX_HANDED_DOWN = 4    # descriptors beyond the standard streams that a fork takes on
 # stdin, stdout, stderr, from an emulated host its network namespace, and those handed down
 _MAX_FDS = 4 + _MAX_HANDED_DOWN
@@ -109,7 +113,8 @@ def serve(socket_path: str, preload: bool = True) -> dict:
     listener.bind(tmp_path)
     listener.listen(64)
     os.rename(tmp_path, socket_path)   # the socket appears once it accepts: clients never wait
-    by_pid: dict[int, socket.socket] = {}
+    by_pid: dict[int, tuple[socket.socket, str]] = {}
+    cpu_by_owner: dict[str, float] = {}
     while True:
         readable, _, _ = select.select([listener, sys.stdin], [], [], 0.05)
         if sys.stdin in readable and not os.read(sys.stdin.fileno(), 1):
@@ -131,7 +136,7 @@ def serve(socket_path: str, preload: bool = True) -> dict:
             pid = os.fork()
             if pid == 0:
                 listener.close()
-                for other in by_pid.values():
+                for other, _ in by_pid.values():
                     other.close()
                 return _become(request, fds, conn, base_path)
             for fd in fds:
@@ -140,21 +145,38 @@ def serve(socket_path: str, preload: bool = True) -> dict:
                 _send(conn, {"pid": pid})
             except OSError:
                 pass
-            by_pid[pid] = conn
+            by_pid[pid] = (conn, request["env"].get(OWNER_ENV, ""))
+        reaped = False
         while by_pid:   # reap: report each exit to its client
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+                pid, status, usage = os.wait4(-1, os.WNOHANG)
             except ChildProcessError:
                 break
             if pid == 0:
                 break
-            conn = by_pid.pop(pid, None)
+            conn, owner = by_pid.pop(pid, (None, ""))
+            cpu_by_owner[owner] = cpu_by_owner.get(owner, 0.0) + usage.ru_utime + usage.ru_stime
+            reaped = True
             if conn is not None:
                 try:
                     _send(conn, {"status": status})
                 except OSError:
                     pass
                 conn.close()
+        if reaped:
+            _write_cpu(socket_path, cpu_by_owner)
+
+
+def cpu_path(socket_path: str) -> str:
+    """The file in which the zygote at ``socket_path`` keeps its forks' CPU-seconds by owner."""
+    return socket_path + ".cpu.json"
+
+
+def _write_cpu(socket_path: str, cpu_by_owner: dict) -> None:
+    tmp = cpu_path(socket_path) + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(cpu_by_owner, f)
+    os.rename(tmp, cpu_path(socket_path))   # a reader sees the old totals or the new, whole
 
 
 def _kill(pid: int) -> None:
