@@ -413,7 +413,9 @@ def _node_in(cl, tmp: Path, rank: int, n: int, script: Sequence[str], port: int,
 
 
 @needs_root
-def test_two_nodes_of_two_workers_train_on_emulated_hosts(cluster, tmp_path: Path, nodes: list) -> None:
+def test_two_nodes_of_two_workers_train_on_emulated_hosts(cluster, tmp_path: Path, nodes: list,
+                                                           zygote_interpreter) -> None:
+    # Each node's launcher, and so its workers, fork from a zygote inside the emulated host.
     script = [str(ROOT / "examples" / "keras_fit_demo.py"), "--epochs", "1", "--samples", "256"]
     port = free_ports(1)[0]
     logs = tmp_path / "logs"
