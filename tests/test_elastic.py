@@ -310,12 +310,14 @@ def test_a_standby_runs_the_program_as_python_would_with_the_new_environment(
         pool.close()
 
 
-def test_the_default_preload_creates_no_tensorflow_context() -> None:
-    # A standby waits beside the running worker: a context would take memory on its GPU.
+def test_the_default_preload_creates_no_tensorflow_context(zygote_interpreter) -> None:
+    # A standby waits beside the running worker: a context would take memory on its GPU. Forked
+    # from a zygote, which has imported TensorFlow and Keras but made no context either: what the
+    # import of prophet_tf.strategy adds shows as it would in a standby.
     code = ("import prophet_tf.strategy\n"
             "from tensorflow.python.eager import context\n"
             "assert not context.context()._initialized\n")
-    run = subprocess.run([sys.executable, "-c", code], env=dict(_env(None), TF_CPP_MIN_LOG_LEVEL="3"),
+    run = subprocess.run([zygote_interpreter, "-c", code], env=_env(None),
                          capture_output=True, text=True, timeout=1800)  # a hang, not a slow start
     assert run.returncode == 0, run.stderr[-2000:]
     assert DEFAULT_PRELOAD == ("prophet_tf.strategy",)

@@ -95,11 +95,11 @@ def plain_fp16_cast(value: float) -> float:
 
 def raw_op_checks(n: int, rank: int) -> None:
     size = (1 << 20) + 3  # 4 MiB + 12 bytes: several partitions on every worker
+    contributions = np.stack([wide_gradient(r, size, seed=1) for r in range(n)])
+    local = tf.constant(contributions[rank])
     for compression in ("fp16", "bf16"):
         for average in (False, True):
-            contributions = np.stack([wide_gradient(r, size, seed=1) for r in range(n)])
             name = f"wide/{compression}/{'mean' if average else 'sum'}"
-            local = tf.constant(contributions[rank])
             got = ops.push_pull(local, name=name, average=average, compression=compression).numpy()
             exact_runtime = ops.push_pull(local, name=name + "/exact", average=average).numpy()
             compare(name, got, contributions, compression, average, exact_runtime)
