@@ -90,7 +90,12 @@ def replay_binary() -> pathlib.Path:
     else:
         path = pathlib.Path(__file__).resolve().parents[2] / _BINARY
     if not path.is_file():
-        raise FileNotFoundError(f"the replay worker {path} is not built: run `bazel build "
+        # bazel-bin follows the last build's configuration: name the tree it points at, so that
+        # a build with another one (a sanitizer without its own --symlink_prefix) shows.
+        link = path.parents[2]
+        where = (f" (bazel-bin -> {os.readlink(link)})"
+                 if link.name == "bazel-bin" and link.is_symlink() else "")
+        raise FileNotFoundError(f"the replay worker {path} is not built{where}: run `bazel build "
                                 "//ops/replay:replay_worker` (or `bash scripts/setup.sh`) in the "
                                 "source checkout, or set $PROPHET_REPLAY_WORKER")
     return path
