@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = ["sgd", "momentum", "adam", "adamw", "schedule", "clipnorm", "batchnorm"]
+CASES = ["sgd", "momentum", "adam", "adamw", "schedule", "clipnorm", "batchnorm", "wide"]
 FIRST_LAYER = "sequential/first/kernel"
 
 
@@ -30,6 +30,8 @@ def test_crossing_gives_exactly_the_synchronous_result(equivalence, case: str) -
         assert r["moved"] > 1e-3, f"{case}: training did not change the weights"
         assert r["maxdiff"] == 0.0, f"{case} rank {rank}: weights differ from synchronous by {r['maxdiff']}"
         assert r["loss_cross"] == r["loss_sync"], case
+        if case == "wide":  # sums received into recycled buffers (stale from the step before)
+            assert r["recycled"] > 0, f"rank {rank}: no summed gradient came from the recycled pool"
 
 
 def test_train_functions_end_while_updates_are_pending(run_workers) -> None:

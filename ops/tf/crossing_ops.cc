@@ -31,6 +31,7 @@
 #include "ops/core/gate.h"
 #include "ops/core/step_meter.h"
 #include "ops/tf/convert.h"
+#include "ops/tf/recycled_outputs.h"
 #include "tensorflow/core/common_runtime/process_function_library_runtime.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/function.h"
@@ -230,7 +231,9 @@ class AsyncApplyOp : public AsyncOpKernel {
     update->function = function_;
     update->name = tensor_name_;
     update->grad = grad;
-    OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_temp(grad.dtype(), grad.shape(), &update->summed), done);
+    // The engine receives the sum into it (warm from the pool when large: see recycled_outputs.h).
+    OP_REQUIRES_OK_ASYNC(ctx, prophet_adapter::AllocateReceiveBuffer(ctx, grad.dtype(), grad.shape(), &update->summed),
+                         done);
     update->args.push_back(update->summed);
     for (int i = 1; i < ctx->num_inputs(); ++i) {
       const Tensor& t = ctx->input(i);

@@ -8,7 +8,7 @@
 #include "ops/core/output_pool.h"
 #include "ops/core/step_meter.h"
 #include "ops/tf/convert.h"
-#include "tensorflow/core/framework/allocator.h"
+#include "ops/tf/recycled_outputs.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -31,33 +31,14 @@ constexpr char kNotInitialised[] =
     "the prophet_tf runtime is not initialised in this process: create a prophet_tf.ProphetStrategy() or "
     "call prophet_tf.runtime.init() before running prophet_tf ops";
 
-// Large outputs from the recycled pool (ops/core/output_pool.h: a fresh one faults on every page
-// while the engine's I/O thread receives into it).
-class RecycledOutputAllocator : public Allocator {
- public:
-  std::string Name() override { return "prophet_recycled_output"; }
-  void* AllocateRaw(size_t /*alignment*/, size_t num_bytes) override {
-    return ::prophet::GlobalOutputPool().Take(num_bytes, ::prophet::NowNs());
-  }
-  void DeallocateRaw(void* ptr) override { ::prophet::GlobalOutputPool().Give(ptr, ::prophet::NowNs()); }
-  AllocatorMemoryType GetMemoryType() const override { return AllocatorMemoryType::kHostPageable; }
-};
-
-Allocator* RecycledOutputs() {
-  static Allocator* allocator = new RecycledOutputAllocator();  // outlives every tensor it made
-  return allocator;
-}
-
 // Output 0 with the input's shape: the input's own buffer when nothing else holds it (in place),
 // else, from kRecycleMinBytes on, a recycled buffer, else TensorFlow's allocator.
 absl::Status ForwardOrRecycleOutput(OpKernelContext* ctx, Tensor** output) {
   const Tensor& input = ctx->input(0);
   if (ctx->forward_input_to_output_with_shape(0, 0, input.shape(), output)) return absl::OkStatus();
   if (input.TotalBytes() < ::prophet::kRecycleMinBytes) return ctx->allocate_output(0, input.shape(), output);
-  Tensor recycled(RecycledOutputs(), input.dtype(), input.shape());
-  if (!recycled.IsInitialized())
-    return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", input.TotalBytes(), " bytes for the output of ",
-                                                     ctx->op_kernel().type_string(), " '", ctx->op_kernel().name(), "'"));
+  Tensor recycled;
+  TF_RETURN_IF_ERROR(prophet_adapter::AllocateReceiveBuffer(ctx, input.dtype(), input.shape(), &recycled));
   ctx->set_output(0, std::move(recycled));
   *output = ctx->mutable_output(0);
   return absl::OkStatus();

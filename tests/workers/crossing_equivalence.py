@@ -15,7 +15,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from prophet_tf import _crossing
+from prophet_tf import _crossing, runtime
 from prophet_tf.strategy import ProphetStrategy
 
 GLOBAL_BATCH, SAMPLES, EPOCHS, FEATURES, CLASSES = 16, 96, 2, 6, 3
@@ -33,6 +33,14 @@ def batchnorm_model():
                              keras.layers.Dense(CLASSES, activation="softmax")])
 
 
+def wide_model():
+    # A 600 x 512 kernel (1.2 MB) is above the runtime's recycling threshold (1 MiB): its sums are
+    # received into recycled buffers, which hold the previous step's values.
+    return keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(600, activation="relu"),
+                             keras.layers.Dense(512, activation="tanh"),
+                             keras.layers.Dense(CLASSES, activation="softmax")])
+
+
 def schedule():
     return keras.optimizers.schedules.ExponentialDecay(0.05, decay_steps=2, decay_rate=0.7)
 
@@ -45,6 +53,7 @@ CASES = {
     "schedule": (dense_model, lambda: keras.optimizers.Adam(schedule())),
     "clipnorm": (dense_model, lambda: keras.optimizers.SGD(0.2, clipnorm=0.05)),
     "batchnorm": (batchnorm_model, lambda: keras.optimizers.Adam(0.01)),
+    "wide": (wide_model, lambda: keras.optimizers.SGD(0.05, momentum=0.9)),
 }
 
 
@@ -70,7 +79,10 @@ def main() -> None:
     y = (np.abs(x[:, 0] * 3).astype("int32")) % CLASSES
     for case in args.cases.split(","):
         build, make_opt = CASES[case]
+        recycled = runtime.stats()["outputs_recycled"]
         model_x, initial, loss_x = train(crossing, build, make_opt, x, y)
+        _crossing.wait_all()
+        recycled = runtime.stats()["outputs_recycled"] - recycled
         deferred = crossing.extended.gradient_counts["deferred"]
         crossing.extended.gradient_counts.clear()
         weights_x = [np.array(w) for w in model_x.get_weights()]
@@ -79,7 +91,7 @@ def main() -> None:
         diff = max(float(np.max(np.abs(a - b))) for a, b in zip(weights_x, weights_s))
         moved = max(float(np.max(np.abs(a - b))) for a, b in zip(weights_x, initial))
         print("RESULT " + json.dumps({"case": case, "rank": crossing.rank, "maxdiff": diff, "moved": moved,
-                                      "deferred_updates_in_graph": deferred, "loss_cross": loss_x,
+                                      "deferred_updates_in_graph": deferred, "recycled": recycled, "loss_cross": loss_x,
                                       "loss_sync": loss_s}), flush=True)
     _crossing.wait_all()
 
