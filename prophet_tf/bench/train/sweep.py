@@ -708,6 +708,7 @@ def _run_setting(model: str, n: int, cfg: Any, batch: int, ratio: Optional[float
                                     "fit_s": res.get("fit_s"),
                                     "cpu_s_per_step": res.get("cpu_s_per_step"),
                                     "max_rss_bytes": max(rss) if rss else None,
+                                    "cpu_allocator": res.get("cpu_allocator"),
                                     "loadavg_1m_before": load_before, **facts}
             if spec.is_prophet:
                 info["schedule_effective"] = res.get("schedule_effective")
