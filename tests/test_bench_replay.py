@@ -87,3 +87,23 @@ def test_saved_runs_load_and_give_their_error_line(tmp_path: Path) -> None:
     assert replay.error_line(loaded, "e") == "e: median 15.0%, max 20.0% over 2 runs"
     assert replay.error_line(loaded[:0], "e") == "e: no run with a prediction"
     assert "| m | prophet | 16x1 | 100 | 110 | 90 | +10.0% |" in replay.format_row(loaded[0])
+
+
+def test_configs_with_their_own_output_tree_keep_bazel_bin_on_the_default_one() -> None:
+    """The replay worker runs from bazel-bin, and scripts/test.sh builds the ASan fuzz targets
+    while pytest runs: a config that builds into another output tree (-c, --platform_suffix,
+    --cpu) must make its own convenience links, or bazel-bin follows it to a tree without the
+    worker."""
+    moves_tree = ("-c", "--compilation_mode", "--platform_suffix", "--cpu")
+    options: dict[str, list[str]] = {}
+    for line in (REPO / ".bazelrc").read_text().splitlines():
+        words = line.split("#", 1)[0].split()
+        if words and words[0].startswith("build:"):
+            options.setdefault(words[0][len("build:"):], []).extend(words[1:])
+    moving = {name for name, opts in options.items()
+              if any(o.split("=", 1)[0] in moves_tree for o in opts)}
+    assert {"asan", "tsan"} <= moving, sorted(moving)  # what scripts/test.sh and the docs use
+    for name in sorted(moving):
+        assert any(o.startswith("--symlink_prefix") for o in options[name]), (
+            f"build:{name} builds into its own output tree but sets no --symlink_prefix: "
+            "a build with it moves bazel-bin away from the replay worker")
