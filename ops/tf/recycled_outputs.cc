@@ -3,6 +3,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "tensorflow/core/framework/allocator.h"
 #include "ops/core/common.h"
 #include "ops/core/output_pool.h"
 
@@ -20,12 +21,13 @@ class RecycledOutputAllocator : public Allocator {
   AllocatorMemoryType GetMemoryType() const override { return AllocatorMemoryType::kHostPageable; }
 };
 
-}  // namespace
-
+// The allocator over the process-wide pool (never destroyed: it outlives every tensor it made).
 Allocator* RecycledOutputs() {
   static Allocator* allocator = new RecycledOutputAllocator();
   return allocator;
 }
+
+}  // namespace
 
 absl::Status AllocateReceiveBuffer(OpKernelContext* ctx, DataType dtype, const TensorShape& shape, Tensor* out) {
   const int64_t bytes = shape.num_elements() * DataTypeSize(dtype);

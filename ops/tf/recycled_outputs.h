@@ -4,15 +4,11 @@
 #ifndef PROPHET_OPS_TF_RECYCLED_OUTPUTS_H_
 #define PROPHET_OPS_TF_RECYCLED_OUTPUTS_H_
 
-#include "tensorflow/core/framework/allocator.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
 
 namespace tensorflow {
 namespace prophet_adapter {
-
-// The allocator over the process-wide pool (never destroyed: it outlives every tensor it made).
-Allocator* RecycledOutputs();
 
 // A tensor of `dtype` and `shape` for the engine to write whole: from the pool from
 // kRecycleMinBytes on, else TensorFlow's temporary allocation.

@@ -19,6 +19,10 @@ from prophet_tf.bench.train.systems import parse_system
 __all__ = ["run_worker", "machine_busy_s", "make_strategy", "describe_model", "change_link_rate"]
 
 
+#: TensorFlow's switch to its pooled (BFC) CPU allocator, read when it makes that allocator.
+_BFC_ENV = "TF_CPU_ALLOCATOR_USE_BFC"
+
+
 def machine_busy_s() -> Optional[float]:
     """CPU seconds all cores of this machine have spent busy since boot (``/proc/stat``)."""
     try:
@@ -145,7 +149,7 @@ def run_worker(config: Mapping[str, Any]) -> None:
         # update is a fresh mmap that faults on every page: VGG16's fc1 update took 1.26 s
         # instead of 0.58 s, on the critical path of the next forward pass, where a GPU has none
         # of that cost. Read when TensorFlow makes its CPU allocator, so set before it is imported.
-        os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+        os.environ.setdefault(_BFC_ENV, "true")
     import tensorflow as tf
     tf.config.threading.set_intra_op_parallelism_threads(config["intra_threads"])
     tf.config.threading.set_inter_op_parallelism_threads(config["inter_threads"])
@@ -251,8 +255,8 @@ def run_worker(config: Mapping[str, Any]) -> None:
         "num_gradients": len(model.trainable_weights),
         "max_rss_bytes": _max_rss_bytes(),
         # TensorFlow's host allocator: "bfc" (pooled) or "default" (malloc)
-        "cpu_allocator": ("bfc" if os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").lower()
-                          in ("1", "true") else "default"),
+        "cpu_allocator": ("bfc" if os.environ.get(_BFC_ENV, "").lower() in ("1", "true")
+                          else "default"),
         **facts,
     }
     if strategy is not None and hasattr(strategy, "schedule_in_use"):
