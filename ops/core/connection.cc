@@ -249,7 +249,9 @@ uint64_t Connection::Receive(char* dst, uint64_t room, uint64_t* budget) {
 }
 
 void Connection::OnReadable(uint64_t budget) {
-  while (open_ && budget > 0) {
+  // Bytes already read are processed even once the budget is spent: they are no longer in the
+  // socket, so epoll (level-triggered on the socket) would not report them again.
+  while (open_ && (budget > 0 || inbox_begin_ < inbox_end_)) {
     // Bytes already in the inbox are consumed first.
     if (inbox_begin_ < inbox_end_ && stage_ != Stage::kPayload) {
       if (!ConsumeMeta()) return;

@@ -121,6 +121,7 @@ class Connection {
   // Reads and processes frames until the socket is empty or about `budget` bytes were read (each
   // receive still takes as much as the kernel has for the current payload), so that one busy
   // peer cannot starve the others or the sends (the engine's budget: engine.cc, kReadTurnBytes).
+  // Frames already read into the inbox are always processed before it returns.
   void OnReadable(uint64_t budget);
 
   // `tag`'s buffers are about to go away: a payload being received into them is read and

@@ -246,6 +246,24 @@ TEST(ReadsAboutItsBudgetPerCallAndResumes) {
   EXPECT_EQ(c.bytes_received(), static_cast<uint64_t>(wire.size()));
 }
 
+TEST(DeliversEveryFrameItReadEvenWhenTheBudgetIsSpent) {
+  // A read for a header takes up to 4 KiB, which may hold many small frames. Once read they are
+  // no longer in the socket, so epoll reports nothing more for them: a call that stopped with
+  // them in its inbox because its budget was spent would leave them there until the peer sends
+  // again (a clean fuzz session waited 30 s for one).
+  Pair pair;
+  RecordingHandler handler;
+  Connection c(1, pair.ours, -1, &handler);
+  std::string wire;
+  int frames = 0;
+  for (; wire.size() < 3000; ++frames) wire += Encoded(Meta("buffer/" + std::to_string(frames), 0, 4), Pattern(16, frames));
+  EXPECT_EQ(::send(pair.theirs, wire.data(), wire.size(), MSG_DONTWAIT), static_cast<ssize_t>(wire.size()));
+  c.OnReadable(1);
+  EXPECT_EQ(handler.done.size(), static_cast<size_t>(frames));
+  EXPECT_EQ(c.bytes_received(), static_cast<uint64_t>(wire.size()));
+  EXPECT_TRUE(handler.closed.empty());
+}
+
 // Flushes `c` until its queue is empty, reading everything at the other end (`fd`).
 std::string FlushAndCollect(Connection& c, int fd) {
   std::string all;
