@@ -14,12 +14,12 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -170,7 +170,10 @@ class Session {
     std::vector<std::string> stream = BuildStream();
     uint64_t sent_bytes = 0;
     for (const std::string& frame : stream) {
-      if (!peer_->Send(frame)) break;
+      if (!peer_->Send(frame)) {
+        if (clean_ && !peer_->closed_by_engine()) Violation("the peer could not write its frames for 10 s");
+        break;
+      }
       ++totals_.frames;
       sent_bytes += frame.size();
     }
@@ -180,7 +183,9 @@ class Session {
       if (p->late) Submit(engine.get(), *p);
 
     if (clean_) {
-      if (!WaitUntil([&] { return AllDone(); }, 30.0)) Violation("a clean session did not complete within 30 s");
+      if (!WaitUntil([&] { return AllDone(); }, 30.0))
+        Violation("a clean session did not complete within 30 s; pending: " + Pending() + "; schedule " + options_.schedule +
+                  ", partitions of " + std::to_string(options_.partition_bytes) + " B; engine: " + engine->StatsJson());
       if (peer_->closed_by_engine()) Violation("the engine closed a clean session's connection");
     }
     if (peer_->closed_by_engine()) ++totals_.dropped_by_engine;
@@ -194,7 +199,9 @@ class Session {
   }
 
  private:
-  void Violation(const std::string& what) {
+  void Violation(const std::string& what) {  // also from the peer's reader thread
+    static std::mutex mu;
+    std::lock_guard<std::mutex> lock(mu);
     if (++totals_.violations <= 20)
       std::fprintf(stderr, "VIOLATION in session %llu (%s): %s\n", static_cast<unsigned long long>(index_),
                    clean_ ? "clean" : "hostile", what.c_str());
@@ -213,6 +220,16 @@ class Session {
       std::this_thread::sleep_for(std::chrono::microseconds(200));
     }
     return true;
+  }
+
+  std::string Pending() const {
+    std::string out;
+    for (const auto& p : plans_)
+      if (p->done_calls.load() == 0)
+        out += std::string(out.empty() ? "" : ", ") + OpKindName(p->kind) + " " + p->name + "#" + std::to_string(p->round) +
+               " (" + std::to_string(p->bytes()) + " B, " + (p->late ? "late" : "on time") + ", priority " +
+               std::to_string(p->priority) + ", encoding " + std::to_string(static_cast<int>(p->compression)) + ")";
+    return out;
   }
 
   bool AllDone() const {
@@ -453,7 +470,8 @@ class Session {
     FrameMeta result = meta;
     result.type = FrameType::kResult;
     result.scale_exp = 0;
-    peer_->Send(DataFrame(p, result, sum.data(), bytes));
+    if (!peer_->Send(DataFrame(p, result, sum.data(), bytes)) && clean_ && !peer_->closed_by_engine())
+      Violation("the peer could not write the sum of " + meta.name + " for 10 s");
   }
 
   void Check() {
