@@ -149,21 +149,8 @@ class Session {
     options_.max_early_bytes = 64 << 20;  // well above what a session holds legitimately
     MakePlans();
 
-    BootstrapOptions b;
-    b.rank = kPeerRank;
-    b.world_size = 2;
-    b.addresses = options_.addresses;
-    b.token = options_.token;
-    b.connect_timeout_s = 10;
-    b.send_buffer_bytes = b.receive_buffer_bytes = options_.socket_buffer_bytes;
-    Status s = FakePeer::Listen(b, &peer_);
-    if (!s.ok()) return Violation("fake peer cannot listen: " + s.message());
     std::unique_ptr<Engine> engine;
-    Status started;
-    std::thread starter([&] { started = Engine::Start(options_, &engine); });
-    s = peer_->Join([this](const FrameMeta& meta, const char* payload) { OnEngineFrame(meta, payload); });
-    starter.join();
-    if (!s.ok() || !started.ok()) return Violation("bootstrap failed: " + s.message() + " / " + started.message());
+    if (!Bootstrap(&engine)) return;
 
     for (auto& p : plans_)
       if (!p->late) Submit(engine.get(), *p);
@@ -205,6 +192,36 @@ class Session {
     if (++totals_.violations <= 20)
       std::fprintf(stderr, "VIOLATION in session %llu (%s): %s\n", static_cast<unsigned long long>(index_),
                    clean_ ? "clean" : "hostile", what.c_str());
+  }
+
+  // Starts the engine and the fake peer on free loopback ports. A port found free can be taken
+  // by another process's connection before it is bound again (tests beside this one open many):
+  // that is not what this fuzzer looks for, so the bootstrap then runs again on other ports.
+  bool Bootstrap(std::unique_ptr<Engine>* engine) {
+    for (int attempt = 1;; ++attempt) {
+      BootstrapOptions b;
+      b.rank = kPeerRank;
+      b.world_size = 2;
+      b.addresses = options_.addresses;
+      b.token = options_.token;
+      b.connect_timeout_s = 10;
+      b.send_buffer_bytes = b.receive_buffer_bytes = options_.socket_buffer_bytes;
+      Status joined = FakePeer::Listen(b, &peer_), started;
+      if (joined.ok()) {
+        std::thread starter([&] { started = Engine::Start(options_, engine); });
+        joined = peer_->Join([this](const FrameMeta& meta, const char* payload) { OnEngineFrame(meta, payload); });
+        starter.join();
+        if (joined.ok() && started.ok()) return true;
+      }
+      const std::string why = joined.message() + " / " + started.message();
+      if (why.find("already in use") == std::string::npos || attempt == 3) {
+        Violation("bootstrap failed: " + why);
+        return false;
+      }
+      engine->reset();
+      peer_.reset();
+      options_.addresses = testing::LoopbackAddresses(2);
+    }
   }
 
   static uint64_t BytesReceived(const Engine& engine) {
