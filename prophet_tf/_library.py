@@ -5,6 +5,7 @@ benchmarks only, their emulated compute ops (`_prophet_bench_ops.so`)."""
 from __future__ import annotations
 
 import ctypes
+import filecmp
 import functools
 import json
 import os
@@ -44,6 +45,20 @@ def library_path(name: str = "_prophet_ops.so") -> pathlib.Path:
         + "). Build it from the source checkout with `bash scripts/setup.sh` (or "
         f"`bazel build //{package}:{name}`), or install the package with `pip install .`."
     )
+
+
+def stale_libraries(checkout: pathlib.Path = _PACKAGE_DIR.parent) -> list[str]:
+    """The libraries of a source checkout whose copy in the package directory (what
+    :func:`library_path` loads; ``scripts/setup.sh`` copies them there) differs from the one in
+    ``bazel-bin`` (a ``bazel build`` alone leaves the copy as it was). Empty where either is
+    missing."""
+    stale = []
+    for name, (package, _) in _LIBRARIES.items():
+        loaded = checkout / "prophet_tf" / name
+        built = checkout / "bazel-bin" / package / name
+        if loaded.is_file() and built.is_file() and not filecmp.cmp(loaded, built, shallow=False):
+            stale.append(name)
+    return stale
 
 
 @functools.lru_cache(maxsize=None)

@@ -32,7 +32,7 @@ MB = 1_000_000
 def test_a_benchmark_names_the_libraries_it_would_load_that_are_not_the_built_ones(tmp_path):
     """A `bazel build` alone leaves prophet_tf/'s copies (what the workers load) as they were, and
     a run would be labelled with a commit whose code it did not run."""
-    from prophet_tf.bench.train.sweep import stale_libraries
+    from prophet_tf._library import stale_libraries
     (tmp_path / "prophet_tf").mkdir()
     (tmp_path / "bazel-bin" / "ops" / "tf").mkdir(parents=True)
     (tmp_path / "bazel-bin" / "ops" / "predict").mkdir(parents=True)
@@ -41,9 +41,9 @@ def test_a_benchmark_names_the_libraries_it_would_load_that_are_not_the_built_on
     (tmp_path / "prophet_tf" / "_prophet_predict.so").write_bytes(b"the same")
     (tmp_path / "bazel-bin" / "ops" / "predict" / "_prophet_predict.so").write_bytes(b"the same")
     (tmp_path / "prophet_tf" / "_prophet_bench_ops.so").write_bytes(b"not built here")
-    assert stale_libraries(str(tmp_path)) == ["_prophet_ops.so"]
+    assert stale_libraries(tmp_path) == ["_prophet_ops.so"]
     (tmp_path / "prophet_tf" / "_prophet_ops.so").write_bytes(b"built today")
-    assert stale_libraries(str(tmp_path)) == []
+    assert stale_libraries(tmp_path) == []
 
 
 def test_comm_bytes_is_all_reduce_optimum():

@@ -44,8 +44,7 @@ TEST(KeepsAtMostTheCapAndFollowsTheSizesInUse) {
 
 TEST(ThousandsOfSmallBuffersFollowTheRulesOfBestFitAndCap) {
   // A late worker with small partitions replays thousands of early frames in one turn of the I/O
-  // thread; the pool is kept ordered by capacity for that (a sort per Give took 30 s under a
-  // sanitizer). Checked against a plain model of the rules: Take returns the smallest capacity
+  // thread; the pool is kept ordered by capacity for that. Checked against a plain model of the rules: Take returns the smallest capacity
   // that fits; Give drops the smallest pooled buffers (none larger than the one given) to make
   // room under the cap, or frees the one given.
   const uint64_t cap = 1 << 20;

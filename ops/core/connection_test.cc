@@ -250,7 +250,7 @@ TEST(DeliversEveryFrameItReadEvenWhenTheBudgetIsSpent) {
   // A read for a header takes up to 4 KiB, which may hold many small frames. Once read they are
   // no longer in the socket, so epoll reports nothing more for them: a call that stopped with
   // them in its inbox because its budget was spent would leave them there until the peer sends
-  // again (a clean fuzz session waited 30 s for one).
+  // again.
   Pair pair;
   RecordingHandler handler;
   Connection c(1, pair.ours, -1, &handler);

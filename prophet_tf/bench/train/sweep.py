@@ -6,11 +6,11 @@ that the report (:mod:`prophet_tf.bench.train.report`) writes."""
 from __future__ import annotations
 
 import datetime
-import filecmp
 import io
 import json
 import math
 import os
+import pathlib
 import re
 import signal
 import subprocess
@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Any, Iterable, Mapping, Optional, Sequence, TextIO
 
+from prophet_tf._library import stale_libraries
 from prophet_tf.bench.train.report import (format_bandwidth, launch_text, noise_text,
                                            rate_change_summary, write_outputs)
 from prophet_tf.bench.train.settings import (NETNS_PREFIX, SweepOptions, available_memory_bytes,
@@ -30,7 +31,7 @@ from prophet_tf.bench.train.systems import System, parse_system
 
 __all__ = ["run_sweep", "format_plan", "LaunchFailed", "Interrupted", "parse_results", "timeline_pattern",
            "worker_config", "repo_root", "safe_name", "cpu_fraction", "foreign_cores",
-           "describe_specs", "stale_libraries"]
+           "describe_specs"]
 
 _RESULT_RE = re.compile(r"^\[rank (\d+)\] RESULT (\{.*\})\s*$")
 
@@ -271,7 +272,7 @@ def _source_state() -> str:
         return "unknown"
     changed = [line[3:] for line in st.stdout.splitlines() if line.strip()]
     state = head.stdout.strip() + (f" with local changes in {', '.join(changed)}" if changed else "")
-    stale = stale_libraries(root)
+    stale = stale_libraries(pathlib.Path(root))
     if stale:
         state += f"; {', '.join(stale)} in prophet_tf/ differ from bazel-bin's (run scripts/setup.sh)"
         print(f"warning: the workers load {', '.join(stale)} from prophet_tf/, not the ones in "
@@ -279,21 +280,6 @@ def _source_state() -> str:
               f"{head.stdout.strip()}. `bash scripts/setup.sh` copies the built ones.",
               file=sys.stderr)
     return state
-
-
-def stale_libraries(root: str) -> list:
-    """The native libraries in prophet_tf/ that differ from those in bazel-bin (the workers load
-    prophet_tf/'s, which ``scripts/setup.sh`` copies; a ``bazel build`` alone leaves them as
-    they were). Empty where either is missing."""
-    stale = []
-    for package, name in (("tf", "_prophet_ops.so"), ("predict", "_prophet_predict.so"),
-                          ("tf_bench", "_prophet_bench_ops.so")):
-        loaded = os.path.join(root, "prophet_tf", name)
-        built = os.path.join(root, "bazel-bin", "ops", package, name)
-        if os.path.isfile(loaded) and os.path.isfile(built) and not filecmp.cmp(loaded, built,
-                                                                                 shallow=False):
-            stale.append(name)
-    return stale
 
 
 def _make_cluster(n: int, bandwidth_bps: Optional[float], loopback: bool,
