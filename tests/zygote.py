@@ -44,6 +44,7 @@ What a forked worker shares with its siblings and what it does not:
 from __future__ import annotations
 
 import array
+import gc
 import io
 import json
 import os
@@ -106,6 +107,11 @@ def serve(socket_path: str, preload: bool = True) -> dict:
     request it is to run."""
     if preload:
         _preload()
+    # What the zygote holds now lives as long as it does: out of the collector's sight, so that
+    # no forked process's collections (nor the one at its exit) walk, and so copy page by page,
+    # the heap it shares with the zygote. Each fork that ran `pass` cost 1.4 CPU-s without this,
+    # 0.34 with it (os._exit at once: 0.06).
+    gc.freeze()
     base_path = [p for p in sys.path[1:]
                  if p not in os.environ.get("PYTHONPATH", "").split(os.pathsep)]
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
