@@ -25,10 +25,12 @@ PY="${PYTHON_BIN_PATH:-python3}"
 # fixed-seed runs; see ops/core/fuzz/BUILD). They need nothing from the Python tests nor these
 # from them, so they build and run at the same time, at a lower priority: the compiler takes the
 # cores the Python tests leave while their workers wait on sockets and each other.
+# Four tests at a time on 2 cores: several mostly wait (transport_test: 19 s for 2 CPU-s alone;
+# two_level_test 15 s for 9), and what is left when pytest ends should keep both cores busy.
 cc_tests() {
   local rc=0
-  log "bazel test //ops/..."
-  bazel test //ops/... || rc=$?
+  log "bazel test --local_test_jobs=4 //ops/..."
+  bazel test --local_test_jobs=4 //ops/... || rc=$?
   if [ "$rc" -eq 4 ] && [ -z "$(find ops -name '*_test.cc' -print -quit)" ]; then
     log "no C++ tests yet (no ops/**/*_test.cc)"         # bazel: 4 = no test targets found
   elif [ "$rc" -ne 0 ]; then
