@@ -29,23 +29,6 @@ MB = 1_000_000
 
 # ---------------------------------------------------------------- lower bound and bandwidths
 
-def test_a_benchmark_names_the_libraries_it_would_load_that_are_not_the_built_ones(tmp_path):
-    """A `bazel build` alone leaves prophet_tf/'s copies (what the workers load) as they were, and
-    a run would be labelled with a commit whose code it did not run."""
-    from prophet_tf._library import stale_libraries
-    (tmp_path / "prophet_tf").mkdir()
-    (tmp_path / "bazel-bin" / "ops" / "tf").mkdir(parents=True)
-    (tmp_path / "bazel-bin" / "ops" / "predict").mkdir(parents=True)
-    (tmp_path / "prophet_tf" / "_prophet_ops.so").write_bytes(b"built yesterday")
-    (tmp_path / "bazel-bin" / "ops" / "tf" / "_prophet_ops.so").write_bytes(b"built today")
-    (tmp_path / "prophet_tf" / "_prophet_predict.so").write_bytes(b"the same")
-    (tmp_path / "bazel-bin" / "ops" / "predict" / "_prophet_predict.so").write_bytes(b"the same")
-    (tmp_path / "prophet_tf" / "_prophet_bench_ops.so").write_bytes(b"not built here")
-    assert stale_libraries(tmp_path) == ["_prophet_ops.so"]
-    (tmp_path / "prophet_tf" / "_prophet_ops.so").write_bytes(b"built today")
-    assert stale_libraries(tmp_path) == []
-
-
 def test_comm_bytes_is_all_reduce_optimum():
     assert comm_bytes(100 * MB, 1) == 0
     assert comm_bytes(100 * MB, 2) == pytest.approx(100 * MB)
@@ -492,6 +475,25 @@ def test_parse_results():
     lines = ['[rank 1] RESULT {"a": 1}', "[rank 0] noise", '[rank 0] RESULT {"step_s_median": 0.5}',
              "RESULT {}"]
     assert parse_results(lines) == {1: {"a": 1}, 0: {"step_s_median": 0.5}}
+
+
+# ---------------------------------------------------------------- the source a run reports
+
+def test_a_benchmark_names_the_libraries_it_would_load_that_are_not_the_built_ones(tmp_path):
+    """A `bazel build` alone leaves prophet_tf/'s copies (what the workers load) as they were, and
+    a run would be labelled with a commit whose code it did not run."""
+    from prophet_tf._library import stale_libraries
+    (tmp_path / "prophet_tf").mkdir()
+    (tmp_path / "bazel-bin" / "ops" / "tf").mkdir(parents=True)
+    (tmp_path / "bazel-bin" / "ops" / "predict").mkdir(parents=True)
+    (tmp_path / "prophet_tf" / "_prophet_ops.so").write_bytes(b"built yesterday")
+    (tmp_path / "bazel-bin" / "ops" / "tf" / "_prophet_ops.so").write_bytes(b"built today")
+    (tmp_path / "prophet_tf" / "_prophet_predict.so").write_bytes(b"the same")
+    (tmp_path / "bazel-bin" / "ops" / "predict" / "_prophet_predict.so").write_bytes(b"the same")
+    (tmp_path / "prophet_tf" / "_prophet_bench_ops.so").write_bytes(b"not built here")
+    assert stale_libraries(tmp_path) == ["_prophet_ops.so"]
+    (tmp_path / "prophet_tf" / "_prophet_ops.so").write_bytes(b"built today")
+    assert stale_libraries(tmp_path) == []
 
 
 # ---------------------------------------------------------------- command line
