@@ -75,11 +75,21 @@ def test_workers_per_host_and_the_two_level_path():
     assert p.step_s == pytest.approx(0.0102, abs=1e-9)
     assert p.wire_bytes_per_step == 0
     two_hosts = dataclasses.replace(EXACT, workers_per_host=2, loopback_bytes_per_s=1e12)
-    flat = predict(profile, workers=4, bandwidth_bps=8e6, schedule="priority", options=two_hosts)
+    flat = predict(profile, workers=4, bandwidth_bps=8e6, schedule="priority",
+                   options=dataclasses.replace(two_hosts, hierarchical=False))
     two_level = predict(profile, workers=4, bandwidth_bps=8e6, schedule="priority",
                         options=dataclasses.replace(two_hosts, hierarchical=True))
     assert flat.step_s == pytest.approx(0.410, abs=1e-5)
     assert two_level.step_s == pytest.approx(0.210, abs=1e-5)
+    # Unset, the runtime's default (auto) takes the two-level path on 2 hosts x 2 workers ...
+    by_default = predict(profile, workers=4, bandwidth_bps=8e6, schedule="priority", options=two_hosts)
+    assert by_default.step_s == pytest.approx(two_level.step_s, abs=1e-9)
+    # ... and the flat one where every worker has a host of its own (nothing to sum on a host).
+    alone = dataclasses.replace(EXACT, loopback_bytes_per_s=1e12)
+    assert predict(profile, workers=4, bandwidth_bps=8e6, schedule="priority",
+                   options=alone).step_s == pytest.approx(
+        predict(profile, workers=4, bandwidth_bps=8e6, schedule="priority",
+                options=dataclasses.replace(alone, hierarchical=False)).step_s, abs=1e-9)
     # The bound counts the hosts' NICs: one crossing each way.
     assert ideal_bound(profile, workers=4, bandwidth_bps=8e6,
                        options=two_hosts).step_s <= two_level.step_s

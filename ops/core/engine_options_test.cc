@@ -184,7 +184,7 @@ TEST(OptionsAsJson) {
   EXPECT_TRUE(Contains(json, "{\"rank\": 0, \"world_size\": 2, \"addresses\": [\"h:1\", \"h:2\"], \"token\": \"t\", "
                              "\"schedule\": \"prophet\", \"partition_bytes\": 0, \"credit_bytes\": 0,"));
   EXPECT_TRUE(Contains(json, "\"heartbeat_s\": 0.5, \"socket_buffer_bytes\": -1,"));
-  EXPECT_TRUE(Contains(json, "\"allow_no_token\": false, \"bind_host\": \"\", \"hierarchical\": \"off\", "
+  EXPECT_TRUE(Contains(json, "\"allow_no_token\": false, \"bind_host\": \"\", \"hierarchical\": \"auto\", "
                              "\"hosts\": [\"a\", \"b\"]}"));
   EXPECT_EQ(EngineOptionUse("socket_buffer_bytes"), kUser | kPredicted);
   EXPECT_EQ(EngineOptionUse("rank"), kJob);

@@ -196,7 +196,7 @@ struct RuntimeModel {
   // sums the hosts' and sends the sum to the other leaders, and every leader passes it on to its
   // host's workers. BytePS's and Horovod's hierarchical all-reduce: the network carries each
   // host's share once. Not with mwms (kOn is refused there, kAuto keeps the ring).
-  Hierarchy hierarchical = Hierarchy::kOff;
+  Hierarchy hierarchical = EngineOptions().hierarchical;
   int apply_threads = 2;
   // mwms: TensorFlow's ring (ring_reducer.cc): chunks of at most ring_chunk_bytes, at most
   // ring_max_subdivs subdivisions per worker; each message costs ring_message_ns on arrival.

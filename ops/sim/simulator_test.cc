@@ -513,14 +513,17 @@ TEST(TwoLevelPathCrossesTheNetworkOncePerHost) {
   network.loopback_Bps = 1e12;
   RuntimeModel runtime = OwnerPath();
   runtime.schedule = "priority";
+  runtime.hierarchical = Hierarchy::kOff;
   const StepPrediction flat = Run(OneTensor(), network, runtime);
   runtime.hierarchical = Hierarchy::kOn;
   const StepPrediction two_level = Run(OneTensor(), network, runtime);
   EXPECT_NEAR(two_level.step_s, 210.0 * kMsS, 0.001 * kMsS);
   EXPECT_NEAR(flat.step_s, 410.0 * kMsS, 0.001 * kMsS);
   // auto decides as the engine does (hosts.h): two hosts of two workers take the two-level path.
+  // It is the runtime's default, and so the model's.
   runtime.hierarchical = Hierarchy::kAuto;
   EXPECT_NEAR(Run(OneTensor(), network, runtime).step_s, 210.0 * kMsS, 0.001 * kMsS);
+  EXPECT_TRUE(RuntimeModel().hierarchical == Hierarchy::kAuto && EngineOptions().hierarchical == Hierarchy::kAuto);
   runtime.hierarchical = Hierarchy::kOn;
   runtime.schedule = "mwms";
   StepPrediction p;

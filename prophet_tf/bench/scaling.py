@@ -13,8 +13,9 @@ emulated benchmark's step of each model on the modelled accelerator itself (time
 each layer's gradients ready when its backward pass ends, the training benchmark's per-worker
 batch, updates free; :func:`prophet_tf.bench.emulated.emulated_profile`), so the step times are
 those of real accelerators, not of this machine's emulation. Each worker has a host of its own
-(``--workers_per_host`` places several on one host; ``--hierarchical`` adds the two-level path,
-the runtime's ``hierarchical="on"``) whose NIC carries the link rate both
+(``--workers_per_host`` places several on one host, where the runtime's default
+``hierarchical="auto"`` takes the two-level path; ``--hierarchical`` predicts the flat path under
+each schedule's name and the two-level path beside it) whose NIC carries the link rate both
 ways, 1448 payload bytes per 1538 on the wire.
 
 ``--costs`` (``python -m prophet_tf.predict calibrate --out FILE``) charges each worker's CPU:
@@ -98,12 +99,15 @@ def scaling_points(profiles: dict[str, Any], bandwidths: Sequence[float], worker
                    schedules: Sequence[str], options: Any, hierarchical: bool = False,
                    threads: int = 0, progress: Any = None,
                    io_threads: Optional[int] = 1) -> list[ScalingPoint]:
-    """Predicts every (model, link, N) for every schedule (and, with ``hierarchical``, the
-    two-level path of each runtime schedule, named ``"<schedule> 2-level"``). ``io_threads``:
+    """Predicts every (model, link, N) for every schedule as the runtime runs it by default (with
+    ``hierarchical``: the flat path, and the two-level path of each runtime schedule beside it,
+    named ``"<schedule> 2-level"``). ``io_threads``:
     I/O threads per worker, None: :func:`io_threads_for` each link."""
     from prophet_tf.predict import SimulatedDeadlock, ideal_bound, predict
     two_level = dataclasses.replace(options, hierarchical=True)
-    variants = [(s, options) for s in schedules]
+    # Side by side, the schedule's own name is the flat path; alone, the runtime's default.
+    flat = dataclasses.replace(options, hierarchical=False) if hierarchical else options
+    variants = [(s, flat) for s in schedules]
     if hierarchical:
         variants += [(s + HIERARCHICAL_SUFFIX, two_level) for s in schedules if s != "mwms"]
     # One job per simulation, the largest N first, so that both cores stay busy to the end.
@@ -271,8 +275,9 @@ def _define_flags() -> None:
     flags.DEFINE_list("schedules", list(DEFAULT_SCHEDULES), "Schedules (prophet_tf.predict).")
     flags.DEFINE_float("accelerator_tflops", 100.0, "The modelled accelerator's TFLOP/s.")
     flags.DEFINE_integer("workers_per_host", 1, "Workers per host (sharing its NIC).")
-    flags.DEFINE_bool("hierarchical", False, "Also predict the two-level path of each runtime "
-                      "schedule (the runtime's hierarchical='on').")
+    flags.DEFINE_bool("hierarchical", False, "Predict the flat path (hierarchical='off') under "
+                      "each schedule's name and the two-level path ('on') beside it; unset: the "
+                      "runtime's default, auto.")
     flags.DEFINE_string("fusion", "auto", "Fusion of small gradients (ProphetStrategy's fusion): "
                         "auto (the default), off or a bucket size in bytes.")
     flags.DEFINE_string("costs", None, "Charge the CPU costs of this file (python -m "

@@ -2,7 +2,7 @@
 
     python -m prophet_tf.predict PROFILE.json [--workers 2,4,8,16,64] [--bandwidth 1G,10G,25G]
         [--schedule all] [--compression fp16|bf16] [--output predict.png] [--json results.json]
-        [--timeline trace.json] [--time_scale S|profile] [--workers_per_host K [--hierarchical]]
+        [--timeline trace.json] [--time_scale S|profile] [--workers_per_host K [--[no]hierarchical]]
         [--costs costs.json [--cost_scale F]]
     python -m prophet_tf.predict calibrate [--out costs.json]
 
@@ -16,8 +16,10 @@ next to a real one with ``python -m prophet_tf.timeline``. ``--compression`` pre
 uncompressed); the ideal column is then the bound of the compressed bytes. ``--time_scale``
 divides every time of the profile (an emulated benchmark run's, slowed S times, gives the modelled
 accelerator's; ``profile``: the S the run recorded). ``--workers_per_host K`` puts K workers on
-each host (they share its NIC, loopback between them); ``--hierarchical`` predicts the two-level
-path (sum on the host first; the runtime's ``hierarchical="on"``). ``--costs`` charges the CPU
+each host (they share its NIC, loopback between them); they take the two-level path (sum on the
+host first), as the runtime's default ``hierarchical="auto"`` does wherever the job spans several
+hosts; ``--hierarchical`` forces it (``"on"``), ``--nohierarchical`` predicts the flat path
+(``"off"``). ``--costs`` charges the CPU
 of each worker's I/O thread that ``calibrate`` measured on this machine (``prophet_tf.predict.costs``).
 """
 

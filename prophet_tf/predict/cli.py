@@ -189,9 +189,10 @@ def define_flags() -> None:
                          "multiple.")
     flags.DEFINE_string("loopback", "100G", "Loopback rate between the workers of one host (bit/s), "
                         "shared by the host's local connections.")
-    flags.DEFINE_bool("hierarchical", False, "The two-level path for prophet/priority/fifo (the "
+    flags.DEFINE_bool("hierarchical", None, "The two-level path for prophet/priority/fifo (the "
                       "runtime's hierarchical='on'): sum on each host, then across hosts, then "
-                      "back (mwms keeps its flat ring).")
+                      "back (mwms keeps its flat ring). --nohierarchical: the flat path; unset: "
+                      "the runtime's default, auto (two-level where a host has several workers).")
     flags.DEFINE_string("compression", "none", "Gradient compression of ProphetStrategy: none, "
                         "fp16 or bf16 (float32 gradients travel in half the bytes; mwms never "
                         "compresses).")
@@ -302,9 +303,12 @@ def main(argv: Sequence[str]) -> int:
         if options.workers_per_host > 1:
             print(f"  {options.workers_per_host} workers per host (loopback "
                   f"{format_rate(options.loopback_bytes_per_s * 8)})")
-        if options.hierarchical:
-            print("  two-level path (--hierarchical, the runtime's hierarchical='on'); mwms "
-                  "keeps its flat ring")
+        if options.hierarchical or (options.hierarchical is None and options.workers_per_host > 1):
+            print("  two-level path (" + ("--hierarchical, the runtime's hierarchical='on'"
+                                          if options.hierarchical else "the runtime's default, "
+                                          "hierarchical='auto', where the job spans several hosts; "
+                                          "--nohierarchical: flat")
+                  + "); mwms keeps its flat ring")
         if FLAGS.save_profile:
             profile.save(FLAGS.save_profile)
             print(f"wrote {FLAGS.save_profile}")

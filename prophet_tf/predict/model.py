@@ -122,7 +122,7 @@ class PredictOptions:
         together on a current multi-core server (one stream about 30-50 Gbit/s, bounded by the
         kernel's copies); shared memory would be faster.
       hierarchical: the runtime's ``hierarchical`` option, ``"off"``, ``"on"`` or ``"auto"``
-        (``True``/``False``: on/off; None: the runtime's default, off): the two-level path (``RuntimeModel::hierarchical`` in
+        (``True``/``False``: on/off; None: the runtime's default, auto): the two-level path (``RuntimeModel::hierarchical`` in
         ops/sim/simulator.h, the engine's ops/core/two_level.h): every partition is summed on
         each host first (by the partition's leader there, over loopback), then across hosts
         between the leaders (the runtime's push_pull, under its policy and credit), and the sum

@@ -122,8 +122,9 @@ def define_flags() -> Any:
     f.DEFINE_integer("workers_per_host", 1, "Emulated cluster: workers per host. The K workers "
                      "of a host share its network namespace and shaped link (loopback between "
                      "them); comm/comp, the time scale and the bounds are then the N/K hosts' "
-                     "links'. Compare the flat and two-level paths with systems "
-                     "'prophet,prophet[hierarchical=on]'. Every --workers must be a multiple.")
+                     "links'. The runtime's schedules take the two-level path there by default "
+                     "(hierarchical='auto'); compare it with the flat path with systems "
+                     "'prophet[hierarchical=off],prophet'. Every --workers must be a multiple.")
     f.DEFINE_bool("verbose", False, "Echo the workers' output.")
     f.DEFINE_string("worker", None, "Internal: run as a worker with this JSON configuration.")
     return flags.FLAGS
