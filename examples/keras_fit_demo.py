@@ -110,8 +110,11 @@ def main():
 
     strategy = ProphetStrategy(schedule=args.schedule, compression=args.compression)
     if strategy.rank == 0:
+        path = (f"two-level over {strategy.two_level_hosts} hosts" if strategy.two_level_hosts
+                else "flat")
         print(f"{strategy.num_replicas_in_sync} worker(s), schedule {strategy.schedule}, "
-              f"compression {strategy.compression}, global batch {args.batch}", flush=True)
+              f"compression {strategy.compression}, {path} path, global batch {args.batch}",
+              flush=True)
     keras.utils.set_random_seed(0)  # the same shuffling order on every worker
     x, y = make_digits(args.samples, seed=1)
     x_val, y_val = make_digits(1024, seed=2)

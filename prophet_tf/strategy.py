@@ -763,6 +763,14 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
         return self.extended._compression
 
     @property
+    def two_level_hosts(self) -> int:
+        """How many hosts the two-level path sums over (``hierarchical``: by default where the job
+        spans several hosts and some host has several workers); 0 on the flat path."""
+        if not runtime.is_initialized():
+            return 0
+        return int(runtime.stats().get("two_level_hosts", 0))
+
+    @property
     def fusion_link_rate(self) -> Optional[_link_probe.FusionLinkRate]:
         """The link rate ``fusion="auto"`` sizes buckets for (see
         ``prophet_tf._collectives.Collectives.fusion_link_rate``): None until the first training step is traced."""
