@@ -48,6 +48,8 @@ def test_replay_on_loopback_sums_and_reports(tmp_path: Path) -> None:
                     "longest_op_s", "cpu", "error"):
             assert key in run, key
         assert run["workers"] == 3 and run["connections"] == 3 * 2
+        # The runtime's default (auto) and a host per worker: the flat path.
+        assert run["hierarchical"] == "auto" and run["two_level_hosts"] == 0
         # The virtual clock plays the profile: no step is shorter than its compute.
         assert run["measured_step_s"] >= step_s - 1e-6
         assert run["ideal_step_s"] >= step_s - 1e-6
@@ -87,6 +89,12 @@ def test_saved_runs_load_and_give_their_error_line(tmp_path: Path) -> None:
     assert replay.error_line(loaded, "e") == "e: median 15.0%, max 20.0% over 2 runs"
     assert replay.error_line(loaded[:0], "e") == "e: no run with a prediction"
     assert "| m | prophet | 16x1 | 100 | 110 | 90 | +10.0% |" in replay.format_row(loaded[0])
+    # The row names the path the engines took, not the setting alone.
+    two_level = replay.ReplayRun(**dict(vars(loaded[0]), workers_per_host=4, hierarchical="auto",
+                                        two_level_hosts=4))
+    assert "| 4x4 2-level (auto) |" in replay.format_row(two_level)
+    flat = replay.ReplayRun(**dict(vars(two_level), workers_per_host=16, two_level_hosts=0))
+    assert "| 1x16 |" in replay.format_row(flat)
 
 
 def test_configs_with_their_own_output_tree_keep_bazel_bin_on_the_default_one() -> None:

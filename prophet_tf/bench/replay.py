@@ -2,7 +2,7 @@
 
     python -m prophet_tf.bench.replay --workers 16 [--workers_per_host 1] --model resnet50
         --schedule prophet [--bandwidth 10G] [--time_scale 50] [--byte_scale 0.01]
-        [--steps 10] [--warmup 3] [--json FILE] [--loopback] [--hierarchical off|on|auto]
+        [--steps 10] [--warmup 3] [--json FILE] [--loopback] [--hierarchical auto|off|on]
         [--costs costs.json] [--profile PROFILE.json]
 
 Every list flag (``--workers``, ``--model``, ``--schedule``, ``--bandwidth``) runs each
@@ -180,6 +180,9 @@ class ReplayRun:
     fusion_link_bps: float
     probe_agreed_bps: float
     cpu: dict[str, Any]
+    # Hosts of the two-level path as the engines resolved `hierarchical` (0: the flat path; None:
+    # a run saved before this field).
+    two_level_hosts: Optional[int]
     worker_steps_s: list[float]   # each worker's median step
     periods_s: list[float]        # worker 0's measured steps
     wall_s: float
@@ -379,6 +382,7 @@ def run_replay(profile: Any, *, workers: int, workers_per_host: int, schedule: s
         sums_checked=sum(int(r["sums_checked"]) for r in results),
         fusion_bucket_bytes=fusion, fusion_link_bps=float(first["fusion_link_Bps"]) * 8,
         probe_agreed_bps=float(first["probe_agreed_Bps"]) * 8, cpu=cpu,
+        two_level_hosts=int(first.get("engine", {}).get("two_level_hosts", 0)),
         worker_steps_s=[statistics.median(r["periods_s"]) for r in results],
         periods_s=list(first["periods_s"]), wall_s=wall)
 
@@ -389,8 +393,8 @@ def format_row(r: ReplayRun) -> str:
     pred = f"{r.predicted_step_s * 1e3:.0f}" if r.predicted_step_s else "deadlock"
     err = f"{100 * r.error:+.1f}%" if r.error is not None else "-"
     placement = f"{r.workers // r.workers_per_host}x{r.workers_per_host}"
-    if r.hierarchical != "off":
-        placement += f" 2-level {r.hierarchical}"
+    if r.two_level_hosts or (r.two_level_hosts is None and r.hierarchical == "on"):
+        placement += " 2-level" + (" (auto)" if r.hierarchical == "auto" else "")
     return (f"| {r.model} | {r.schedule} | {placement} | {r.measured_step_s * 1e3:.0f} | {pred} | "
             f"{r.ideal_step_s * 1e3:.0f} | {err} | {r.startup_s:.1f} | "
             f"{r.peak_rss_bytes / 2**20:.0f} | {r.messages_per_worker_per_step:.0f} | "
@@ -417,7 +421,9 @@ def _define_flags() -> None:
     flags.DEFINE_float("time_scale", 50.0, "The profile's times are played this many times slower.")
     flags.DEFINE_float("byte_scale", 0.01, "Share of every gradient's bytes the replay moves.")
     flags.DEFINE_float("accelerator_tflops", 100.0, "The modelled accelerator (--model's profile).")
-    flags.DEFINE_enum("hierarchical", "off", ["off", "on", "auto"], "The two-level path.")
+    flags.DEFINE_enum("hierarchical", "auto", ["off", "on", "auto"], "The two-level path (the "
+                      "runtime's default, auto: where the job spans several hosts of several "
+                      "workers).")
     flags.DEFINE_integer("steps", 10, "Measured steps.")
     flags.DEFINE_integer("warmup", 3, "Steps before those (Prophet plans after two).")
     flags.DEFINE_bool("loopback", False, "Run on 127.0.0.x without namespaces or shaping "
