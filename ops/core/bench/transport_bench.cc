@@ -2,7 +2,7 @@
 // engine's own cost per byte (sockets, framing, summation), measured alternately, size by size.
 //
 //   bazel run -c opt //ops/core/bench:transport_bench -- --sizes=4MiB,64MiB --iters=30
-//   bazel run -c opt //ops/core/bench:transport_bench -- --engine_options='io_threads=2'
+//   bazel run -c opt //ops/core/bench:transport_bench -- --engine_options='socket_unsent_bytes=0'
 //   valgrind --tool=callgrind bazel-bin/ops/core/bench/transport_bench --sizes=64MiB --iters=3 --only=push_pull
 //
 // raw TCP moves the same bytes in the same pattern as push_pull with 2 workers (each side sends
