@@ -303,12 +303,12 @@ def main(argv: Sequence[str]) -> int:
         if options.workers_per_host > 1:
             print(f"  {options.workers_per_host} workers per host (loopback "
                   f"{format_rate(options.loopback_bytes_per_s * 8)})")
-        if options.hierarchical or (options.hierarchical is None and options.workers_per_host > 1):
-            print("  two-level path (" + ("--hierarchical, the runtime's hierarchical='on'"
-                                          if options.hierarchical else "the runtime's default, "
-                                          "hierarchical='auto', where the job spans several hosts; "
-                                          "--nohierarchical: flat")
-                  + "); mwms keeps its flat ring")
+        if options.hierarchical:
+            print("  two-level path (--hierarchical, the runtime's hierarchical='on'); mwms "
+                  "keeps its flat ring")
+        elif options.hierarchical is None and options.workers_per_host > 1:
+            print("  two-level path where the job spans several hosts (the runtime's default, "
+                  "hierarchical='auto'; --nohierarchical: flat); mwms keeps its flat ring")
         if FLAGS.save_profile:
             profile.save(FLAGS.save_profile)
             print(f"wrote {FLAGS.save_profile}")
