@@ -67,7 +67,11 @@ ReadyTimeProfiler::ReadyTimeProfiler(const ProfilerOptions& options) : options_(
 
 bool ReadyTimeProfiler::OnTensorReady(const TensorReady& ready) {
   bool new_step = false;
-  const bool long_gap = step_open_ && options_.max_ready_gap_ns > 0 &&
+  const std::string name = ready.name != nullptr ? *ready.name : std::string();
+  // Only before a name no closed step had: another model (see max_ready_gap_ns).
+  const bool unknown = steps_closed_ > 0 && open_step_.count(name) == 0 &&
+                       stats_.count(name) == 0 && previous_step_names_.count(name) == 0;
+  const bool long_gap = step_open_ && unknown && options_.max_ready_gap_ns > 0 &&
                         ready.ready_ns - step_last_ready_ns_ > options_.max_ready_gap_ns;
   if (!step_open_ || ready.round > step_round_ || long_gap) {
     if (step_open_) CloseStep();
@@ -78,7 +82,6 @@ bool ReadyTimeProfiler::OnTensorReady(const TensorReady& ready) {
     new_step = true;
   }
   step_last_ready_ns_ = std::max(step_last_ready_ns_, ready.ready_ns);
-  const std::string name = ready.name != nullptr ? *ready.name : std::string();
   // A name seen twice in one step (its counter lagged, then caught up) keeps its first sighting.
   if (open_step_.count(name) == 0) {
     Observation& obs = open_step_[name];
@@ -100,6 +103,8 @@ void ReadyTimeProfiler::CloseStep() {
   const uint64_t step_index = steps_closed_++;
   std::map<std::string, Observation> observed;
   observed.swap(open_step_);
+  previous_step_names_.clear();
+  for (const auto& entry : observed) previous_step_names_.insert(entry.first);
   if (step_index < static_cast<uint64_t>(options_.warmup_steps)) return;
 
   for (const auto& entry : observed) {

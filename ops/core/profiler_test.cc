@@ -201,6 +201,32 @@ TEST(AnotherModelAfterALongGapOpensANewStep) {
   EXPECT_EQ(OffsetOf(profiler.profile(), "b0"), kMs);  // not 4 s after the other model's step
 }
 
+TEST(PausesOfSecondsInsideABackwardPassDoNotSplitTheStep) {
+  // A large model on a slow device (or fusion buckets, each ready with its last member): seconds
+  // between one known gradient and the next, within one step.
+  ReadyTimeProfiler profiler(NoWarmup());
+  const int64_t second = 1'000 * kMs;
+  const std::vector<Event> slow = Trace(3 * second, 6 * second);
+  uint64_t opened = 0;
+  for (uint64_t round = 0; round < 4; ++round) {
+    const int64_t origin = 1'000 * kMs + static_cast<int64_t>(round) * 10 * second;
+    for (const Event& e : slow) {
+      TensorReady ready;
+      ready.name = &e.name;
+      ready.round = round;
+      ready.priority = e.priority;
+      ready.bytes = 1000;
+      ready.ready_ns = origin + e.offset_ns;
+      if (profiler.OnTensorReady(ready)) ++opened;
+    }
+  }
+  EXPECT_EQ(opened, 4u);
+  profiler.EndStep();
+  EXPECT_EQ(OffsetOf(profiler.profile(), "g3"), 3 * second);
+  EXPECT_EQ(OffsetOf(profiler.profile(), "g0"), 6 * second + kMs / 10);
+  EXPECT_EQ(profiler.profile().stages.size(), 3u);
+}
+
 TEST(StepOriginIsTheFirstReadyTensor) {
   ReadyTimeProfiler profiler(NoWarmup());
   std::vector<Event> late_start = Trace();
