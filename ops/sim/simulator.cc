@@ -465,7 +465,16 @@ void Simulation::StartApplies(int w) {
     const ApplyJob job = worker.apply_queue.front();
     worker.apply_queue.pop_front();
     ++worker.applies_running;
-    Push(now_ns_ + profile_.tensors[job.tensor].apply_ns, EventKind::kApplyDone, w, job.step, job.tensor);
+    const int64_t work_ns = profile_.tensors[job.tensor].apply_ns;
+    int64_t start = now_ns_;
+    if (network_.shared_cores > 0 && work_ns > 0) {
+      // An update is the framework's CPU work: on shared cores it waits for one, as the I/O
+      // threads do (the profile timed it on a machine of its own).
+      start = std::max(start, cores_.top());
+      cores_.pop();
+      cores_.push(start + work_ns);
+    }
+    Push(start + work_ns, EventKind::kApplyDone, w, job.step, job.tensor);
   }
 }
 

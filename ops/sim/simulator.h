@@ -158,9 +158,10 @@ struct NetworkModel {
   // frame's CPU is charged to the thread of its connection; fusion's copies to whichever is free
   // first.
   int io_threads = 1;
-  // > 0: every worker's I/O thread runs on one pool of this many cores shared by all the workers
-  // (the replay benchmark's workers on one machine, prophet_tf/bench/replay.py); 0: each worker
-  // has a core of its own for it (a cluster).
+  // > 0: every worker's I/O thread and updates (ModelTensor::apply_ns) run on one pool of this
+  // many cores shared by all the workers (workers on one machine: the replay benchmark,
+  // prophet_tf/bench/replay.py, and the emulated training benchmark, whose compute sleeps); 0:
+  // each worker has a core of its own for them (a cluster).
   int shared_cores = 0;
 };
 

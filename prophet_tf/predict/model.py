@@ -147,8 +147,9 @@ class PredictOptions:
         that thread (``NetworkModel::send_byte_ns`` ...): a payload's copy into its socket and
         out of it, adding a contribution into a sum, converting float32 to or from 16 bits
         (per float32 byte), a memory copy (fusion's packing). 0 (the default): free.
-      shared_cores: > 0: every worker's I/O thread runs on one pool of this many cores (workers
-        on one machine, as the replay benchmark runs them); 0: a core each.
+      shared_cores: > 0: every worker's I/O thread and updates run on one pool of this many
+        cores (workers on one machine, as the replay and emulated training benchmarks run them);
+        0: a core each.
       io_threads: I/O threads per worker, its connections spread over them round-robin by peer
         (each frame's CPU on its connection's thread).
       small_allreduce: small control collectives by recursive doubling where the engine's rule
