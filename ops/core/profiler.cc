@@ -68,7 +68,7 @@ ReadyTimeProfiler::ReadyTimeProfiler(const ProfilerOptions& options) : options_(
 bool ReadyTimeProfiler::OnTensorReady(const TensorReady& ready) {
   bool new_step = false;
   const std::string name = ready.name != nullptr ? *ready.name : std::string();
-  // Only before a name no closed step had: another model (see max_ready_gap_ns).
+  // Only before a name the profiler does not know: another model (see max_ready_gap_ns).
   const bool unknown = steps_closed_ > 0 && open_step_.count(name) == 0 &&
                        stats_.count(name) == 0 && previous_step_names_.count(name) == 0;
   const bool long_gap = step_open_ && unknown && options_.max_ready_gap_ns > 0 &&

@@ -16,10 +16,12 @@
 // An event with a smaller round (a tensor that skipped some steps, so its counter lags, or a tensor
 // seen for the first time, round 0) is attributed to the open step. A lagging tensor that happens
 // to be the first of a step would be attributed to the previous step; it then shows up as a large
-// offset in one step, which the rolling median ignores. A pause between two gradients does not end
-// a step: the backward pass of a large model on a slow device pauses for seconds between layers,
-// and longer between fusion buckets (each is ready with its last member). The one exception is a
-// name no earlier step had, after a long pause: another model (see max_ready_gap_ns).
+// offset in one step, which the rolling median ignores (a tensor that lags for good and is always
+// first keeps an offset of about a step: the plan then sends it in the credit phase). A pause
+// between two gradients does not end a step: the backward pass of a large model on a slow device
+// pauses for seconds between layers, and longer between fusion buckets (each is ready with its
+// last member). The exception is a name the profiler does not know, after a long pause: another
+// model (see max_ready_gap_ns).
 #ifndef PROPHET_OPS_CORE_PROFILER_H_
 #define PROPHET_OPS_CORE_PROFILER_H_
 
@@ -48,12 +50,14 @@ struct ProfilerOptions {
   // mean gap (the paper uses 2) and larger than min_stage_gap_ns (0 keeps the paper's rule).
   double stage_gap_factor = 2.0;
   int64_t min_stage_gap_ns = 0;
-  // A tensor no closed step had, ready this long after the open step's previous one, opens a new
-  // step. Rounds alone cannot tell steps apart when another model trains (its names start again
-  // at round 0): its gradients would join the last step of the previous model with offsets of
-  // seconds, and a plan made from them would hold pushes back for that long. Names of earlier
-  // steps, and every name of the first step, never split a step by a pause: a slow backward pass
-  // has pauses this long between its own gradients.
+  // A tensor the profiler does not know (in neither the last closed step nor the statistics: a
+  // name forgotten after forget_after_steps counts as new), ready this long after the open step's
+  // previous one, opens a new step. Rounds alone cannot tell steps apart when another model trains
+  // (its names start again at round 0): its gradients would join the last step of the previous
+  // model with offsets of seconds, and a plan made from them would hold pushes back for that long.
+  // Known names do not split a step by a pause (a slow backward pass has pauses this long between
+  // its own gradients), nor does any name in the profiler's first step; so the first step of a
+  // second, slow model is split at its pauses once, which the rolling median outvotes.
   int64_t max_ready_gap_ns = 1'000'000'000;
 };
 
@@ -126,7 +130,8 @@ class ReadyTimeProfiler {
   uint64_t steps_started_ = 0;
   uint64_t steps_closed_ = 0;
   std::map<std::string, Observation> open_step_;  // first observation of each name in the step
-  std::set<std::string> previous_step_names_;     // of the last closed step (warm-up included)
+  std::set<std::string> previous_step_names_;     // of the last closed step (a warm-up step's
+                                                  // are in no statistics)
   std::map<std::string, TensorStats> stats_;      // ordered: deterministic profiles
   bool has_profile_ = false;
   Profile profile_;
