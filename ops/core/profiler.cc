@@ -68,9 +68,10 @@ ReadyTimeProfiler::ReadyTimeProfiler(const ProfilerOptions& options) : options_(
 bool ReadyTimeProfiler::OnTensorReady(const TensorReady& ready) {
   bool new_step = false;
   const std::string name = ready.name != nullptr ? *ready.name : std::string();
-  // Only before a name the profiler does not know: another model (see max_ready_gap_ns).
-  const bool unknown = steps_closed_ > 0 && open_step_.count(name) == 0 &&
-                       stats_.count(name) == 0 && previous_step_names_.count(name) == 0;
+  // Only before a name the statistics do not know: another model (see max_ready_gap_ns). Before
+  // the warm-up steps have closed, every name is unknown to them, so no pause counts then.
+  const bool unknown = steps_closed_ > static_cast<uint64_t>(options_.warmup_steps) &&
+                       open_step_.count(name) == 0 && stats_.count(name) == 0;
   const bool long_gap = step_open_ && unknown && options_.max_ready_gap_ns > 0 &&
                         ready.ready_ns - step_last_ready_ns_ > options_.max_ready_gap_ns;
   if (!step_open_ || ready.round > step_round_ || long_gap) {
@@ -103,8 +104,6 @@ void ReadyTimeProfiler::CloseStep() {
   const uint64_t step_index = steps_closed_++;
   std::map<std::string, Observation> observed;
   observed.swap(open_step_);
-  previous_step_names_.clear();
-  for (const auto& entry : observed) previous_step_names_.insert(entry.first);
   if (step_index < static_cast<uint64_t>(options_.warmup_steps)) return;
 
   for (const auto& entry : observed) {

@@ -28,7 +28,6 @@
 #include <cstdint>
 #include <deque>
 #include <map>
-#include <set>
 #include <string>
 #include <vector>
 
@@ -50,14 +49,14 @@ struct ProfilerOptions {
   // mean gap (the paper uses 2) and larger than min_stage_gap_ns (0 keeps the paper's rule).
   double stage_gap_factor = 2.0;
   int64_t min_stage_gap_ns = 0;
-  // A tensor the profiler does not know (in neither the last closed step nor the statistics: a
-  // name forgotten after forget_after_steps counts as new), ready this long after the open step's
-  // previous one, opens a new step. Rounds alone cannot tell steps apart when another model trains
-  // (its names start again at round 0): its gradients would join the last step of the previous
-  // model with offsets of seconds, and a plan made from them would hold pushes back for that long.
-  // Known names do not split a step by a pause (a slow backward pass has pauses this long between
-  // its own gradients), nor does any name in the profiler's first step; so the first step of a
-  // second, slow model is split at its pauses once, which the rolling median outvotes.
+  // A tensor the statistics do not know (a name forgotten after forget_after_steps counts as
+  // new), ready this long after the open step's previous one, opens a new step. Rounds alone
+  // cannot tell steps apart when another model trains (its names start again at round 0): its
+  // gradients would join the last step of the previous model with offsets of seconds, and a plan
+  // made from them would hold pushes back for that long. Known names do not split a step by a
+  // pause (a slow backward pass has pauses this long between its own gradients), nor does any
+  // name before the warm-up steps have closed; so the first step of a second, slow model is split
+  // at its pauses once, which the rolling median outvotes.
   int64_t max_ready_gap_ns = 1'000'000'000;
 };
 
@@ -130,8 +129,6 @@ class ReadyTimeProfiler {
   uint64_t steps_started_ = 0;
   uint64_t steps_closed_ = 0;
   std::map<std::string, Observation> open_step_;  // first observation of each name in the step
-  std::set<std::string> previous_step_names_;     // of the last closed step (a warm-up step's
-                                                  // are in no statistics)
   std::map<std::string, TensorStats> stats_;      // ordered: deterministic profiles
   bool has_profile_ = false;
   Profile profile_;

@@ -204,7 +204,7 @@ TEST(AnotherModelAfterALongGapOpensANewStep) {
 TEST(PausesOfSecondsInsideABackwardPassDoNotSplitTheStep) {
   // A large model on a slow device (or fusion buckets, each ready with its last member): seconds
   // between one known gradient and the next, within one step. With a warm-up step (the default)
-  // the names of step 1 are known only from the warm-up step, which no statistics hold.
+  // no statistics hold the warm-up step, so the step after it must not split either.
   const int64_t second = 1'000 * kMs;
   const std::vector<Event> slow = Trace(3 * second, 6 * second);
   for (const ProfilerOptions& options : {NoWarmup(), ProfilerOptions()}) {

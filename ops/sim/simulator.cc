@@ -247,6 +247,9 @@ class Simulation {
   // The I/O thread of worker w that serves `peer`'s connection: connections are spread over the
   // threads round-robin by peer; -1: whichever is free first.
   int64_t& IoThread(int w, int peer);
+  // With NetworkModel::shared_cores: takes the first core free at or after `earliest_ns` for
+  // `work_ns` and returns when the work starts; else `earliest_ns` (a core of its own).
+  int64_t SharedCore(int64_t earliest_ns, int64_t work_ns);
   // The fastest a frame between these workers can move its bytes (the link's payload rate, or
   // loopback), bytes per ns.
   double FrameRate(int src, int dst) const;
@@ -466,14 +469,9 @@ void Simulation::StartApplies(int w) {
     worker.apply_queue.pop_front();
     ++worker.applies_running;
     const int64_t work_ns = profile_.tensors[job.tensor].apply_ns;
-    int64_t start = now_ns_;
-    if (network_.shared_cores > 0 && work_ns > 0) {
-      // An update is the framework's CPU work: on shared cores it waits for one, as the I/O
-      // threads do (the profile timed it on a machine of its own).
-      start = std::max(start, cores_.top());
-      cores_.pop();
-      cores_.push(start + work_ns);
-    }
+    // An update is the framework's CPU work: on shared cores it waits for one, as the I/O
+    // threads do (the profile timed it on a machine of its own).
+    const int64_t start = work_ns > 0 ? SharedCore(now_ns_, work_ns) : now_ns_;
     Push(start + work_ns, EventKind::kApplyDone, w, job.step, job.tensor);
   }
 }
@@ -642,6 +640,14 @@ void Simulation::Pump(int w) {
   }
 }
 
+int64_t Simulation::SharedCore(int64_t earliest_ns, int64_t work_ns) {
+  if (network_.shared_cores <= 0) return earliest_ns;
+  const int64_t start = std::max(earliest_ns, cores_.top());
+  cores_.pop();
+  cores_.push(start + work_ns);
+  return start;
+}
+
 int64_t& Simulation::IoThread(int w, int peer) {
   std::vector<int64_t>& threads = workers_[w].io_free_ns;
   if (peer >= 0) return threads[static_cast<size_t>(peer) % threads.size()];
@@ -651,12 +657,7 @@ int64_t& Simulation::IoThread(int w, int peer) {
 int64_t Simulation::IoWork(int w, int peer, int64_t earliest_ns, int64_t work_ns) {
   Worker& worker = workers_[w];
   int64_t& free_ns = IoThread(w, peer);
-  int64_t start = std::max(earliest_ns, free_ns);
-  if (network_.shared_cores > 0) {
-    start = std::max(start, cores_.top());
-    cores_.pop();
-    cores_.push(start + work_ns);
-  }
+  const int64_t start = SharedCore(std::max(earliest_ns, free_ns), work_ns);
   free_ns = start + work_ns;
   worker.io_busy_ns += work_ns;
   return start;
