@@ -54,6 +54,18 @@ def test_two_level_push_pull_on_two_hosts_matches_one_process(run_workers):
         assert all(run.one(rank, case=case)["two_level_hosts"] == 2 for rank in range(3))
 
 
+def test_lanes_match_one_process(run_workers):
+    # io_threads=2: the 4 MiB kernel travels in two slices, one per lane (each lane's bytes show
+    # them), the small gradients whole on their lanes or fused on lane 0.
+    cases = ["wide", "many_small", "adam"]
+    run = run_workers("strategy_equivalence.py", 3, "--cases", ",".join(cases), "--io_threads", "2",
+                      timeout=240).check_ok()
+    for case in cases:
+        _check_case(run, case)
+    lanes = run.one(0, case="wide")["lane_bytes_sent"]
+    assert len(lanes) == 2 and min(lanes) > 4 << 20, lanes
+
+
 def test_three_workers_match_one_process(run_workers):
     cases = ["momentum", "adam", "embedding"]
     run = run_workers("strategy_equivalence.py", 3, "--cases", ",".join(cases),

@@ -20,6 +20,7 @@
 #include "ops/core/schedule_traits.h"
 #include "ops/core/timeouts.h"
 #include "ops/core/transport.h"
+#include "ops/core/wire.h"
 
 namespace prophet {
 
@@ -52,15 +53,18 @@ struct Engine::Impl : public Connection::Handler,
   // Early PUSHes arrive from every peer that is ahead; a credit and a partition per peer is
   // worth keeping warm (the credit as set: the automatic one, which grows with N, counts as
   // kMinCreditBytes here, so the pool does not grow with N squared).
-  Impl(const EngineOptions& o, uint64_t credit_setting)
+  Impl(const EngineOptions& o, uint64_t credit_setting, Timeline& shared_timeline, int lane_index)
       : options_(o),
+        lane(lane_index),
         early(o),
         failures(this, o.world_size),
         timeouts(this),
         buffers(static_cast<uint64_t>(std::max(o.world_size - 1, 0)) *
-                ((credit_setting == kCreditAuto ? kMinCreditBytes : credit_setting) + o.partition_bytes)) {}
+                ((credit_setting == kCreditAuto ? kMinCreditBytes : credit_setting) + o.partition_bytes)),
+        timeline(shared_timeline) {}
 
-  EngineOptions options_;
+  EngineOptions options_;  // this lane's (its share of the credit)
+  const int lane;
   int epoll_fd = -1;
   int wake_fd = -1;
   std::thread thread;
@@ -106,8 +110,8 @@ struct Engine::Impl : public Connection::Handler,
   uint64_t unsent_push_bytes = 0;
   bool credit_returned = false;  // since the last Pump
   int64_t next_timeout_check = 0;
-  Timeline timeline;
   BufferPool buffers;  // payloads held in memory (early frames, staged contributions)
+  Timeline& timeline;  // the engine's, shared by its lanes
 
   // Statistics (read by StatsJson from other threads).
   std::atomic<uint64_t> ops_done{0}, ops_failed{0};
@@ -115,13 +119,18 @@ struct Engine::Impl : public Connection::Handler,
   std::atomic<uint64_t> fusion_questions{0};  // fusion check questions asked (fuser.h)
 
   // --- the thread ------------------------------------------------------------------------------
+  // Takes the lane's connections (fds[r]: to rank r, -1 for none).
+  void Open(const std::vector<int>& fds);
   void Run();
-  // Stops the thread (it runs Shutdown) and waits for it.
-  void StopThread() {
+  // Asks the thread to stop (it runs Shutdown); JoinThread waits for it. Apart, so that every lane
+  // shuts down at once.
+  void RequestStop() {
     if (!thread.joinable()) return;
     stop.store(true);
     Wake();
-    thread.join();
+  }
+  void JoinThread() {
+    if (thread.joinable()) thread.join();
   }
   void Shutdown();
   // Registers and starts an operation; returns its id, or 0 when it completed at once (failed).
@@ -256,93 +265,205 @@ EngineOptions Resolved(EngineOptions options) {
   return options;
 }
 
+// A lane's options: the lanes share the byte credit, so that together they hold back what one
+// engine would.
+EngineOptions LaneOptions(EngineOptions options) {
+  if (options.io_threads > 1)
+    options.credit_bytes = std::max(options.credit_bytes / options.io_threads, options.partition_bytes);
+  return options;
+}
+
 }  // namespace
 
-Engine::Engine(const EngineOptions& options) : options_(Resolved(options)), impl_(new Impl(options_, options.credit_bytes)) {}
+Engine::Engine(const EngineOptions& options) : options_(Resolved(options)) {
+  const EngineOptions lane_options = LaneOptions(options_);
+  for (int l = 0; l < std::max(options_.io_threads, 1); ++l)
+    lanes_.emplace_back(new Impl(lane_options, options.credit_bytes, timeline_, l));
+}
 
 Status Engine::Start(const EngineOptions& options, std::unique_ptr<Engine>* out) {
   std::unique_ptr<Engine> engine(new Engine(options));
-  Impl& m = *engine->impl_;
   SetLogRank(options.rank);
   std::string error;
-  SchedulerOptions sched;
-  sched.policy = options.schedule;
-  sched.replan_threshold = options.replan_threshold;
-  sched.credit_bytes = engine->options_.credit_bytes;
-  m.policy = MakePolicy(sched, &error);
-  if (!m.policy) return Status(Code::kInvalidArgument, error);
-  m.schedule_name = m.policy->name();
-  if (!options.timeline_path.empty() && !m.timeline.Open(options.timeline_path, options.rank, &error))
+  if (!options.timeline_path.empty() && !engine->timeline_.Open(options.timeline_path, options.rank, &error))
     return Status(Code::kInvalidArgument, "cannot write the timeline: " + error);
-
+  std::unique_ptr<HostLayout> two_level;
   if (options.hierarchical != Hierarchy::kOff) {
     std::vector<std::string> labels;
     const Status s = HostLabels(options.hosts, options.addresses, options.world_size, &labels);
     if (!s.ok()) return s;
     HostLayout layout = LayoutFromLabels(labels);
-    if (UseTwoLevel(options.hierarchical, layout)) m.two_level = std::make_unique<HostLayout>(std::move(layout));
+    if (UseTwoLevel(options.hierarchical, layout)) two_level = std::make_unique<HostLayout>(std::move(layout));
   }
-  std::vector<int> fds(options.world_size, -1);
-  if (options.world_size > 1) {
+  for (auto& lane : engine->lanes_) {
+    Impl& m = *lane;
+    SchedulerOptions sched;
+    sched.policy = options.schedule;
+    sched.replan_threshold = options.replan_threshold;
+    sched.credit_bytes = m.options_.credit_bytes;
+    m.policy = MakePolicy(sched, &error);
+    if (!m.policy) return Status(Code::kInvalidArgument, error);
+    m.schedule_name = m.policy->name();
+    if (two_level) m.two_level = std::make_unique<HostLayout>(*two_level);
+  }
+  const int n = options.world_size;
+  const int lanes = static_cast<int>(engine->lanes_.size());
+  std::vector<int> fds(static_cast<size_t>(n) * lanes, -1);
+  if (n > 1) {
     BootstrapOptions b;
     b.rank = options.rank;
-    b.world_size = options.world_size;
+    b.world_size = n;
     b.addresses = options.addresses;
     b.token = options.token;
     b.bind_host = options.bind_host;
     b.connect_timeout_s = options.connect_timeout_s;
     b.heartbeat_s = options.heartbeat_s;
-    b.send_buffer_bytes =
-        SendBufferRequest(options.socket_buffer_bytes, options.world_size, KernelMaxSendBufferBytes());
+    b.send_buffer_bytes = SendBufferRequest(options.socket_buffer_bytes, n, KernelMaxSendBufferBytes());
     b.receive_buffer_bytes = std::max(options.socket_buffer_bytes, 0);
     b.socket_unsent_bytes = options.socket_unsent_bytes;
-    b.path_tag = m.two_level ? PathTag(true, *m.two_level) : 0;
+    b.path_tag = two_level ? PathTag(true, *two_level) : 0;
+    b.lanes = lanes;
     int listen_fd = -1;
     Status s = Listen(b, &listen_fd);
     if (s.ok()) s = ConnectAll(b, listen_fd, &fds);
     if (!s.ok()) return s;
   }
-  m.epoll_fd = ::epoll_create1(EPOLL_CLOEXEC);
-  m.wake_fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  epoll_event ev{};
-  ev.events = EPOLLIN;
-  ev.data.u64 = kWakeTag;
-  ::epoll_ctl(m.epoll_fd, EPOLL_CTL_ADD, m.wake_fd, &ev);
-  m.conns.resize(options.world_size);
-  for (int r = 0; r < options.world_size; ++r) {
-    if (fds[r] < 0) continue;
-    m.conns[r] = std::make_unique<Connection>(r, fds[r], m.epoll_fd, &m, &m.buffers);
-    ev.events = EPOLLIN;
-    ev.data.u64 = static_cast<uint64_t>(r);
-    ::epoll_ctl(m.epoll_fd, EPOLL_CTL_ADD, fds[r], &ev);
+  for (int l = 0; l < lanes; ++l)
+    engine->lanes_[l]->Open(std::vector<int>(fds.begin() + static_cast<size_t>(l) * n,
+                                             fds.begin() + static_cast<size_t>(l + 1) * n));
+  const Impl& first = *engine->lanes_.front();
+  PROPHET_INFO("runtime started: %d workers, schedule %s, partitions of %llu bytes, credit %llu bytes%s", n,
+               first.policy->name(), static_cast<unsigned long long>(engine->options_.partition_bytes),
+               static_cast<unsigned long long>(engine->options_.credit_bytes),
+               lanes > 1 ? (", " + std::to_string(lanes) + " I/O threads (lanes)").c_str() : "");
+  if (two_level) PROPHET_INFO("push_pulls take the two-level path over %s", two_level->Describe().c_str());
+  for (auto& lane : engine->lanes_) {
+    Impl* m = lane.get();
+    m->thread = std::thread([m] { m->Run(); });
   }
-  PROPHET_INFO("runtime started: %d workers, schedule %s, partitions of %llu bytes, credit %llu bytes",
-               options.world_size, m.policy->name(), static_cast<unsigned long long>(engine->options_.partition_bytes),
-               static_cast<unsigned long long>(engine->options_.credit_bytes));
-  if (m.two_level) PROPHET_INFO("push_pulls take the two-level path over %s", m.two_level->Describe().c_str());
-  m.thread = std::thread([&m] { m.Run(); });
   *out = std::move(engine);
   return Status::OK();
 }
 
+void Engine::Impl::Open(const std::vector<int>& fds) {
+  epoll_fd = ::epoll_create1(EPOLL_CLOEXEC);
+  wake_fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.u64 = kWakeTag;
+  ::epoll_ctl(epoll_fd, EPOLL_CTL_ADD, wake_fd, &ev);
+  conns.resize(fds.size());
+  for (size_t r = 0; r < fds.size(); ++r) {
+    if (fds[r] < 0) continue;
+    conns[r] = std::make_unique<Connection>(static_cast<int>(r), fds[r], epoll_fd, this, &buffers);
+    ev.events = EPOLLIN;
+    ev.data.u64 = static_cast<uint64_t>(r);
+    ::epoll_ctl(epoll_fd, EPOLL_CTL_ADD, fds[r], &ev);
+  }
+}
+
 void Engine::StopWithoutNotice() {
-  Impl& m = *impl_;
-  m.vanish.store(true);
-  m.StopThread();
-  m.conns.clear();  // closes the sockets
+  for (auto& m : lanes_) {
+    m->vanish.store(true);
+    m->RequestStop();
+  }
+  for (auto& m : lanes_) {
+    m->JoinThread();
+    m->conns.clear();  // closes the sockets
+  }
 }
 
 Engine::~Engine() {
-  Impl& m = *impl_;
-  m.StopThread();
-  m.timeline.Close();
-  m.conns.clear();
-  if (m.epoll_fd >= 0) ::close(m.epoll_fd);
-  if (m.wake_fd >= 0) ::close(m.wake_fd);
+  for (auto& m : lanes_) m->RequestStop();
+  for (auto& m : lanes_) m->JoinThread();
+  timeline_.Close();
+  for (auto& m : lanes_) {
+    m->conns.clear();
+    if (m->epoll_fd >= 0) ::close(m->epoll_fd);
+    if (m->wake_fd >= 0) ::close(m->wake_fd);
+  }
+}
+
+int Engine::LaneOf(const OpRequest& request) {
+  const int lanes = static_cast<int>(lanes_.size());
+  if (lanes == 1) return 0;
+  {
+    std::lock_guard<std::mutex> lock(fused_mu_);
+    if (fused_names_.count(request.name)) return 0;
+  }
+  const uint64_t element = DataTypeSize(request.dtype);
+  if (request.kind == OpKind::kPushPull && element > 0 && request.bytes % element == 0 &&
+      request.bytes >= static_cast<uint64_t>(lanes) * kMinLaneSliceBytes)
+    return -1;
+  return static_cast<int>(HashString(request.name) % static_cast<uint64_t>(lanes));
 }
 
 void Engine::Submit(OpRequest request) {
-  Impl& m = *impl_;
+  const int lane = LaneOf(request);
+  if (lane < 0) return SubmitSliced(std::move(request));
+  SubmitToLane(lane, std::move(request));
+}
+
+void Engine::SubmitSliced(OpRequest request) {
+  // The slices' `done`s come on different lanes' threads; the last one answers for the request,
+  // with the first failure if any (a failed slice's lane has named the tensor and the reason).
+  struct Join {
+    std::mutex mu;
+    size_t left = 0;
+    Status status;
+    std::function<void(const Status&, const GatherResult*)> done;
+    std::string name;
+    std::string args;  // trace
+    int64_t submit_ns = 0;
+  };
+  auto join = std::make_shared<Join>();
+  const size_t lanes = lanes_.size();
+  join->left = lanes;
+  join->done = std::move(request.done);
+  join->submit_ns = NowNs();
+  if (timeline_.enabled()) {
+    join->name = request.name;
+    join->args = "{\"bytes\": " + std::to_string(request.bytes) + ", \"priority\": " + std::to_string(request.priority) +
+                 ", \"lanes\": " + std::to_string(lanes) + ", \"ok\": ";
+    timeline_.Instant("ready", request.name, join->submit_ns);
+  }
+  Timeline* timeline = &timeline_;
+  const uint64_t element = DataTypeSize(request.dtype);
+  const uint64_t elements = request.bytes / element;
+  for (size_t l = 0; l < lanes; ++l) {
+    const uint64_t first = elements * l / lanes, end = elements * (l + 1) / lanes;
+    OpRequest slice;
+    slice.kind = request.kind;
+    slice.name = request.name;
+    slice.dtype = request.dtype;
+    slice.shape = request.shape;  // the whole tensor's: peers check it as they would unsliced
+    slice.input = static_cast<const char*>(request.input) + first * element;
+    slice.output = static_cast<char*>(request.output) + first * element;
+    slice.bytes = (end - first) * element;
+    slice.priority = request.priority;
+    slice.average = request.average;
+    slice.compression = request.compression;
+    slice.lane_slice = true;
+    slice.done = [join, timeline](const Status& status, const GatherResult*) {
+      std::function<void(const Status&, const GatherResult*)> done;
+      Status result;
+      {
+        std::lock_guard<std::mutex> lock(join->mu);
+        if (!status.ok() && join->status.ok()) join->status = status;
+        if (--join->left > 0) return;
+        done = std::move(join->done);
+        result = join->status;
+      }
+      if (timeline->enabled())
+        timeline->Complete("op", join->name, join->submit_ns, NowNs(), join->args + (result.ok() ? "true}" : "false}"));
+      done(result, nullptr);
+    };
+    SubmitToLane(static_cast<int>(l), std::move(slice));
+  }
+}
+
+void Engine::SubmitToLane(int lane, OpRequest request) {
+  Impl& m = *lanes_[lane];
   std::string stopped;
   {
     std::lock_guard<std::mutex> lock(m.mu);
@@ -363,7 +484,18 @@ void Engine::Submit(OpRequest request) {
 
 void Engine::DeclareFusion(const std::string& group, std::vector<FusionDeclaration> tensors, uint64_t bucket_bytes,
                            std::function<void(const Status&)> done) {
-  Impl& m = *impl_;
+  if (lanes_.size() > 1) {
+    std::lock_guard<std::mutex> lock(fused_mu_);
+    for (const std::string& name : fused_by_group_[group])
+      if (--fused_names_[name] == 0) fused_names_.erase(name);
+    std::vector<std::string>& names = fused_by_group_[group];
+    names.clear();
+    for (const FusionDeclaration& t : tensors) {
+      names.push_back(t.name);
+      fused_names_[t.name]++;
+    }
+  }
+  Impl& m = *lanes_.front();
   {
     std::lock_guard<std::mutex> lock(m.mu);
     if (m.stopped.empty()) {
@@ -375,24 +507,26 @@ void Engine::DeclareFusion(const std::string& group, std::vector<FusionDeclarati
   m.Wake();
 }
 
-Timeline& Engine::timeline() { return impl_->timeline; }
+Timeline& Engine::timeline() { return timeline_; }
 
 Status Engine::SetSchedule(const std::string& schedule) {
   SchedulerOptions check;
   check.policy = schedule;
   std::string error;
   if (!MakePolicy(check, &error)) return Status(Code::kInvalidArgument, error);
-  Impl& m = *impl_;
-  {
-    std::lock_guard<std::mutex> lock(m.mu);
-    m.requested_schedule = schedule;
+  for (auto& lane : lanes_) {
+    Impl& m = *lane;
+    {
+      std::lock_guard<std::mutex> lock(m.mu);
+      m.requested_schedule = schedule;
+    }
+    m.Wake();
   }
-  m.Wake();
   return Status::OK();
 }
 
 std::string Engine::SchedulerStateJson() {
-  Impl& m = *impl_;
+  Impl& m = *lanes_.front();
   std::future<std::string> answer;
   {
     std::lock_guard<std::mutex> lock(m.mu);
@@ -411,34 +545,48 @@ std::string Engine::SchedulerStateJson() {
 
 uint64_t Engine::BytesSent() const {
   uint64_t sent = 0;
-  for (const auto& c : impl_->conns)
-    if (c) sent += c->bytes_sent();
+  for (const auto& m : lanes_)
+    for (const auto& c : m->conns)
+      if (c) sent += c->bytes_sent();
   return sent;
 }
 
+// Every lane's counts added up (a push_pull in slices counts once per lane in ops_done), and the
+// bytes each lane sent.
 std::string Engine::StatsJson() const {
-  const Impl& m = *impl_;
   uint64_t sent = 0, received = 0, frames_sent = 0, frames_received = 0;
-  for (const auto& c : m.conns) {
-    if (!c) continue;
-    sent += c->bytes_sent();
-    received += c->bytes_received();
-    frames_sent += c->frames_sent();
-    frames_received += c->frames_received();
+  uint64_t done = 0, failed = 0, questions = 0, fused = 0;
+  std::string lane_sent;
+  for (const auto& lane : lanes_) {
+    const Impl& m = *lane;
+    uint64_t lane_bytes = 0;
+    for (const auto& c : m.conns) {
+      if (!c) continue;
+      lane_bytes += c->bytes_sent();
+      sent += c->bytes_sent();
+      received += c->bytes_received();
+      frames_sent += c->frames_sent();
+      frames_received += c->frames_received();
+    }
+    lane_sent += (lane_sent.empty() ? "" : ", ") + std::to_string(lane_bytes);
+    done += m.ops_done.load();
+    failed += m.ops_failed.load();
+    questions += m.fusion_questions.load();
+    fused += m.fused_submitted.load();
   }
+  const Impl& first = *lanes_.front();
   std::string schedule;
   {
-    std::lock_guard<std::mutex> lock(m.mu);
-    schedule = m.schedule_name;
+    std::lock_guard<std::mutex> lock(first.mu);
+    schedule = first.schedule_name;
   }
   std::ostringstream os;
-  os << "{\"rank\": " << m.rank() << ", \"world_size\": " << m.world_size() << ", \"schedule\": \""
+  os << "{\"rank\": " << first.rank() << ", \"world_size\": " << first.world_size() << ", \"schedule\": \""
      << schedule << "\", \"bytes_sent\": " << sent << ", \"bytes_received\": " << received
      << ", \"frames_sent\": " << frames_sent << ", \"frames_received\": " << frames_received
-     << ", \"ops_done\": " << m.ops_done.load() << ", \"ops_failed\": " << m.ops_failed.load()
-     << ", \"fusion_questions\": " << m.fusion_questions.load()
-     << ", \"fused_submitted\": " << m.fused_submitted.load()
-     << ", \"two_level_hosts\": " << (m.two_level ? m.two_level->hosts() : 0)
+     << ", \"ops_done\": " << done << ", \"ops_failed\": " << failed << ", \"fusion_questions\": " << questions
+     << ", \"fused_submitted\": " << fused << ", \"io_threads\": " << lanes_.size() << ", \"lane_bytes_sent\": [" << lane_sent << "]"
+     << ", \"two_level_hosts\": " << (first.two_level ? first.two_level->hosts() : 0)
      << ", \"outputs_recycled\": " << GlobalOutputPool().reused() << "}";
   return os.str();
 }
@@ -636,7 +784,7 @@ void Engine::Impl::Route(OpRequest request, uint64_t round, std::vector<uint64_t
 uint64_t Engine::Impl::StartOperation(OpRequest req, uint64_t round) {
   std::unique_ptr<Collective> owned = MakeCollective(this, next_op_id++, std::move(req), round);
   Collective* op = owned.get();
-  if (timeline.enabled()) timeline.Instant("ready", op->request().name, op->submit_ns());
+  if (timeline.enabled() && !op->request().lane_slice) timeline.Instant("ready", op->request().name, op->submit_ns());
   if (const Status* failed = failures.FailedWith(op->key())) {
     op->Complete(*failed);
     ops_failed.fetch_add(1);
@@ -668,7 +816,7 @@ void Engine::Impl::Finish(Collective* op, const Status& status) {
   // Frames and receives still using this operation's tensors (the done callback may free them).
   for (auto& c : conns)
     if (c) c->Abandon(id);
-  if (timeline.enabled())
+  if (timeline.enabled() && !op->request().lane_slice)
     timeline.Complete("op", op->request().name, op->submit_ns(), NowNs(),
                       "{\"round\": " + std::to_string(op->round()) + ", \"bytes\": " +
                           std::to_string(op->request().bytes) + ", \"priority\": " +
@@ -740,6 +888,7 @@ void Engine::Impl::PushCompleted(const TransferDone& d) {
   const std::vector<BandwidthSample> samples = policy->bandwidth()->TakeSamples();
   if (!timeline.enabled()) return;
   if (!d.local) timeline.Complete(d.exchange ? "exchange" : "push", d.task.name, d.sent_ns, d.done_ns);
+  if (lane > 0) return;  // one lane's estimate stands for the trace's counter
   for (const BandwidthSample& b : samples) timeline.Counter("bandwidth_MBps", b.ts_ns, b.estimate_Bps / 1e6);
 }
 

@@ -5,6 +5,15 @@
 // before), moves the bytes, sums them at each partition's owner and calls `done` on its own
 // thread. Requests may be submitted in any order on different workers.
 //
+// Lanes (EngineOptions::io_threads, usually 1): where one thread cannot move the bytes as fast as
+// the link, the engine runs several lanes. A lane is what the rest of this file describes (a
+// thread, a connection to every peer, a scheduler), and knows nothing of the others. A push_pull
+// of at least io_threads x kMinLaneSliceBytes travels as one slice per lane (contiguous, equal
+// element counts), its `done` called once every slice is back; every other request travels whole
+// on the lane its name hashes to, and a tensor declared for fusion on lane 0, where the fused
+// buckets form. Every worker cuts and routes the same way, so each lane matches its requests as
+// one engine does.
+//
 // Inside (docs/design.md, "Core file map"): engine.cc owns the thread, the submission queue, the
 // pump and the lifecycle, and routes frames to operations; early_frames.* holds frames of
 // operations not submitted here yet; failures.* spreads failures and reads peers' ends (lost,
@@ -64,7 +73,11 @@ struct OpRequest {
   // Set by the engine on a fused bucket's push_pull (fuser.h): its partitions come from
   // BucketPartitions for this bucket size (fusion.h).
   uint64_t fusion_bucket_bytes = 0;
+  // Set by the engine on a lane's slice of a push_pull: the whole request's trace events stand
+  // for it (the lane traces its transfers only).
+  bool lane_slice = false;
 };
+
 
 // One tensor of a fusion declaration (Engine::DeclareFusion): what its push_pull will be.
 struct FusionDeclaration {
@@ -79,7 +92,7 @@ struct FusionDeclaration {
 
 class Engine {
  public:
-  // Binds, connects to every peer, starts the I/O thread.
+  // Binds, connects to every peer (once per lane), starts the lanes' threads.
   static Status Start(const EngineOptions& options, std::unique_ptr<Engine>* engine);
   // Fails what is pending, sends what completed operations still owe the peers, tells them this
   // worker is leaving (kLeaving), closes the connections gracefully and joins the thread.
@@ -99,8 +112,8 @@ class Engine {
   // Schedules with policy `schedule` from the next moment no partition is queued (between steps),
   // keeping the bandwidth measured so far. Fails for an unknown name.
   Status SetSchedule(const std::string& schedule);
-  // PolicyStateJson of the current policy (policies.h), read on the engine thread; "{}" if the
-  // engine does not answer within 10 s.
+  // PolicyStateJson of lane 0's policy (policies.h), read on its thread; "{}" if the engine does
+  // not answer within 10 s.
   std::string SchedulerStateJson();
   int rank() const { return options_.rank; }
   int world_size() const { return options_.world_size; }
@@ -111,12 +124,22 @@ class Engine {
   // This worker's trace (disabled unless a timeline path was given); thread-safe.
   Timeline& timeline();
 
-  struct Impl;
+  struct Impl;  // one lane
 
  private:
   explicit Engine(const EngineOptions& options);
+  // The lane that carries `request` whole, or -1: in slices on every lane.
+  int LaneOf(const OpRequest& request);
+  void SubmitToLane(int lane, OpRequest request);
+  void SubmitSliced(OpRequest request);
+
   EngineOptions options_;
-  std::unique_ptr<Impl> impl_;
+  Timeline timeline_;  // every lane's events
+  std::vector<std::unique_ptr<Impl>> lanes_;
+  // Tensors declared for fusion, by group: they travel on lane 0, where their buckets form.
+  std::mutex fused_mu_;
+  std::unordered_map<std::string, std::vector<std::string>> fused_by_group_;
+  std::unordered_map<std::string, int> fused_names_;  // name -> groups declaring it
 };
 
 // The process-wide engine used by the TensorFlow kernels.

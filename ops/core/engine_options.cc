@@ -222,6 +222,10 @@ Status ParseEngineOptions(const std::string& text, EngineOptions* o) {
                       "print(secrets.token_hex(16))'); python -m prophet_tf.launch sets one for you), or opt out "
                       "explicitly with allow_no_token=True (or PROPHET_ALLOW_NO_TOKEN=1), which lets any process "
                       "that can reach the workers' ports join the job");
+  if (o->io_threads > kMaxIoThreads)
+    return Status(Code::kInvalidArgument, "io_threads " + std::to_string(o->io_threads) + " is more than " +
+                                              std::to_string(kMaxIoThreads) +
+                                              ": each thread needs a core, and a lane's connection to every peer");
   // Frames of a partition arrive before their operation: the early-frame memory holds one at least.
   const uint64_t partition_bytes = ResolvePartitionBytes(o->partition_bytes, o->schedule);
   if (o->max_early_bytes < partition_bytes)

@@ -43,6 +43,10 @@ int SendBufferRequest(int setting, int world_size, int64_t wmem_max);
 // credit_bytes = kCreditAuto: max(kMinCreditBytes, (N - 1) x partition_bytes) (ResolveCreditBytes).
 constexpr uint64_t kCreditAuto = 0;
 constexpr uint64_t kMinCreditBytes = 16u << 20;
+// io_threads at most: one lane per core of a large host.
+constexpr int kMaxIoThreads = 16;
+// A push_pull of at least io_threads x this travels in slices, one per lane (engine.h).
+constexpr uint64_t kMinLaneSliceBytes = uint64_t{1} << 20;
 
 // The byte credit a setting gives on `world_size` workers. Why it grows with N: a push's credit
 // returns when its last byte is in the socket, and a socket holds about 1/(N-1) of what TCP

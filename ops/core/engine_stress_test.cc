@@ -6,7 +6,8 @@
 // are at their extremes. Sums are checked exactly. Waits are bounded by conditions, not by how
 // fast this machine is: a stall is named (rank, step, layer) within kStallSeconds.
 // ops/sim/stall_matrix_test.cc runs the same matrix on 16-128 simulated workers. Fused (fuser.h):
-// every schedule, both credit extremes, on 4 and 8 engines.
+// every schedule, both credit extremes, on 4 and 8 engines. Lanes (io_threads 2 and 3): every
+// schedule, fused and not, on 4 engines.
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -30,8 +31,10 @@ constexpr int kSteps = 5;  // prophet plans from the third step on (a profile an
 // A step of this model moves a few MiB over loopback: far longer than this means it stopped.
 constexpr double kStallSeconds = 60.0;
 
-uint64_t LayerElements(int layer) {
-  return layer == 0 ? 256 * kKiB : (1 + (layer * 7) % 60) * kKiB / 4;  // 1 MiB, then 1-60 KiB
+constexpr uint64_t kFirstLayerElements = 256 * kKiB;  // 1 MiB
+
+uint64_t LayerElements(int layer, uint64_t first = kFirstLayerElements) {
+  return layer == 0 ? first : (1 + (layer * 7) % 60) * kKiB / 4;  // then 1-60 KiB
 }
 int64_t ForwardUs(int layer) { return 50 + 25 * (layer % 3); }
 int64_t BackwardUs(int layer) { return layer % 3 == 2 ? 1500 : 50; }  // bursts of three
@@ -39,10 +42,10 @@ int64_t BackwardUs(int layer) { return layer % 3 == 2 ? 1500 : 50; }  // bursts 
 // One worker's training loop and what it waits for.
 class Worker {
  public:
-  Worker(Engine* engine, int world) : engine_(engine), world_(world) {
+  Worker(Engine* engine, int world, uint64_t first_layer) : engine_(engine), world_(world), first_layer_(first_layer) {
     for (int k = 0; k < kLayers; ++k) {
-      input_.emplace_back(LayerElements(k), static_cast<float>(engine->rank() + 1 + k));
-      output_.emplace_back(LayerElements(k), -1.0f);
+      input_.emplace_back(Elements(k), static_cast<float>(engine->rank() + 1 + k));
+      output_.emplace_back(Elements(k), -1.0f);
     }
     summed_.assign(kLayers, 0);
   }
@@ -71,14 +74,16 @@ class Worker {
   }
 
  private:
+  uint64_t Elements(int k) const { return LayerElements(k, first_layer_); }
+
   void Submit(int k, int step) {
     OpRequest r;
     r.kind = OpKind::kPushPull;
     r.name = "grad/L" + std::to_string(k);
-    r.shape = {static_cast<int64_t>(LayerElements(k))};
+    r.shape = {static_cast<int64_t>(Elements(k))};
     r.input = input_[k].data();
     r.output = output_[k].data();
-    r.bytes = LayerElements(k) * sizeof(float);
+    r.bytes = Elements(k) * sizeof(float);
     r.priority = kLayers - k;
     r.done = [this, k, step](const Status& s, const GatherResult*) {
       // Every rank's input is rank + 1 + k: the sum is exact in float32.
@@ -135,6 +140,7 @@ class Worker {
 
   Engine* const engine_;
   const int world_;
+  const uint64_t first_layer_;
   std::vector<std::vector<float>> input_, output_;
   std::mutex mu_;
   std::condition_variable cv_;
@@ -145,9 +151,11 @@ class Worker {
 };
 
 std::string RunCluster(int n, const char* schedule, uint64_t partition, uint64_t credit, int socket_buffer,
-                       int socket_unsent, bool fused = false) {
+                       int socket_unsent, bool fused = false, int io_threads = 1,
+                       uint64_t first_layer = kFirstLayerElements) {
   std::vector<EngineOptions> options = testing::ClusterOptions(n, kStallSeconds, "engine-stress");
   for (EngineOptions& o : options) {
+    o.io_threads = io_threads;
     o.schedule = schedule;
     o.partition_bytes = partition;
     o.credit_bytes = credit;
@@ -160,11 +168,12 @@ std::string RunCluster(int n, const char* schedule, uint64_t partition, uint64_t
     if (!started[r].ok()) return "rank " + std::to_string(r) + " did not start: " + started[r].message();
   if (fused) {  // the gradients travel in buckets (fuser.h), sized for a 10 Gbit/s link
     std::vector<FusionDeclaration> gradients;
-    for (int k = 0; k < kLayers; ++k) {
+    // With lanes the first layer travels in slices instead (a declared tensor stays whole).
+    for (int k = io_threads > 1 ? 1 : 0; k < kLayers; ++k) {
       FusionDeclaration d;
       d.name = "grad/L" + std::to_string(k);
-      d.bytes = LayerElements(k) * sizeof(float);
-      d.shape = {static_cast<int64_t>(LayerElements(k))};
+      d.bytes = LayerElements(k, first_layer) * sizeof(float);
+      d.shape = {static_cast<int64_t>(LayerElements(k, first_layer))};
       d.priority = kLayers - k;
       gradients.push_back(d);
     }
@@ -173,7 +182,7 @@ std::string RunCluster(int n, const char* schedule, uint64_t partition, uint64_t
   // The workers outlive the engines: a stalled worker returns while its operations are pending,
   // and the engines fail them (calling back into their worker) when they stop.
   std::vector<std::unique_ptr<Worker>> workers;
-  for (int r = 0; r < n; ++r) workers.push_back(std::make_unique<Worker>(engines[r].get(), n));
+  for (int r = 0; r < n; ++r) workers.push_back(std::make_unique<Worker>(engines[r].get(), n, first_layer));
   std::vector<std::string> errors(n);
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r) threads.emplace_back([&, r] { errors[r] = workers[r]->Train(); });
@@ -232,6 +241,28 @@ TEST(FusedEveryScheduleFinishesEveryStepOnFourAndEightEngines) {
     }
   }
   std::printf("fused: %d settings, %d failed, %.1f s\n", runs, failed, testing::SecondsSince(t0));
+  EXPECT_EQ(failed, 0);
+}
+
+// Lanes (io_threads): the first layer (3 MiB) travels in slices on every lane while the small
+// gradients travel whole on their lanes, or fused on lane 0; every schedule on 4 engines.
+TEST(LanesFinishEveryStepFusedAndNot) {
+  int runs = 0, failed = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (const int lanes : {2, 3}) {
+    for (const char* schedule : {"fifo", "priority", "prophet"}) {
+      for (const bool fused : {false, true}) {
+        ++runs;
+        if (failed > 0) continue;
+        const std::string error = RunCluster(4, schedule, 1024 * kKiB, uint64_t{1} << 30, 0,
+                                             EngineOptions().socket_unsent_bytes, fused, lanes, 768 * kKiB);
+        if (error.empty()) continue;
+        ++failed;
+        std::fprintf(stderr, "%d lanes, %s, %s: %s\n", lanes, schedule, fused ? "fused" : "not fused", error.c_str());
+      }
+    }
+  }
+  std::printf("lanes: %d settings, %d failed, %.1f s\n", runs, failed, testing::SecondsSince(t0));
   EXPECT_EQ(failed, 0);
 }
 

@@ -893,6 +893,71 @@ TEST(CompressedAllgatherIsTheSameEverywhere) {
   EXPECT_EQ(at, gathered[0].size());
 }
 
+// Lanes (io_threads): large push_pulls travel in slices, one per lane, the rest whole on the lane
+// their name hashes to; the sums are the same exact bits, in any submission order, round after
+// round, with a worker much later than the others, and every lane carries bytes.
+TEST(LanesGiveExactSumsWithSlicesOnEveryLane) {
+  for (const int lanes : {2, 3}) {
+    std::vector<EngineOptions> options = ClusterOptions(3);
+    for (EngineOptions& o : options) o.io_threads = lanes;
+    // 3 MB and 9 MB are sliced at 2 and 3 lanes; 2 MB + 12 bytes only at 2, its slices not a
+    // multiple of the partition size nor of each other.
+    std::vector<Case> cases = MakeCases("lanes", {1, 1000, 2 * kMB + 12, 3 * kMB, 9 * kMB});
+    auto engines = StartCluster(options);
+    if (!engines[0] || !engines[1] || !engines[2]) return;
+    RunCases(engines, cases, 0);
+    RunCases(engines, cases, 1, /*late_rank=*/2);
+    for (auto& e : engines) {
+      const std::string stats = e->StatsJson();
+      EXPECT_TRUE(Contains(stats, "\"io_threads\": " + std::to_string(lanes)));
+      const size_t at = stats.find("\"lane_bytes_sent\": [");
+      EXPECT_TRUE(at != std::string::npos);
+      if (at == std::string::npos) continue;
+      // Every lane sent at least a slice of the 9 MB tensors' pushes.
+      std::string list = stats.substr(at + 20, stats.find(']', at) - at - 20);
+      int counted = 0;
+      for (size_t from = 0; from < list.size(); ++counted) {
+        const size_t comma = list.find(',', from);
+        const uint64_t bytes = std::stoull(list.substr(from, comma - from));
+        EXPECT_TRUE(bytes > kMB);
+        from = comma == std::string::npos ? list.size() : comma + 1;
+      }
+      EXPECT_EQ(counted, lanes);
+    }
+  }
+}
+
+// A sliced tensor still fails closed on a shape that differs (same bytes), naming both shapes, on
+// every worker; and a worker lost mid-operation fails every slice, naming it.
+TEST(LanesFailClosedOnDifferentShapesAndALostPeer) {
+  std::vector<EngineOptions> options = ClusterOptions(2);
+  for (EngineOptions& o : options) o.io_threads = 2;
+  auto engines = StartCluster(options);
+  if (!engines[0] || !engines[1]) return;
+  const int64_t rows = 1024, cols = 1024;  // 4 MiB of float32: two slices
+  std::vector<float> a(rows * cols, 1.0f), b(rows * cols, 2.0f), oa(a.size()), ob(b.size());
+  auto p0 = PushPull(engines[0].get(), "dense/kernel", DataType::kFloat32, {rows * 2, cols / 2}, a.data(), oa.data(),
+                     4 * a.size());
+  auto p1 = PushPull(engines[1].get(), "dense/kernel", DataType::kFloat32, {rows / 2, cols * 2}, b.data(), ob.data(),
+                     4 * b.size());
+  for (auto* p : {p0.get(), p1.get()}) {
+    const Status s = AWAIT(*p);
+    EXPECT_TRUE(s.code() == Code::kInvalidArgument);
+    EXPECT_TRUE(Contains(s.message(), "'dense/kernel'"));
+    EXPECT_TRUE(Contains(s.message(), "[2048, 512]") && Contains(s.message(), "[512, 2048]"));
+  }
+  // Rank 1 is lost while rank 0 waits for a sliced push_pull it alone submitted.
+  auto orphan = PushPull(engines[0].get(), "orphan/big", DataType::kFloat32, {rows * cols}, a.data(), oa.data(),
+                         4 * a.size());
+  for (int i = 0; i < 2000 && Contains(engines[1]->StatsJson(), "\"bytes_received\": 0,"); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  engines[1]->StopWithoutNotice();
+  const Status s = AWAIT(*orphan, 10.0);
+  EXPECT_TRUE(s.code() == Code::kUnavailable);
+  EXPECT_TRUE(Contains(s.message(), "rank 1"));
+  std::printf("lost peer: %s\n", s.message().c_str());
+}
+
 TEST(SingleWorkerReturnsInput) {
   EngineOptions o;
   o.rank = 0;

@@ -8,6 +8,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -30,6 +31,15 @@ inline std::vector<EngineOptions> ClusterOptions(int n, double timeout_s, const 
     out[r].timeout_s = timeout_s;
     out[r].connect_timeout_s = 10.0;
   }
+  return out;
+}
+
+// "2,3,8" -> {2, 3, 8}: the benchmarks' list flags.
+inline std::vector<int> ParseIntList(const std::string& text) {
+  std::vector<int> out;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) out.push_back(std::atoi(item.c_str()));
   return out;
 }
 

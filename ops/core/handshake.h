@@ -2,7 +2,8 @@
 // exchange until the whole job has formed.
 //
 // The higher rank (connector, C) connects to the lower rank (acceptor, A):
-//   C -> A  ClientHello  magic, version, C's rank, world size, the rank C expects A to be, nonce_c
+//   C -> A  ClientHello  magic, version, C's rank, world size, the rank C expects A to be, its
+//                        lane (one connection per pair and lane: BootstrapOptions::lanes), nonce_c
 //   A -> C  Verdict      kChallenge (or kRejected with the reason), then Challenge: nonce_a and
 //                        mac_a = HMAC-SHA256(token, "acceptor" | transcript)
 //   C -> A  ClientProof  mac_c = HMAC-SHA256(token, "connector" | transcript)
@@ -48,6 +49,8 @@ struct ClientHello {
   int32_t world_size;
   int32_t acceptor_rank;  // the rank the connecting worker believes it is talking to
   uint32_t heartbeat_ms;  // its heartbeat_s: the workers of a job must agree on it
+  uint16_t lane;          // which of the pair's connections this is
+  uint16_t lanes;         // connections per pair: the workers of a job must agree on it
   uint8_t nonce[kNonceBytes];
 };
 // kAborted: the acceptor's own start-up failed meanwhile (the reason says why).
@@ -73,7 +76,7 @@ struct StartupNotice {
   uint16_t reason_len;  // kAbort: bytes of reason that follow (at most kMaxNoticeReasonBytes)
 };
 #pragma pack(pop)
-static_assert(sizeof(ClientHello) == 56, "the hello layout is part of the protocol");
+static_assert(sizeof(ClientHello) == 60, "the hello layout is part of the protocol");
 static_assert(sizeof(Verdict) == 264, "the verdict layout is part of the protocol (same as version 1)");
 static_assert(sizeof(StartupNotice) == 8, "the notice layout is part of the protocol");
 

@@ -149,6 +149,7 @@ struct Session {
   int fd = -1;
   bool outgoing = false;
   int peer = -1;  // outgoing: the rank dialled; incoming: the claimed rank, once known
+  int lane = 0;   // outgoing: the lane dialled; incoming: the claimed lane, once known
   Stage stage = kConnecting;
   std::string in;
   size_t want = 0;
@@ -166,7 +167,7 @@ struct Session {
   }
 };
 
-// A lower rank this worker connects to.
+// A lower rank this worker connects to, on one lane.
 struct Dialled {
   int64_t next_attempt_ns = 0;
   int attempts = 0;
@@ -176,7 +177,7 @@ struct Dialled {
   std::string last_problem;
 };
 
-// A connected, authenticated peer, until its kReady arrives.
+// A connected, authenticated peer on one lane; on lane 0, until its kReady arrives.
 struct Connected {
   int fd = -1;
   std::string in;
@@ -188,7 +189,12 @@ struct Connected {
 class Bootstrap {
  public:
   Bootstrap(const BootstrapOptions& o, int listen_fd)
-      : o_(o), n_(o.world_size), listen_fd_(listen_fd), dialled_(o.world_size), peers_(o.world_size) {
+      : o_(o),
+        n_(o.world_size),
+        lanes_(std::max(o.lanes, 1)),
+        listen_fd_(listen_fd),
+        dialled_(static_cast<size_t>(n_) * lanes_),
+        peers_(static_cast<size_t>(n_) * lanes_) {
     start_ns_ = NowNs();
     deadline_ns_ = start_ns_ + static_cast<int64_t>(o.connect_timeout_s * 1e9);
     handshake_ns_ = static_cast<int64_t>(o.handshake_timeout_s * 1e9);
@@ -199,8 +205,8 @@ class Bootstrap {
 
  private:
   // --- connecting to lower ranks ---
-  void Dial(int peer, int64_t now);
-  void OnConnectFailed(int peer, int err);
+  void Dial(int peer, int lane, int64_t now);
+  void OnConnectFailed(int peer, int lane, int err);
   void OnConnected(Session& s);
   void OnOutgoingData(Session& s);
   void RetryLater(Session& s, const std::string& problem);
@@ -211,7 +217,7 @@ class Bootstrap {
   void Reject(Session& s, const std::string& to_peer, const std::string& what);
   std::string RejectedMeanwhile() const;
   // --- after the handshake ---
-  void Establish(Session& s, int peer);
+  void Establish(Session& s);
   void OnNotice(int peer);
   void SendReady();
   // --- everything else ---
@@ -226,14 +232,22 @@ class Bootstrap {
   std::string Waiting(bool final) const;
   Status Failed(const Status& status);
   void LogDropped() const;
+  // dialled_ and peers_ hold one entry per peer and lane.
+  size_t Slot(int peer, int lane) const { return static_cast<size_t>(lane) * n_ + peer; }
+  // Every lane of `peer` is connected.
+  bool FullyConnected(int peer) const {
+    for (int l = 0; l < lanes_; ++l)
+      if (peers_[Slot(peer, l)].fd < 0) return false;
+    return true;
+  }
   bool AllConnected() const {
     for (int r = 0; r < n_; ++r)
-      if (r != o_.rank && peers_[r].fd < 0) return false;
+      if (r != o_.rank && !FullyConnected(r)) return false;
     return true;
   }
   bool AllReady() const {
     for (int r = 0; r < n_; ++r)
-      if (r != o_.rank && !peers_[r].ready) return false;
+      if (r != o_.rank && !peers_[Slot(r, 0)].ready) return false;
     return true;
   }
   std::string Me() const { return "rank " + std::to_string(o_.rank) + " (" + o_.addresses[o_.rank] + ")"; }
@@ -241,6 +255,7 @@ class Bootstrap {
 
   const BootstrapOptions& o_;
   const int n_;
+  const int lanes_;
   int listen_fd_;
   int64_t start_ns_ = 0, deadline_ns_ = 0, handshake_ns_ = 0, next_progress_ns_ = 0;
   std::vector<Dialled> dialled_;
@@ -256,8 +271,8 @@ class Bootstrap {
   int rejected_total_ = 0;
 };
 
-void Bootstrap::Dial(int peer, int64_t now) {
-  Dialled& d = dialled_[peer];
+void Bootstrap::Dial(int peer, int lane, int64_t now) {
+  Dialled& d = dialled_[Slot(peer, lane)];
   d.attempts++;
   // Quick retries first (peers start within moments of each other), then a slower pace.
   d.next_attempt_ns = now + (d.attempts < 20 ? 50 : 250) * int64_t{1000000};
@@ -283,6 +298,7 @@ void Bootstrap::Dial(int peer, int64_t now) {
   s.fd = fd;
   s.outgoing = true;
   s.peer = peer;
+  s.lane = lane;
   s.from = SockaddrString(addr);
   s.opened_ns = now;
   s.stage = Session::kConnecting;
@@ -292,12 +308,12 @@ void Bootstrap::Dial(int peer, int64_t now) {
   } else if (errno != EINPROGRESS) {
     const int err = errno;
     Close(s);
-    OnConnectFailed(peer, err);
+    OnConnectFailed(peer, lane, err);
   }
 }
 
-void Bootstrap::OnConnectFailed(int peer, int err) {
-  Dialled& d = dialled_[peer];
+void Bootstrap::OnConnectFailed(int peer, int lane, int err) {
+  Dialled& d = dialled_[Slot(peer, lane)];
   if (err == ECONNREFUSED) {
     d.refusals++;
     if (d.seen) {
@@ -313,13 +329,15 @@ void Bootstrap::OnConnectFailed(int peer, int err) {
 }
 
 void Bootstrap::OnConnected(Session& s) {
-  dialled_[s.peer].seen = true;
+  dialled_[Slot(s.peer, s.lane)].seen = true;
   ClientHello& h = s.hello;
   h.prefix = HelloPrefix{kFrameMagic, kProtocolVersion, o_.path_tag};
   h.rank = o_.rank;
   h.world_size = n_;
   h.acceptor_rank = s.peer;
   h.heartbeat_ms = HeartbeatMs(o_.heartbeat_s);
+  h.lane = static_cast<uint16_t>(s.lane);
+  h.lanes = static_cast<uint16_t>(lanes_);
   Status st = RandomNonce(h.nonce);
   if (!st.ok()) return Fatal(st.code(), st.message());
   if (!SendAll(s.fd, &h, sizeof(h))) return RetryLater(s, "the connection closed before the handshake");
@@ -328,7 +346,7 @@ void Bootstrap::OnConnected(Session& s) {
 }
 
 void Bootstrap::RetryLater(Session& s, const std::string& problem) {
-  dialled_[s.peer].last_problem = problem;
+  dialled_[Slot(s.peer, s.lane)].last_problem = problem;
   Close(s);
 }
 
@@ -365,7 +383,7 @@ void Bootstrap::OnOutgoingData(Session& s) {
       return;
     }
     if (s.stage == Session::kAwaitFinal && status == VerdictStatus::kAccepted && s.acceptor_proved_token)
-      return Establish(s, peer);
+      return Establish(s);
     Close(s);
     if (s.stage == Session::kAwaitFinal && status == VerdictStatus::kAccepted)
       return Fatal(Code::kFailedPrecondition,
@@ -515,6 +533,16 @@ void Bootstrap::OnIncomingData(Session& s) {
                         "addresses, or the same hosts option)",
                     "push_pulls take " + PathName(h.prefix.flags) + ", expected " + PathName(o_.path_tag) +
                         " (every worker needs the same hierarchical setting and the same hosts)");
+    if (h.lanes != lanes_)
+      return Reject(s,
+                    "io_threads " + std::to_string(h.lanes) + " but " + me + " uses " + std::to_string(lanes_) +
+                        ": every worker needs the same io_threads",
+                    "io_threads " + std::to_string(h.lanes) + ", expected " + std::to_string(lanes_) +
+                        " (every worker needs the same io_threads)");
+    if (h.lane >= lanes_)
+      return Reject(s, "lane " + std::to_string(h.lane) + " does not exist (io_threads " + std::to_string(lanes_) + ")",
+                    "lane " + std::to_string(h.lane) + " of " + std::to_string(lanes_));
+    s.lane = h.lane;
     if (h.rank <= o_.rank || h.rank >= n_)
       return Reject(s,
                     "rank " + std::to_string(h.rank) + " cannot connect to " + me +
@@ -547,7 +575,7 @@ void Bootstrap::OnIncomingData(Session& s) {
                   "PROPHET_JOB_TOKEN must be identical on every worker",
                   "job token mismatch (its PROPHET_JOB_TOKEN differs from this worker's, or it replayed a "
                   "recorded handshake)");
-  if (peers_[s.peer].fd >= 0) {
+  if (peers_[Slot(s.peer, s.lane)].fd >= 0) {
     // Authenticated, but the rank is taken: keep the first, refuse the second, say so.
     const Verdict v = MakeVerdict(VerdictStatus::kRejected,
                                   "rank " + std::to_string(s.peer) + " is already connected to " + me +
@@ -560,11 +588,11 @@ void Bootstrap::OnIncomingData(Session& s) {
   }
   const Verdict v = MakeVerdict(VerdictStatus::kAccepted);
   if (!SendAll(s.fd, &v, sizeof(v))) return Drop(s, "closed during the handshake");
-  Establish(s, s.peer);
+  Establish(s);
 }
 
-void Bootstrap::Establish(Session& s, int peer) {
-  peers_[peer].fd = s.fd;
+void Bootstrap::Establish(Session& s) {
+  peers_[Slot(s.peer, s.lane)].fd = s.fd;
   s.fd = -1;
 }
 
@@ -572,13 +600,13 @@ void Bootstrap::SendReady() {
   ready_sent_ = true;
   StartupNotice ready{kStartupNoticeMagic, static_cast<uint8_t>(NoticeKind::kReady), 0, 0};
   for (int r = 0; r < n_; ++r)
-    if (peers_[r].fd >= 0 && !SendAll(peers_[r].fd, &ready, sizeof(ready)))
+    if (peers_[Slot(r, 0)].fd >= 0 && !SendAll(peers_[Slot(r, 0)].fd, &ready, sizeof(ready)))
       Fatal(Code::kUnavailable, Rank(r) + " closed its connection during start-up: that worker exited, crashed "
                                           "or gave up; see its log");
 }
 
 void Bootstrap::OnNotice(int peer) {
-  Connected& c = peers_[peer];
+  Connected& c = peers_[Slot(peer, 0)];
   int err = 0;
   const size_t want = c.have_header ? sizeof(StartupNotice) + c.header.reason_len : sizeof(StartupNotice);
   const ReadResult r = ReadUpTo(c.fd, &c.in, want, &err);
@@ -637,22 +665,24 @@ std::string Bootstrap::Waiting(bool final) const {
   auto add = [&](const std::string& part) { out += (out.empty() ? "" : "; ") + part; };
   const std::string within = final ? " within " + SecondsString(o_.connect_timeout_s) : " yet";
   for (int r = 0; r < o_.rank; ++r) {
-    if (peers_[r].fd >= 0) continue;
-    const Dialled& d = dialled_[r];
+    if (FullyConnected(r)) continue;
+    int lane = 0;
+    while (peers_[Slot(r, lane)].fd >= 0) ++lane;
+    const Dialled& d = dialled_[Slot(r, lane)];
     add("could not connect to " + Rank(r) + within + " (" + std::to_string(d.attempts) + (d.attempts == 1 ? " attempt" : " attempts") +
         (d.last_problem.empty() ? "" : "; last problem: " + d.last_problem) +
         "): is that worker started, with the same TF_CONFIG, and reachable?");
   }
   std::string missing;
   for (int r = o_.rank + 1; r < n_; ++r)
-    if (peers_[r].fd < 0) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+    if (!FullyConnected(r)) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
   if (!missing.empty())
     add("rank(s) " + missing + " did not connect to this worker (" + o_.addresses[o_.rank] + ")" + within +
         ": are they started with the same TF_CONFIG and PROPHET_JOB_TOKEN?" + RejectedMeanwhile());
   if (out.empty()) {
     std::string unready;
     for (int r = 0; r < n_; ++r)
-      if (r != o_.rank && !peers_[r].ready) unready += (unready.empty() ? "" : ", ") + std::to_string(r);
+      if (r != o_.rank && !peers_[Slot(r, 0)].ready) unready += (unready.empty() ? "" : ", ") + std::to_string(r);
     add("every worker connected to this one, but rank(s) " + unready + " did not finish connecting to the others" +
         within + " (see their logs)");
   }
@@ -672,9 +702,10 @@ Status Bootstrap::Failed(const Status& status) {
                       static_cast<uint8_t>(status.code()), static_cast<uint16_t>(reason.size())};
   std::string notice(reinterpret_cast<const char*>(&abort), sizeof(abort));
   notice += reason;
-  for (Connected& c : peers_) {
+  for (size_t i = 0; i < peers_.size(); ++i) {
+    Connected& c = peers_[i];
     if (c.fd < 0) continue;
-    SendAll(c.fd, notice.data(), notice.size());
+    if (i < static_cast<size_t>(n_)) SendAll(c.fd, notice.data(), notice.size());  // lane 0 carries notices
     ::close(c.fd);
     c.fd = -1;
   }
@@ -705,12 +736,14 @@ Status Bootstrap::Run(std::vector<int>* fds) {
                    SecondsString(o_.connect_timeout_s).c_str(), Waiting(false).c_str());
       next_progress_ns_ = now + kProgressLogNs;
     }
-    for (int r = 0; r < o_.rank; ++r) {
-      if (peers_[r].fd >= 0 || now < dialled_[r].next_attempt_ns) continue;
-      const bool dialling = std::any_of(sessions_.begin(), sessions_.end(),
-                                        [r](const Session& s) { return s.fd >= 0 && s.outgoing && s.peer == r; });
-      if (!dialling) Dial(r, now);
-    }
+    for (int l = 0; l < lanes_; ++l)
+      for (int r = 0; r < o_.rank; ++r) {
+        if (peers_[Slot(r, l)].fd >= 0 || now < dialled_[Slot(r, l)].next_attempt_ns) continue;
+        const bool dialling = std::any_of(sessions_.begin(), sessions_.end(), [r, l](const Session& s) {
+          return s.fd >= 0 && s.outgoing && s.peer == r && s.lane == l;
+        });
+        if (!dialling) Dial(r, l, now);
+      }
     if (!fatal_.ok()) continue;
     sessions_.remove_if([](const Session& s) { return s.fd < 0; });
 
@@ -730,14 +763,17 @@ Status Bootstrap::Run(std::vector<int>* fds) {
       wake_ns = std::min(wake_ns, s.deadline_ns);
     }
     for (int r = 0; r < n_; ++r) {
-      // A peer that is ready may already be sending the engine's frames: leave them unread.
-      if (peers_[r].fd < 0 || peers_[r].ready) continue;
-      pfds.push_back({peers_[r].fd, POLLIN, 0});
+      // A peer that is ready may already be sending the engine's frames: leave them unread. Only
+      // lane 0 carries notices; the other lanes' first bytes are the engine's.
+      const Connected& c = peers_[Slot(r, 0)];
+      if (c.fd < 0 || c.ready) continue;
+      pfds.push_back({c.fd, POLLIN, 0});
       owners.push_back(nullptr);
       notice_peer.push_back(r);
     }
-    for (int r = 0; r < o_.rank; ++r)
-      if (peers_[r].fd < 0) wake_ns = std::min(wake_ns, std::max(now, dialled_[r].next_attempt_ns));
+    for (int l = 0; l < lanes_; ++l)
+      for (int r = 0; r < o_.rank; ++r)
+        if (peers_[Slot(r, l)].fd < 0) wake_ns = std::min(wake_ns, std::max(now, dialled_[Slot(r, l)].next_attempt_ns));
     const int timeout_ms = static_cast<int>(std::max<int64_t>(0, (wake_ns - now + 999999) / 1000000));
     const int ready = ::poll(pfds.data(), pfds.size(), timeout_ms);
     if (ready < 0 && errno != EINTR) return Failed(Status(Code::kInternal, "poll(): " + Errno(errno)));
@@ -761,9 +797,9 @@ Status Bootstrap::Run(std::vector<int>* fds) {
         if (err == 0) {
           OnConnected(*s);
         } else {
-          const int peer = s->peer;
+          const int peer = s->peer, lane = s->lane;
           Close(*s);
-          OnConnectFailed(peer, err);
+          OnConnectFailed(peer, lane, err);
         }
       } else if (s->outgoing) {
         OnOutgoingData(*s);
@@ -775,8 +811,8 @@ Status Bootstrap::Run(std::vector<int>* fds) {
   }
   LogDropped();
   for (Session& s : sessions_) Close(s);
-  fds->assign(n_, -1);
-  for (int r = 0; r < n_; ++r) (*fds)[r] = peers_[r].fd;
+  fds->assign(peers_.size(), -1);
+  for (size_t i = 0; i < peers_.size(); ++i) (*fds)[i] = peers_[i].fd;
   return Status::OK();
 }
 
@@ -900,7 +936,7 @@ Status ConnectAll(const BootstrapOptions& o, int listen_fd, std::vector<int>* fd
   Status s = bootstrap.Run(fds);
   ::close(listen_fd);
   if (!s.ok()) {
-    fds->assign(o.world_size, -1);
+    fds->assign(static_cast<size_t>(o.world_size) * std::max(o.lanes, 1), -1);
     return s;
   }
   for (int fd : *fds)

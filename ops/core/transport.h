@@ -1,8 +1,9 @@
 // Connection set-up between the workers of one job.
 //
-// Every pair of ranks shares one persistent TCP connection: the higher rank connects to the lower
-// rank's listening port (retrying until the deadline, since peers start at different times) and
-// both authenticate with the job token (handshake.h). One thread runs the whole start-up with
+// Every pair of ranks shares one persistent TCP connection per engine lane (BootstrapOptions::lanes,
+// usually one): the higher rank connects to the lower rank's listening port (retrying until the
+// deadline, since peers start at different times) and both authenticate with the job token
+// (handshake.h). One thread runs the whole start-up with
 // non-blocking sockets: connection attempts, any number of incoming handshakes at once (each with
 // a short deadline, so idle or garbage connections cannot starve the real peers), and the final
 // exchange that tells every worker that the whole job has formed.
@@ -52,6 +53,9 @@ struct BootstrapOptions {
   // The path push_pulls take (hosts.h, PathTag: 0 flat, else a digest of the hosts): carried in
   // the hello's flags; peers must use the same (checked here).
   uint16_t path_tag = 0;
+  // Connections per pair of workers, one per engine lane (EngineOptions::io_threads); peers must
+  // use the same (checked here). Start-up notices travel on lane 0.
+  int lanes = 1;
 };
 
 // Splits "host:port"; accepts "[v6]:port".
@@ -64,9 +68,9 @@ Status ParseAddress(const std::string& address, std::string* host, int* port);
 // and logs a warning saying so and how to choose (the handshake still authenticates every peer).
 Status Listen(const BootstrapOptions& options, int* listen_fd);
 
-// Connects every pair and waits until every worker of the job is connected to every other. On
-// success `fds[r]` is the connected, non-blocking, TCP_NODELAY socket to rank r (and -1 for this
-// rank). Closes `listen_fd`.
+// Connects every pair (`lanes` times) and waits until every worker of the job is connected to
+// every other. On success `fds[lane * world_size + r]` is the connected, non-blocking, TCP_NODELAY
+// socket to rank r on that lane (and -1 for this rank). Closes `listen_fd`.
 Status ConnectAll(const BootstrapOptions& options, int listen_fd, std::vector<int>* fds);
 
 // Socket options used on every data connection.

@@ -107,6 +107,7 @@ Verdict HandshakeAs(int port, int rank, int world_size, int acceptor_rank, const
   h.rank = rank;
   h.world_size = world_size;
   h.acceptor_rank = acceptor_rank;
+  h.lanes = 1;
   RandomNonce(h.nonce);
   SendBytes(fd, &h, sizeof(h));
   if (client_bytes) client_bytes->assign(reinterpret_cast<const char*>(&h), sizeof(h));
@@ -152,27 +153,30 @@ bool SomeConnectionToPortReceived(int port, uint64_t bytes) {
   return found;
 }
 
-// Every pair of the job can talk over the sockets ConnectAll returned.
-void ExpectConnectedPairwise(std::vector<Worker>& workers) {
+// Every pair of the job can talk over the sockets ConnectAll returned, on every lane: what one
+// worker sends on lane l to another arrives on that worker's lane l from it.
+void ExpectConnectedPairwise(std::vector<Worker>& workers, int lanes = 1) {
   const int n = static_cast<int>(workers.size());
-  for (int a = 0; a < n; ++a)
-    for (int b = 0; b < n; ++b) {
-      if (a == b) continue;
-      if (static_cast<int>(workers[a].fds.size()) != n || static_cast<int>(workers[b].fds.size()) != n) {
-        EXPECT_TRUE(false);
-        return;
+  for (int l = 0; l < lanes; ++l)
+    for (int a = 0; a < n; ++a)
+      for (int b = 0; b < n; ++b) {
+        if (a == b) continue;
+        if (static_cast<int>(workers[a].fds.size()) != n * lanes ||
+            static_cast<int>(workers[b].fds.size()) != n * lanes) {
+          EXPECT_TRUE(false);
+          return;
+        }
+        const char ping = static_cast<char>('A' + a + 8 * l);
+        EXPECT_TRUE(SendBytes(workers[a].fds[l * n + b], &ping, 1));
+        char got = 0;
+        EXPECT_EQ(ReadSome(workers[b].fds[l * n + a], &got, 1, 5.0), 1u);
+        EXPECT_EQ(got, ping);
       }
-      const char ping = static_cast<char>('A' + a);
-      EXPECT_TRUE(SendBytes(workers[a].fds[b], &ping, 1));
-      char got = 0;
-      EXPECT_EQ(ReadSome(workers[b].fds[a], &got, 1, 5.0), 1u);
-      EXPECT_EQ(got, ping);
-    }
 }
 
 TEST(HandshakeMacIsHmacSha256OverTheTranscript) {
-  // Expected values computed independently with Python's hmac module (6 = kProtocolVersion):
-  //   hmac.new(b"job-token", label + b"\0" + struct.pack("<4I", 6, 3, 2, 0) + nonce_c + nonce_a, "sha256")
+  // Expected values computed independently with Python's hmac module (7 = kProtocolVersion):
+  //   hmac.new(b"job-token", label + b"\0" + struct.pack("<4I", 7, 3, 2, 0) + nonce_c + nonce_a, "sha256")
   uint8_t nonce_c[kNonceBytes], nonce_a[kNonceBytes];
   for (size_t i = 0; i < kNonceBytes; ++i) {
     nonce_c[i] = static_cast<uint8_t>(1 + i);
@@ -182,8 +186,8 @@ TEST(HandshakeMacIsHmacSha256OverTheTranscript) {
   uint8_t mac_a[kMacBytes], mac_c[kMacBytes], other[kMacBytes];
   HandshakeMac("job-token", HandshakeRole::kAcceptor, params, nonce_c, nonce_a, mac_a);
   HandshakeMac("job-token", HandshakeRole::kConnector, params, nonce_c, nonce_a, mac_c);
-  EXPECT_EQ(Hex(mac_a, kMacBytes), std::string("95bdd3dbe86c128cc1069fc601fa1e6842f9f8799a3e2aa6c23f7241433ea158"));
-  EXPECT_EQ(Hex(mac_c, kMacBytes), std::string("437f2746e4afe0517e5ce5614ea51e571bf7d41fb8363bb87c98e0fde0642b07"));
+  EXPECT_EQ(Hex(mac_a, kMacBytes), std::string("6ed81911621941a921bb05e63839c39e27928842d46896fdbd05e499eb9c82d0"));
+  EXPECT_EQ(Hex(mac_c, kMacBytes), std::string("262ee54e0aaaf9eb96c2f9629be8aa1e9850ecbd0a53298908e4c7a42a526a0b"));
   EXPECT_TRUE(MacEqual(mac_a, mac_a));
   EXPECT_TRUE(!MacEqual(mac_a, mac_c));
   // Every input changes the MAC.
@@ -207,6 +211,20 @@ TEST(ThreeWorkersForm) {
   for (auto& x : w) EXPECT_TRUE(x.status.ok());
   if (!w[0].status.ok() || !w[1].status.ok() || !w[2].status.ok()) return;
   ExpectConnectedPairwise(w);
+}
+
+// Engine lanes (io_threads): every pair gets one connection per lane, and each stream joins the
+// same lane on both sides.
+TEST(FourWorkersFormWithThreeLanes) {
+  std::vector<BootstrapOptions> o = Job(4);
+  for (auto& x : o) x.lanes = 3;
+  std::vector<Worker> w(4);
+  for (int r = 3; r >= 0; --r) w[r].Start(o[r]);
+  for (auto& x : w) x.Join();
+  for (auto& x : w) EXPECT_TRUE(x.status.ok());
+  for (const auto& x : w)
+    if (!x.status.ok()) return;
+  ExpectConnectedPairwise(w, 3);
 }
 
 // The data connections' options (TuneSocket): a limit on unsent data and autotuned buffers by
@@ -335,6 +353,7 @@ ClientHello GoodHello(int rank, int world_size, int acceptor_rank) {
   h.rank = rank;
   h.world_size = world_size;
   h.acceptor_rank = acceptor_rank;
+  h.lanes = 1;
   RandomNonce(h.nonce);
   return h;
 }
@@ -398,6 +417,8 @@ TEST(StrangersAreRejectedWithTheReasonAndCannotStopTheJob) {
   ClientHello heartbeat = GoodHello(1, 2, 0);
   heartbeat.heartbeat_ms = 2000;
   ClientHello lower_rank = GoodHello(0, 2, 0);
+  ClientHello lanes = GoodHello(1, 2, 0);
+  lanes.lanes = 2;
   const struct {
     const ClientHello* hello;
     const char* reason;
@@ -405,7 +426,8 @@ TEST(StrangersAreRejectedWithTheReasonAndCannotStopTheJob) {
                    {&world5, "world size 5"},
                    {&wrong_acceptor, "expecting rank 1"},
                    {&heartbeat, "heartbeat_s 2 s"},
-                   {&lower_rank, "rank 0 cannot connect"}};
+                   {&lower_rank, "rank 0 cannot connect"},
+                   {&lanes, "io_threads 2 but rank 0 uses 1"}};
   for (const auto& stranger : strangers) {
     const Verdict v = HelloAs(port0, *stranger.hello);
     EXPECT_EQ(v.status, static_cast<uint16_t>(VerdictStatus::kRejected));
@@ -481,6 +503,13 @@ TEST(DifferentHeartbeatSettingsFailTheConnectorAtOnce) {
   o[0].heartbeat_s = 2.0;
   o[1].heartbeat_s = 0.0;
   ExpectConnectorFailsAtOnceAndAcceptorNamesIt(o[0], o[1], "heartbeat_s");
+}
+
+TEST(DifferentIoThreadsFailTheConnectorAtOnce) {
+  std::vector<BootstrapOptions> o = Job(2, 20.0);
+  o[0].connect_timeout_s = 4.0;
+  o[1].lanes = 2;
+  ExpectConnectorFailsAtOnceAndAcceptorNamesIt(o[0], o[1], "io_threads 2");
 }
 
 TEST(AWorkerOfProtocolVersion1IsToldWhyAndTheJobStillForms) {

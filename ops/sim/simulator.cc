@@ -9,6 +9,7 @@
 #include <unordered_map>
 #include <utility>
 
+#include "ops/core/engine_options.h"
 #include "ops/core/partition.h"
 #include "ops/core/policies.h"
 #include "ops/core/schedule_traits.h"
@@ -240,13 +241,13 @@ class Simulation {
   void Arrive(int dst, int src, uint64_t frame);
   // Hands a frame to the link (after the sender's CPU work on it, if any).
   void QueueOnLink(uint64_t frame);
-  // Charges `work_ns` of CPU to worker w's I/O thread that serves `peer`'s connection (-1: the
-  // thread free first) (and, with shared cores, one of the pool's cores), starting no earlier
-  // than `earliest_ns`; returns when the work starts.
-  int64_t IoWork(int w, int peer, int64_t earliest_ns, int64_t work_ns);
-  // The I/O thread of worker w that serves `peer`'s connection: connections are spread over the
-  // threads round-robin by peer; -1: whichever is free first.
-  int64_t& IoThread(int w, int peer);
+  // Charges `work_ns` of CPU to worker w's I/O thread of `lane` (and, with shared cores, one of
+  // the pool's cores), starting no earlier than `earliest_ns`; returns when the work starts.
+  int64_t IoWork(int w, int lane, int64_t earliest_ns, int64_t work_ns);
+  // When worker w's I/O thread of `lane` is free.
+  int64_t& IoThread(int w, int lane);
+  // The lane (I/O thread) whose connections carry a frame, as the engine routes (engine.h).
+  int Lane(const FrameInfo& info) const;
   // With NetworkModel::shared_cores: takes the first core free at or after `earliest_ns` for
   // `work_ns` and returns when the work starts; else `earliest_ns` (a core of its own).
   int64_t SharedCore(int64_t earliest_ns, int64_t work_ns);
@@ -521,7 +522,7 @@ void Simulation::Submit(int w, int step, int tensor) {
   op.submit_ns = now_ns_;
   // A fused bucket's members are packed into it on the I/O thread before its frames go.
   if (charges_cpu_ && unit_members_[tensor].size() > 1) {
-    IoWork(w, -1, now_ns_, static_cast<int64_t>(static_cast<double>(t.bytes) * network_.copy_byte_ns));
+    IoWork(w, 0, now_ns_, static_cast<int64_t>(static_cast<double>(t.bytes) * network_.copy_byte_ns));
   }
   TensorReady ready;
   ready.name = &t.name;
@@ -648,15 +649,26 @@ int64_t Simulation::SharedCore(int64_t earliest_ns, int64_t work_ns) {
   return start;
 }
 
-int64_t& Simulation::IoThread(int w, int peer) {
-  std::vector<int64_t>& threads = workers_[w].io_free_ns;
-  if (peer >= 0) return threads[static_cast<size_t>(peer) % threads.size()];
-  return *std::min_element(threads.begin(), threads.end());
+int64_t& Simulation::IoThread(int w, int lane) { return workers_[w].io_free_ns[static_cast<size_t>(lane)]; }
+
+int Simulation::Lane(const FrameInfo& info) const {
+  const uint64_t lanes = workers_.front().io_free_ns.size();
+  if (lanes == 1) return 0;
+  // The ring's chunks: by subdivision (the ring is not the engine's; its threads are TF's).
+  if (info.kind == FrameKind::kRing) return static_cast<int>(static_cast<uint64_t>(info.partition) % lanes);
+  const ModelTensor& t = units_[info.tensor];
+  if (unit_members_[info.tensor].size() > 1) return 0;  // a fused bucket: formed on lane 0
+  if (t.element_size > 0 && t.bytes % t.element_size == 0 && t.bytes >= lanes * kMinLaneSliceBytes) {
+    // A slice per lane: the partition's first byte says which (its own cut is the slice's).
+    const uint64_t offset = partitions_[info.tensor][static_cast<size_t>(info.partition)].offset;
+    return static_cast<int>(std::min(lanes - 1, offset * lanes / t.bytes));
+  }
+  return static_cast<int>(HashString(t.name) % lanes);
 }
 
-int64_t Simulation::IoWork(int w, int peer, int64_t earliest_ns, int64_t work_ns) {
+int64_t Simulation::IoWork(int w, int lane, int64_t earliest_ns, int64_t work_ns) {
   Worker& worker = workers_[w];
-  int64_t& free_ns = IoThread(w, peer);
+  int64_t& free_ns = IoThread(w, lane);
   const int64_t start = SharedCore(std::max(earliest_ns, free_ns), work_ns);
   free_ns = start + work_ns;
   worker.io_busy_ns += work_ns;
@@ -694,7 +706,7 @@ void Simulation::SendFrame(int src, int dst, int64_t priority, const FrameInfo& 
   const int64_t before = network_.message_send_ns + extra_work_ns +
                          (encodes ? static_cast<int64_t>(2 * wire * network_.cast_byte_ns) : 0);
   const double copy_ns = wire * network_.send_byte_ns;
-  const int64_t start = IoWork(src, dst, now_ns_, before + static_cast<int64_t>(copy_ns));
+  const int64_t start = IoWork(src, Lane(info), now_ns_, before + static_cast<int64_t>(copy_ns));
   const int64_t held_ns = static_cast<int64_t>(std::max(0.0, copy_ns - wire / FrameRate(src, dst)));
   Push(start + before + held_ns, EventKind::kSendFrame, src, 0, 0, id);
 }
@@ -728,11 +740,12 @@ void Simulation::Received(int dst, int src, uint64_t frame) {
   // one receive's work left once the last one is.
   const double rate = FrameRate(src, dst);
   const int64_t first_bytes_ns = now_ns_ - static_cast<int64_t>(wire / rate);
-  const int64_t start = IoWork(dst, src, first_bytes_ns, network_.message_receive_ns + static_cast<int64_t>(payload_ns));
+  const int lane = Lane(info);
+  const int64_t start = IoWork(dst, lane, first_bytes_ns, network_.message_receive_ns + static_cast<int64_t>(payload_ns));
   const double tail_ns = per_byte * rate < 1 ? std::min(wire, static_cast<double>(kReceiveTailBytes)) * per_byte : 0;
   const int64_t end = std::max(start + network_.message_receive_ns + static_cast<int64_t>(payload_ns),
                                now_ns_ + network_.message_receive_ns + static_cast<int64_t>(tail_ns));
-  int64_t& thread = IoThread(dst, src);
+  int64_t& thread = IoThread(dst, lane);
   thread = std::max(thread, end);
   Push(end, EventKind::kArrive, dst, 0, src, frame);
 }
@@ -844,7 +857,7 @@ void Simulation::PartitionDone(int w, uint64_t key) {
 void Simulation::OpDone(int w, int step, int unit) {
   // ... and their sums copied back out of it.
   if (charges_cpu_ && unit_members_[unit].size() > 1) {
-    IoWork(w, -1, now_ns_, static_cast<int64_t>(static_cast<double>(units_[unit].bytes) * network_.copy_byte_ns));
+    IoWork(w, 0, now_ns_, static_cast<int64_t>(static_cast<double>(units_[unit].bytes) * network_.copy_byte_ns));
   }
   for (const int tensor : unit_members_[unit]) TensorDone(w, step, tensor);
 }

@@ -154,9 +154,11 @@ struct NetworkModel {
   double sum_byte_ns = 0;
   double cast_byte_ns = 0;
   double copy_byte_ns = 0;
-  // The I/O threads each worker's runtime spreads its connections over (round-robin by peer): a
-  // frame's CPU is charged to the thread of its connection; fusion's copies to whichever is free
-  // first.
+  // The I/O threads (lanes, EngineOptions::io_threads) of each worker's runtime: a frame's CPU is
+  // charged to its lane's thread, routed as the engine routes (engine.h: a push_pull of at least
+  // io_threads x kMinLaneSliceBytes in slices, one per lane, a fused bucket and its copies on
+  // lane 0, any other tensor on the lane its name hashes to). The lanes' schedulers are modelled
+  // as one (one policy and one credit per worker).
   int io_threads = 1;
   // > 0: every worker's I/O thread and updates (ModelTensor::apply_ns) run on one pool of this
   // many cores shared by all the workers (workers on one machine: the replay benchmark,

@@ -853,24 +853,38 @@ TEST(SharedCoresAlsoRunTheUpdates) {
   EXPECT_NEAR(Run(profile, network, runtime).step_s, own_s, 0.2 * kMsS);
 }
 
-// Several I/O threads per worker (connections spread over them by peer): an owner receiving two
-// pushes at 2 us per byte (200 ms of work each, slower than its link) handles them one after the
-// other on one thread, at once on two: the step is 200 ms shorter.
+// Several I/O threads per worker (lanes, as the engine routes them): a push_pull of at least
+// io_threads x 1 MiB travels in slices, one per lane, so its frames' CPU (10 ns per byte received,
+// far slower than the link) is shared by the threads; a smaller tensor travels whole on one lane,
+// and a second thread changes nothing for it.
 TEST(IoThreadsShareAWorkersCpuWork) {
-  StepProfile profile;
-  profile.layers = {{"dense", 10 * kMs, 0}};
-  profile.tensors = {Tensor(NameOwnedBy("t", 0, 3), 100'000, 1, 0, 0)};
   RuntimeModel runtime = OwnerPath();
   runtime.schedule = "priority";
   runtime.cross_barrier = false;
-  NetworkModel network = SlowNetwork(3);
-  network.receive_byte_ns = 2000;
-  const double one_s = Run(profile, network, runtime).step_s;
-  network.io_threads = 2;
-  const double two_s = Run(profile, network, runtime).step_s;
-  EXPECT_NEAR(one_s - two_s, 200 * kMsS, 1e-6);
+  runtime.partition_bytes = 1u << 20;
+  NetworkModel network = SlowNetwork(2);
+  network.link_Bps = 10e9;
+  network.receive_byte_ns = 10;
+  auto step_s = [&](uint64_t bytes, int threads) {
+    StepProfile profile;
+    profile.layers = {{"dense", 10 * kMs, 0}};
+    profile.tensors = {Tensor("grad/dense", bytes, 1, 0, 0)};
+    network.io_threads = threads;
+    return Run(profile, network, runtime).step_s;
+  };
+  const double sliced_one = step_s(8u << 20, 1), sliced_two = step_s(8u << 20, 2);
+  const double whole_one = step_s(1u << 20, 1), whole_two = step_s(1u << 20, 2);
+  std::printf("8 MiB: %.1f ms on one thread, %.1f on two; 1 MiB: %.1f, %.1f\n", sliced_one * 1e3, sliced_two * 1e3,
+              whole_one * 1e3, whole_two * 1e3);
+  // 8 MiB: 4 MiB of pushes and 4 MiB of sums received per worker, 84 ms of receiving on one
+  // thread; two share it.
+  EXPECT_TRUE(sliced_one - sliced_two > 30 * kMsS);
+  EXPECT_NEAR(whole_one, whole_two, 1e-9);
   network.io_threads = 0;
   StepPrediction p;
+  StepProfile profile;
+  profile.layers = {{"dense", 10 * kMs, 0}};
+  profile.tensors = {Tensor("grad/dense", 100, 1, 0, 0)};
   const Status s = Simulate(profile, network, runtime, SimulationOptions(), &p);
   EXPECT_TRUE(!s.ok() && s.message().find("io_threads") != std::string::npos);
 }

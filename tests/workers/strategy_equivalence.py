@@ -102,6 +102,16 @@ def many_small():
     return keras.Sequential(layers)
 
 
+def wide():
+    """A 1024 x 1024 kernel (4 MiB): large enough to travel in slices on 2-4 lanes (io_threads)."""
+    return keras.Sequential([
+        keras.Input((FEATURES,)),
+        keras.layers.Dense(1024, activation="relu"),
+        keras.layers.Dense(1024, activation="relu"),
+        keras.layers.Dense(CLASSES, activation="softmax"),
+    ])
+
+
 # name: (model builder, optimizer factory, data kind, input kind, steps_per_execution,
 #        sparse_as_dense_bytes or None for the default)
 CASES = {
@@ -116,6 +126,7 @@ CASES = {
                               "numpy", 1, 1 << 20),
     "many_small": (many_small, lambda: keras.optimizers.SGD(0.05, momentum=0.9), "dense", "numpy", 1,
                    None),
+    "wide": (wide, lambda: keras.optimizers.Adam(0.001), "dense", "numpy", 1, None),
     "regularizers": (regularized, lambda: keras.optimizers.RMSprop(0.01), "dense", "numpy", 1,
                      None),
 }
@@ -180,6 +191,7 @@ def run_case(strategy, name):
         fused=fused_after - fused_before,
         gradients=len(model.trainable_weights),
         two_level_hosts=int(runtime_stats().get("two_level_hosts", 0)),
+        lane_bytes_sent=runtime_stats().get("lane_bytes_sent", []),
         steps=EPOCHS * NUM_SAMPLES // GLOBAL_BATCH,
         seconds=round(time.time() - t0, 2),
         fit_seconds=round(t_ref - t0, 2),
@@ -208,9 +220,12 @@ def main():
     p.add_argument("--hosts", default=None,
                    help="comma-separated host label per rank: the two-level push_pull over them "
                         "(ProphetStrategy(hierarchical='on', hosts=...))")
+    p.add_argument("--io_threads", type=int, default=None, help="ProphetStrategy(io_threads=...)")
     args = p.parse_args()
     options = ({} if args.fusion is None else
                {"fusion": args.fusion if args.fusion in ("auto", "off") else int(args.fusion)})
+    if args.io_threads is not None:
+        options.update(io_threads=args.io_threads)
     if args.hosts:
         options.update(hierarchical="on", hosts=args.hosts.split(","))
     strategy = ProphetStrategy(schedule=args.schedule, **options)

@@ -33,14 +33,6 @@
 namespace prophet {
 namespace {
 
-std::vector<int> ParseList(const std::string& text) {
-  std::vector<int> out;
-  std::stringstream in(text);
-  std::string item;
-  while (std::getline(in, item, ',')) out.push_back(std::atoi(item.c_str()));
-  return out;
-}
-
 double ProcessCpuSeconds() {
   timespec t{};
   clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
@@ -135,8 +127,8 @@ int Main(int argc, char** argv) {
   }
   std::printf("| N | bytes | owners median us | exchange median us | owners / exchange | engine | frames per op (owners, "
               "exchange) | CPU us per frame (owners, exchange) |\n|---|---|---|---|---|---|---|---|\n");
-  for (int n : ParseList(workers)) {
-    for (int bytes : ParseList(sizes)) {
+  for (int n : testing::ParseIntList(workers)) {
+    for (int bytes : testing::ParseIntList(sizes)) {
       Job owners(n, false, "bench-owners"), exchange(n, true, "bench-exchange");
       Sample s[2];
       Job* jobs[2] = {&owners, &exchange};

@@ -3,6 +3,7 @@
 //
 //   bazel run -c opt //ops/core/bench:transport_bench -- --sizes=4MiB,64MiB --iters=30
 //   bazel run -c opt //ops/core/bench:transport_bench -- --engine_options='socket_unsent_bytes=0'
+//   bazel run -c opt //ops/core/bench:transport_bench -- --io_threads=1,2   # lanes, side by side
 //   valgrind --tool=callgrind bazel-bin/ops/core/bench/transport_bench --sizes=64MiB --iters=3 --only=push_pull
 //
 // raw TCP moves the same bytes in the same pattern as push_pull with 2 workers (each side sends
@@ -12,7 +13,8 @@
 // Under callgrind (--only=push_pull) the instructions per byte are the engine's user-space cost
 // alone, steady on a loaded machine; the kernel's copies are not in them. --fresh_output gives
 // every push_pull a new output allocation, as TensorFlow's allocator would without the recycled
-// pool (output_pool.h), to show what the pages' first touch costs.
+// pool (output_pool.h), to show what the pages' first touch costs. --io_threads=1,2 runs a job per
+// setting (EngineOptions::io_threads: lanes), all measured alternately with raw TCP.
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/socket.h>
@@ -63,10 +65,11 @@ uint64_t ParseSize(const std::string& text) {
 // Two engines of one job on loopback, each summing a float32 tensor.
 class Job {
  public:
-  explicit Job(const std::string& options_text) {
+  Job(const std::string& options_text, int io_threads) {
     std::vector<EngineOptions> options = testing::ClusterOptions(2, 120, "transport-bench");
     for (EngineOptions& o : options) {
       o.schedule = "priority";
+      o.io_threads = io_threads;
       const Status s = ParseEngineOptions(options_text, &o);
       if (!s.ok()) {
         std::fprintf(stderr, "--engine_options: %s\n", s.message().c_str());
@@ -203,7 +206,7 @@ struct Sample {
 };
 
 int Main(int argc, char** argv) {
-  std::string sizes = "4MiB,16MiB,64MiB,256MiB", only, engine_options;
+  std::string sizes = "4MiB,16MiB,64MiB,256MiB", only, engine_options, threads = "1";
   int iters = 30;
   bool fresh_output = false;
   for (int i = 1; i < argc; ++i) {
@@ -212,43 +215,60 @@ int Main(int argc, char** argv) {
     else if (a.rfind("--iters=", 0) == 0) iters = std::atoi(a.c_str() + 8);
     else if (a.rfind("--only=", 0) == 0) only = a.substr(7);
     else if (a.rfind("--engine_options=", 0) == 0) engine_options = a.substr(17);
+    else if (a.rfind("--io_threads=", 0) == 0) threads = a.substr(13);
     else if (a == "--fresh_output") fresh_output = true;
     else {
       std::fprintf(stderr,
                    "flags: --sizes=4MiB,64MiB --iters=30 [--only=push_pull|raw_tcp] [--fresh_output] "
-                   "[--engine_options='key=value;key=value' (the C API's configuration keys)]\n");
+                   "[--io_threads=1,2] [--engine_options='key=value;key=value' (the C API's configuration keys)]\n");
       return 2;
     }
   }
   std::replace(engine_options.begin(), engine_options.end(), ';', '\n');
   const bool push_pull = only != "raw_tcp", raw_tcp = only != "push_pull";
-  Job job(engine_options);
+  const std::vector<int> io_threads = testing::ParseIntList(threads);
+  std::vector<std::unique_ptr<Job>> jobs;
+  if (push_pull)
+    for (const int t : io_threads) jobs.push_back(std::make_unique<Job>(engine_options, t));
   RawPair raw;
-  std::printf("| size | push_pull ms | raw TCP ms | push_pull/raw_tcp throughput | push_pull CPU ns/B | "
-              "raw TCP CPU ns/B | CPU ratio |\n|---:|---:|---:|---:|---:|---:|---:|\n");
+  std::string head = "| size | raw TCP ms |", rule = "|---:|---:|";
+  for (const int t : io_threads) {
+    const std::string k = std::to_string(t);
+    head += " push_pull ms (" + k + ") | push_pull/raw_tcp throughput (" + k + ") | push_pull CPU ns/B (" + k +
+            ") | CPU ratio (" + k + ") |";
+    rule += "---:|---:|---:|---:|";
+  }
+  std::printf("%s raw TCP CPU ns/B |\n%s---:|\n", head.c_str(), rule.c_str());
   std::stringstream list(sizes);
   std::string item;
   for (int size_index = 0; std::getline(list, item, ','); ++size_index) {
     const uint64_t bytes = ParseSize(item);
     const std::string name = "bench/" + std::to_string(size_index);
-    Sample pp, rt;
-    if (push_pull) {
-      job.Prepare(bytes);
-      job.Run(name, fresh_output);  // warm-up: the buffers' pages, the pools
-      job.Check();
+    std::vector<Sample> pp(jobs.size());
+    Sample rt;
+    for (auto& job : jobs) {
+      job->Prepare(bytes);
+      job->Run(name, fresh_output);  // warm-up: the buffers' pages, the pools
+      job->Check();
     }
     if (raw_tcp) {
       raw.Prepare(bytes);
       raw.Run();
     }
     for (int it = 0; it < iters; ++it) {
-      if (push_pull) pp.Time([&] { job.Run(name, fresh_output); });
+      for (size_t j = 0; j < jobs.size(); ++j) pp[j].Time([&] { jobs[j]->Run(name, fresh_output); });
       if (raw_tcp) rt.Time([&] { raw.Run(); });
     }
+    for (auto& job : jobs) job->Check();
     const double b = static_cast<double>(bytes);
-    const double ps = Median(pp.seconds), rs = Median(rt.seconds), pc = Median(pp.cpu_s), rc = Median(rt.cpu_s);
-    std::printf("| %s | %.3f | %.3f | %.2f | %.3f | %.3f | %.2f |\n", item.c_str(), ps * 1e3, rs * 1e3,
-                ps > 0 ? rs / ps : 0.0, pc * 1e9 / b, rc * 1e9 / b, rc > 0 ? pc / rc : 0.0);
+    const double rs = Median(rt.seconds), rc = Median(rt.cpu_s);
+    std::printf("| %s | %.3f |", item.c_str(), rs * 1e3);
+    for (const Sample& sample : pp) {
+      const double ps = Median(sample.seconds), pc = Median(sample.cpu_s);
+      std::printf(" %.3f | %.2f | %.3f | %.2f |", ps * 1e3, ps > 0 ? rs / ps : 0.0, pc * 1e9 / b,
+                  rc > 0 ? pc / rc : 0.0);
+    }
+    std::printf(" %.3f |\n", rc * 1e9 / b);
     std::fflush(stdout);
   }
   return 0;
