@@ -10,6 +10,7 @@ barrier, variable creation); this module decides *how* it travels.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import threading
@@ -286,6 +287,7 @@ class Collectives:
         :meth:`push_pull`), at trace time, before any of them is submitted. Every worker traces
         the same step, so every worker declares the same tensors; the others travel alone.
         ``gradients[i]`` (a ``_gradients`` record: name, priority) belongs to ``values[i]``."""
+        self._settle_link()
         if self.fusion_bytes is None or self.world_size < 2:
             return
         if isinstance(reduce_op, str):
@@ -326,12 +328,23 @@ class Collectives:
         rate = self._fusion_link_rate
         return rate.bytes_per_s if rate.source == "probe" else None
 
+    def _settle_link(self) -> None:
+        """Once, at the first step's trace (the same point on every worker): the link rate, where
+        fusion="auto" sizes buckets for it or io_threads auto has lanes to size."""
+        if self._fusion_link_rate is not None or self.world_size < 2:
+            return
+        if self.fusion_bytes == AUTOMATIC_FUSION or _lanes_to_size():
+            self._fusion_link_rate = self._agree_on_link_rate()
+
     def _agree_on_link_rate(self) -> _link_probe.FusionLinkRate:
         """$PROPHET_LINK_GBPS when set; else every worker measures the link (eagerly, also when
         called while a step is traced) and all take the slowest worker's rate, rounded to the
-        1-2-5 series (prophet_tf/_link_probe.py)."""
+        1-2-5 series (prophet_tf/_link_probe.py). The probe also sizes the lanes where
+        io_threads auto connected several (then it runs with $PROPHET_LINK_GBPS set too, for
+        the CPU per byte, and sizes them for that rate)."""
         env_Bps = runtime.fusion_link_bps()
-        if env_Bps > 0:
+        lanes = _lanes_to_size()
+        if env_Bps > 0 and not lanes:
             return _link_probe.FusionLinkRate(source="env", gbps=env_Bps * 8 / 1e9)
         # A worker still creating variables hears of it before it waits for the probe.
         self._before_each()
@@ -341,12 +354,27 @@ class Collectives:
                                "sized for the runtime's assumed 10 Gbit/s (set $%s to the link "
                                "rate)", runtime.LINK_GBPS_ENV)
                 return _link_probe.FusionLinkRate(source="assumed", gbps=None)
-            rate = _link_probe.probe(self.world_size, CONTROL_PRIORITY)
+            rate = _link_probe.probe(self.world_size, CONTROL_PRIORITY, size_lanes=bool(lanes),
+                                     link_Bps=env_Bps or None)
         logger.info("fusion: link rate measured %.3g Gbit/s on rank %d, agreed %.3g Gbit/s (the "
                     "slowest of %d workers), buckets sized for %g Gbit/s; the probe took %.0f ms",
                     rate.measured_gbps, self.rank, rate.agreed_gbps, self.world_size, rate.gbps,
                     rate.probe_seconds * 1e3)
+        if rate.io_threads is not None:
+            sized_gbps = env_Bps * 8 / 1e9 if env_Bps > 0 else rate.agreed_gbps
+            logger.info("io_threads: %d of %d lanes for %.3g Gbit/s at %.3g ns of I/O CPU per byte "
+                        "(the costliest worker)", rate.io_threads, lanes, sized_gbps,
+                        rate.cpu_ns_per_byte)
+        if env_Bps > 0:
+            return dataclasses.replace(rate, source="env", gbps=env_Bps * 8 / 1e9)
         return rate
+
+
+def _lanes_to_size() -> int:
+    """The lanes io_threads auto connected and the probe has not sized yet (0: none to size)."""
+    stats = runtime.stats()
+    lanes = int(stats.get("lanes", 1))
+    return lanes if lanes > int(stats.get("io_threads", 1)) else 0
 
 
 def _static_dense_bytes(slices) -> Optional[int]:

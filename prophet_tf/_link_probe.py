@@ -1,4 +1,5 @@
-"""The link rate automatic fusion sizes its buckets for, measured once at start-up and agreed.
+"""The link rate automatic fusion sizes its buckets for, and the I/O threads the link needs,
+measured once at start-up and agreed.
 
 ``ProphetStrategy(fusion="auto")`` sizes buckets from the number of workers and the link rate
 (docs/design.md, "Fusion", "The size"). Every worker must make the same buckets, so the rate must
@@ -18,6 +19,13 @@ for every worker). Otherwise the strategy measures the link at its first fusion 
    give every worker the same bits;
 4. that minimum is rounded to the 1-2-5 series (:func:`quantize_gbps`), so that runs on the
    same cluster nearly always size the same buckets.
+
+The same probe sizes the runtime's lanes (``io_threads`` auto, ops/core/engine.h): where more
+than one lane is connected (a job over several hosts), the probe runs on all of them, so that it
+sees the link rather than what one thread moves, and each worker also measures what its I/O
+threads spent per byte sent (their CPU time over the bytes they sent, receiving and summing
+included); both are gathered, and every worker then uses :func:`lanes_for` the agreed rate and
+the costliest worker's CPU per byte, as many lanes as keep pace with the link.
 """
 
 from __future__ import annotations
@@ -67,6 +75,10 @@ class FusionLinkRate:
         series); None unless probed.
       probe_seconds: how long this worker's probe took, its gathering of the rates included;
         0.0 unless probed.
+      io_threads: the lanes the runtime moves bytes on after the probe (the same on every
+        worker); None unless the probe sized them (io_threads auto over several hosts).
+      cpu_ns_per_byte: the largest of the workers' I/O CPU per byte sent during the probe; None
+        unless the probe sized the lanes.
     """
 
     source: str
@@ -74,6 +86,8 @@ class FusionLinkRate:
     measured_gbps: Optional[float] = None
     agreed_gbps: Optional[float] = None
     probe_seconds: float = 0.0
+    io_threads: Optional[int] = None
+    cpu_ns_per_byte: Optional[float] = None
 
     @property
     def bytes_per_s(self) -> Optional[float]:
@@ -112,9 +126,22 @@ def quantize_gbps(gbps: float) -> float:
     return best
 
 
-def probe(world_size: int, priority: int) -> FusionLinkRate:
+def lanes_for(link_Bps: float, cpu_s_per_byte: float, connected: Optional[int] = None) -> int:
+    """The fewest I/O threads (lanes) that keep pace with a link of ``link_Bps`` per direction
+    when each byte a worker sends costs its I/O threads ``cpu_s_per_byte`` of CPU (sending it,
+    receiving as much, and summing what it owns): ceil(rate x cost), at least 1 and at most
+    ``connected``."""
+    lanes = max(1, math.ceil(link_Bps * cpu_s_per_byte - 1e-9))
+    return lanes if connected is None else min(lanes, connected)
+
+
+def probe(world_size: int, priority: int, size_lanes: bool = False,
+          link_Bps: Optional[float] = None) -> FusionLinkRate:
     """Measures the link with the runtime's push_pull and agrees on the rate with every worker
-    (the module's docstring). Must run eagerly, on every worker at the same point of the program.
+    (the module's docstring); with ``size_lanes`` (io_threads auto connected several lanes) it
+    runs on all of them and then uses as many as the link needs (for ``link_Bps`` when given,
+    $PROPHET_LINK_GBPS, else the agreed rate). Must run eagerly, on every worker at the same point
+    of the program.
 
     Raises:
       prophet_tf.errors.ProphetError: a push_pull or the gathering failed (a peer left, the
@@ -123,10 +150,14 @@ def probe(world_size: int, priority: int) -> FusionLinkRate:
     import numpy as np
     import tensorflow as tf
 
-    from prophet_tf import ops
+    from prophet_tf import ops, runtime
     from prophet_tf._devices import HOST_DEVICE
 
     start = time.perf_counter()
+    connected = int(runtime.stats().get("lanes", 1))
+    if size_lanes:
+        runtime.set_io_threads(connected)  # every worker is here: the probe sees the link
+    before = runtime.stats()
     nbytes = probe_bytes(world_size)
     with tf.device(HOST_DEVICE):  # where push_pull runs: no copy from a GPU in the timing
         payload = tf.zeros([nbytes // 4], tf.float32)
@@ -135,10 +166,19 @@ def probe(world_size: int, priority: int) -> FusionLinkRate:
         t0 = time.perf_counter()
         ops.push_pull(payload, name=f"{PROBE_NAME}/{k}", priority=priority).numpy()
         best = min(best, time.perf_counter() - t0)
+    after = runtime.stats()
     measured = allreduce_rate(world_size, nbytes, best)
-    rates = ops.allgather(tf.constant([measured], tf.float64), name=f"{PROBE_NAME}/rates",
-                          priority=priority).numpy()
-    agreed = float(np.min(rates))
+    sent = after["bytes_sent"] - before["bytes_sent"]
+    cpu_per_byte = (after.get("io_cpu_s", 0.0) - before.get("io_cpu_s", 0.0)) / max(sent, 1)
+    gathered = ops.allgather(tf.constant([[measured, cpu_per_byte]], tf.float64),
+                             name=f"{PROBE_NAME}/rates", priority=priority).numpy()
+    agreed = float(np.min(gathered[:, 0]))
+    lanes = costliest = None
+    if size_lanes:
+        costliest = float(np.max(gathered[:, 1]))
+        lanes = lanes_for(link_Bps or agreed, costliest, connected)
+        runtime.set_io_threads(lanes)
     return FusionLinkRate(source="probe", gbps=quantize_gbps(agreed * 8 / 1e9),
                           measured_gbps=measured * 8 / 1e9, agreed_gbps=agreed * 8 / 1e9,
-                          probe_seconds=time.perf_counter() - start)
+                          probe_seconds=time.perf_counter() - start, io_threads=lanes,
+                          cpu_ns_per_byte=None if costliest is None else costliest * 1e9)

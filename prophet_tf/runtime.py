@@ -222,6 +222,17 @@ def set_schedule(schedule: str) -> None:
         raise ProphetError(error.value.decode(errors="replace"))
 
 
+def set_io_threads(lanes: int) -> None:
+    """Moves the bytes on ``lanes`` of the lanes connected (``stats()["lanes"]``; the runtime's
+    ``io_threads``) from the next submission on. Every worker must call it at the same point of
+    its program, between steps (the strategy does after its start-up probe, for ``io_threads``
+    auto); else the slices of a tensor differ across workers and its push_pull fails."""
+    _require()
+    error = ctypes.create_string_buffer(1024)
+    if c_api().prophet_set_io_threads(int(lanes), error, len(error)) != 0:
+        raise ProphetError(error.value.decode(errors="replace"))
+
+
 @dataclasses.dataclass(frozen=True)
 class FusedTensor:
     """One push_pull a fusion declaration announces (every field as the push_pull will have it)."""

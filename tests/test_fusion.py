@@ -91,6 +91,7 @@ def test_two_workers_size_buckets_for_the_link_rate_they_measured_and_agreed(run
         assert rate["source"] == "probe" and rate["measured_gbps"] > 0, r
         assert rate["gbps"] == _link_probe.quantize_gbps(rate["agreed_gbps"]), r
         assert rate["agreed_gbps"] <= rate["measured_gbps"] and rate["probe_seconds"] > 0, r
+        assert rate["io_threads"] is None, r  # one host: one lane, nothing to size
         assert r["fused"] > 0, r  # the gradients travelled in buckets sized for it
         # The probe's push_pulls are not gradients: Prophet's profile never holds them.
         assert not any(name.startswith(_link_probe.PROBE_NAME) for name in r["profiled"]), r
@@ -103,7 +104,7 @@ def test_two_workers_size_buckets_for_the_link_rate_they_measured_and_agreed(run
     for rank in range(2):
         env = run.one(rank, case="env")
         assert env["rate"] == {"source": "env", "gbps": 2.5, "measured_gbps": None, "agreed_gbps": None,
-                               "probe_seconds": 0.0}, env
+                               "probe_seconds": 0.0, "io_threads": None, "cpu_ns_per_byte": None}, env
         assert env["fused"] > 0, env
         # One probe in the whole run: the first strategy's (its second fit traced the step again,
         # the second strategy had the environment's rate): its rounds and the gathering, once each.

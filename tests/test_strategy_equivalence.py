@@ -62,8 +62,44 @@ def test_lanes_match_one_process(run_workers):
                       timeout=240).check_ok()
     for case in cases:
         _check_case(run, case)
-    lanes = run.one(0, case="wide")["lane_bytes_sent"]
-    assert len(lanes) == 2 and min(lanes) > 4 << 20, lanes
+    # Each lane carried its slices of the kernel, far beyond the start-up probe's (at most
+    # 2 x 6 rounds of 2 MiB), and the explicit setting stayed.
+    wide = run.one(0, case="wide")
+    assert wide["io_threads"] == wide["lanes"] == 2, wide
+    lanes = wide["lane_bytes_sent"]
+    assert len(lanes) == 2 and min(lanes) > 2 * 6 * (2 << 20), lanes
+
+
+@pytest.mark.parametrize("link_gbps", [None, "100"])
+def test_auto_lanes_are_sized_by_the_start_up_probe_and_match_one_process(run_workers, link_gbps):
+    # io_threads auto over three hosts (labels): 4 lanes connected; the probe at the first step
+    # runs on all of them and every worker then uses the lanes the link needs
+    # (prophet_tf._link_probe.lanes_for): the agreed rate, or $PROPHET_LINK_GBPS where the user
+    # states it (100 Gbit/s needs all 4 at this machine's cost), at the costliest worker's CPU
+    # per byte; the same number everywhere.
+    from prophet_tf._link_probe import lanes_for
+
+    cases = ["wide", "adam"]
+    run = run_workers("strategy_equivalence.py", 3, "--cases", ",".join(cases), "--host_labels",
+                      "a,b,c", timeout=240,
+                      env={"PROPHET_LINK_GBPS": link_gbps} if link_gbps else None).check_ok()
+    for case in cases:
+        _check_case(run, case)
+    results = [run.one(rank, case="wide") for rank in range(3)]
+    link = results[0]["link"]
+    gbps = float(link_gbps) if link_gbps else link["agreed_gbps"]
+    expected = lanes_for(gbps * 1e9 / 8, link["cpu_ns_per_byte"] / 1e9, 4)
+    print("auto lanes:", link, "->", expected)
+    if link_gbps:
+        assert expected == 4, (link, expected)
+    for r in results:
+        assert r["lanes"] == 4 and r["link"] == link, (r["lanes"], r["link"], link)
+        assert r["io_threads"] == link["io_threads"] == expected, (r["io_threads"], link, expected)
+    # The probe's slices took at most 2 x 6 rounds of 1 MiB on each lane (3 workers: 4/3 of a
+    # slice); the lanes in use carried the wide kernel's slices beyond that, the others nothing.
+    sent = results[0]["lane_bytes_sent"]
+    probe = 2 * 6 * (1 << 20)
+    assert all(b > probe for b in sent[:expected]) and all(b <= probe for b in sent[expected:]), sent
 
 
 def test_three_workers_match_one_process(run_workers):

@@ -1,7 +1,9 @@
 #include "ops/core/engine.h"
 
 #include <sys/epoll.h>
+#include <pthread.h>
 #include <sys/eventfd.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -63,8 +65,9 @@ struct Engine::Impl : public Connection::Handler,
                 ((credit_setting == kCreditAuto ? kMinCreditBytes : credit_setting) + o.partition_bytes)),
         timeline(shared_timeline) {}
 
-  EngineOptions options_;  // this lane's (its share of the credit)
+  EngineOptions options_;
   const int lane;
+  std::atomic<uint64_t> credit_share{0};  // of options_.credit_bytes (Engine::SetActiveLanes)
   int epoll_fd = -1;
   int wake_fd = -1;
   std::thread thread;
@@ -131,6 +134,17 @@ struct Engine::Impl : public Connection::Handler,
   }
   void JoinThread() {
     if (thread.joinable()) thread.join();
+  }
+  // CPU time of the thread so far (0 unless it runs).
+  double ThreadCpuSeconds() const {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!stopped.empty() || !thread.joinable()) return 0;
+    clockid_t clock;
+    timespec t{};
+    if (pthread_getcpuclockid(const_cast<std::thread&>(thread).native_handle(), &clock) != 0 ||
+        clock_gettime(clock, &t) != 0)
+      return 0;
+    return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_nsec) * 1e-9;
   }
   void Shutdown();
   // Registers and starts an operation; returns its id, or 0 when it completed at once (failed).
@@ -265,20 +279,47 @@ EngineOptions Resolved(EngineOptions options) {
   return options;
 }
 
-// A lane's options: the lanes share the byte credit, so that together they hold back what one
-// engine would.
-EngineOptions LaneOptions(EngineOptions options) {
-  if (options.io_threads > 1)
-    options.credit_bytes = std::max(options.credit_bytes / options.io_threads, options.partition_bytes);
-  return options;
+// Lanes multiply the sockets: 4 lanes at N = 256 need 1,020, beyond the usual soft limit of
+// 1,024 open files with what TensorFlow holds. Raises the soft limit towards the hard one where
+// the sockets need it; start-up names the limit if it still falls short (EMFILE).
+void RaiseOpenFileLimit(uint64_t sockets) {
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0) return;
+  const rlim_t wanted = static_cast<rlim_t>(sockets + 1024);
+  if (limit.rlim_cur >= wanted) return;
+  const rlim_t old = limit.rlim_cur;
+  limit.rlim_cur = limit.rlim_max == RLIM_INFINITY ? wanted : std::min(wanted, limit.rlim_max);
+  if (::setrlimit(RLIMIT_NOFILE, &limit) == 0)
+    PROPHET_INFO("raised the open-file limit from %llu to %llu for %llu sockets", static_cast<unsigned long long>(old),
+                 static_cast<unsigned long long>(limit.rlim_cur), static_cast<unsigned long long>(sockets));
 }
 
 }  // namespace
 
+int ResolveLanes(const EngineOptions& options) {
+  if (options.io_threads != kIoThreadsAuto) return std::max(options.io_threads, 1);
+  if (options.world_size < 2) return 1;
+  std::vector<std::string> labels;
+  if (!HostLabels(options.hosts, options.addresses, options.world_size, &labels).ok()) return 1;  // Start says why
+  return LayoutFromLabels(labels).hosts() > 1 ? kAutoLanes : 1;
+}
+
 Engine::Engine(const EngineOptions& options) : options_(Resolved(options)) {
-  const EngineOptions lane_options = LaneOptions(options_);
-  for (int l = 0; l < std::max(options_.io_threads, 1); ++l)
-    lanes_.emplace_back(new Impl(lane_options, options.credit_bytes, timeline_, l));
+  const int lanes = ResolveLanes(options_);
+  for (int l = 0; l < lanes; ++l) lanes_.emplace_back(new Impl(options_, options.credit_bytes, timeline_, l));
+  SetActiveLanes(options_.io_threads == kIoThreadsAuto ? 1 : lanes);
+}
+
+Status Engine::SetActiveLanes(int lanes) {
+  const int connected = static_cast<int>(lanes_.size());
+  if (lanes < 1 || lanes > connected)
+    return Status(Code::kInvalidArgument, "cannot use " + std::to_string(lanes) + " I/O threads (lanes): " +
+                                              std::to_string(connected) + " are connected (io_threads)");
+  // The active lanes share the byte credit, so that together they hold back what one would.
+  const uint64_t share = std::max(options_.credit_bytes / static_cast<uint64_t>(lanes), options_.partition_bytes);
+  for (auto& lane : lanes_) lane->credit_share.store(share);
+  active_lanes_.store(lanes);
+  return Status::OK();
 }
 
 Status Engine::Start(const EngineOptions& options, std::unique_ptr<Engine>* out) {
@@ -300,7 +341,7 @@ Status Engine::Start(const EngineOptions& options, std::unique_ptr<Engine>* out)
     SchedulerOptions sched;
     sched.policy = options.schedule;
     sched.replan_threshold = options.replan_threshold;
-    sched.credit_bytes = m.options_.credit_bytes;
+    sched.credit_bytes = m.credit_share.load();
     m.policy = MakePolicy(sched, &error);
     if (!m.policy) return Status(Code::kInvalidArgument, error);
     m.schedule_name = m.policy->name();
@@ -323,6 +364,7 @@ Status Engine::Start(const EngineOptions& options, std::unique_ptr<Engine>* out)
     b.socket_unsent_bytes = options.socket_unsent_bytes;
     b.path_tag = two_level ? PathTag(true, *two_level) : 0;
     b.lanes = lanes;
+    RaiseOpenFileLimit(static_cast<uint64_t>(lanes) * (n - 1));
     int listen_fd = -1;
     Status s = Listen(b, &listen_fd);
     if (s.ok()) s = ConnectAll(b, listen_fd, &fds);
@@ -335,7 +377,10 @@ Status Engine::Start(const EngineOptions& options, std::unique_ptr<Engine>* out)
   PROPHET_INFO("runtime started: %d workers, schedule %s, partitions of %llu bytes, credit %llu bytes%s", n,
                first.policy->name(), static_cast<unsigned long long>(engine->options_.partition_bytes),
                static_cast<unsigned long long>(engine->options_.credit_bytes),
-               lanes > 1 ? (", " + std::to_string(lanes) + " I/O threads (lanes)").c_str() : "");
+               lanes > 1 ? (", " + std::to_string(lanes) + " I/O threads (lanes) connected, " +
+                            std::to_string(engine->active_lanes()) + " in use")
+                               .c_str()
+                         : "");
   if (two_level) PROPHET_INFO("push_pulls take the two-level path over %s", two_level->Describe().c_str());
   for (auto& lane : engine->lanes_) {
     Impl* m = lane.get();
@@ -385,7 +430,7 @@ Engine::~Engine() {
 }
 
 int Engine::LaneOf(const OpRequest& request) {
-  const int lanes = static_cast<int>(lanes_.size());
+  const int lanes = active_lanes_.load();
   if (lanes == 1) return 0;
   {
     std::lock_guard<std::mutex> lock(fused_mu_);
@@ -417,7 +462,7 @@ void Engine::SubmitSliced(OpRequest request) {
     int64_t submit_ns = 0;
   };
   auto join = std::make_shared<Join>();
-  const size_t lanes = lanes_.size();
+  const size_t lanes = static_cast<size_t>(active_lanes_.load());
   join->left = lanes;
   join->done = std::move(request.done);
   join->submit_ns = NowNs();
@@ -485,15 +530,12 @@ void Engine::SubmitToLane(int lane, OpRequest request) {
 void Engine::DeclareFusion(const std::string& group, std::vector<FusionDeclaration> tensors, uint64_t bucket_bytes,
                            std::function<void(const Status&)> done) {
   if (lanes_.size() > 1) {
+    // Tensors that travel in fused buckets are held on lane 0, whole. Once fused, always there: a
+    // later plan (or a declaration the fuser refuses) may send one alone, which lane 0 also does,
+    // while a slice of a tensor the fuser holds would differ from its declaration.
+    const std::vector<std::string> fused = FusedMembers(tensors, options_.world_size, bucket_bytes);
     std::lock_guard<std::mutex> lock(fused_mu_);
-    for (const std::string& name : fused_by_group_[group])
-      if (--fused_names_[name] == 0) fused_names_.erase(name);
-    std::vector<std::string>& names = fused_by_group_[group];
-    names.clear();
-    for (const FusionDeclaration& t : tensors) {
-      names.push_back(t.name);
-      fused_names_[t.name]++;
-    }
+    fused_names_.insert(fused.begin(), fused.end());
   }
   Impl& m = *lanes_.front();
   {
@@ -556,6 +598,7 @@ uint64_t Engine::BytesSent() const {
 std::string Engine::StatsJson() const {
   uint64_t sent = 0, received = 0, frames_sent = 0, frames_received = 0;
   uint64_t done = 0, failed = 0, questions = 0, fused = 0;
+  double io_cpu_s = 0;  // the lanes' threads
   std::string lane_sent;
   for (const auto& lane : lanes_) {
     const Impl& m = *lane;
@@ -569,6 +612,7 @@ std::string Engine::StatsJson() const {
       frames_received += c->frames_received();
     }
     lane_sent += (lane_sent.empty() ? "" : ", ") + std::to_string(lane_bytes);
+    io_cpu_s += m.ThreadCpuSeconds();
     done += m.ops_done.load();
     failed += m.ops_failed.load();
     questions += m.fusion_questions.load();
@@ -585,7 +629,8 @@ std::string Engine::StatsJson() const {
      << schedule << "\", \"bytes_sent\": " << sent << ", \"bytes_received\": " << received
      << ", \"frames_sent\": " << frames_sent << ", \"frames_received\": " << frames_received
      << ", \"ops_done\": " << done << ", \"ops_failed\": " << failed << ", \"fusion_questions\": " << questions
-     << ", \"fused_submitted\": " << fused << ", \"io_threads\": " << lanes_.size() << ", \"lane_bytes_sent\": [" << lane_sent << "]"
+     << ", \"fused_submitted\": " << fused << ", \"io_threads\": " << active_lanes_.load() << ", \"lanes\": " << lanes_.size()
+     << ", \"io_cpu_s\": " << io_cpu_s << ", \"lane_bytes_sent\": [" << lane_sent << "]"
      << ", \"two_level_hosts\": " << (first.two_level ? first.two_level->hosts() : 0)
      << ", \"outputs_recycled\": " << GlobalOutputPool().reused() << "}";
   return os.str();
@@ -840,7 +885,7 @@ void Engine::Impl::Finish(Collective* op, const Status& status) {
 void Engine::Impl::Pump() {
   if (!next_schedule.empty() && policy->queued() == 0) SwitchPolicy();
   if (policy->queued() == 0) return;
-  const uint64_t credit = options_.credit_bytes;
+  const uint64_t credit = credit_share.load(std::memory_order_relaxed);
   std::vector<SendTask> tasks;
   policy->Dequeue(unsent_push_bytes < credit ? credit - unsent_push_bytes : 0, NowNs(), &tasks);
   if (timeline.enabled())

@@ -5,14 +5,16 @@
 // before), moves the bytes, sums them at each partition's owner and calls `done` on its own
 // thread. Requests may be submitted in any order on different workers.
 //
-// Lanes (EngineOptions::io_threads, usually 1): where one thread cannot move the bytes as fast as
-// the link, the engine runs several lanes. A lane is what the rest of this file describes (a
-// thread, a connection to every peer, a scheduler), and knows nothing of the others. A push_pull
-// of at least io_threads x kMinLaneSliceBytes travels as one slice per lane (contiguous, equal
-// element counts), its `done` called once every slice is back; every other request travels whole
-// on the lane its name hashes to, and a tensor declared for fusion on lane 0, where the fused
-// buckets form. Every worker cuts and routes the same way, so each lane matches its requests as
-// one engine does.
+// Lanes (EngineOptions::io_threads; ResolveLanes): where one thread cannot move the bytes as fast
+// as the link, the engine runs several lanes. A lane is what the rest of this file describes (a
+// thread, a connection to every peer, a scheduler), and knows nothing of the others. Of the lanes
+// connected, the first `active` carry requests (SetActiveLanes: all of them for an explicit
+// io_threads, one until the strategy's start-up probe says how many the link needs for auto). A
+// push_pull of at least active x kMinLaneSliceBytes travels as one slice per active lane
+// (contiguous, equal element counts), its `done` called once every slice is back; every other
+// request travels whole on the active lane its name hashes to, and a tensor the fusion plan puts
+// in a fused bucket on lane 0, where the buckets form. Every worker cuts and routes the same way, so each lane
+// matches its requests as one engine does.
 //
 // Inside (docs/design.md, "Core file map"): engine.cc owns the thread, the submission queue, the
 // pump and the lifecycle, and routes frames to operations; early_frames.* holds frames of
@@ -30,6 +32,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "ops/core/codec.h"
@@ -109,6 +112,12 @@ class Engine {
   // engine thread) while a member of the previous one waits for the rest of its bucket.
   void DeclareFusion(const std::string& group, std::vector<FusionDeclaration> tensors, uint64_t bucket_bytes,
                      std::function<void(const Status&)> done = nullptr);
+  // From the next submission on, requests travel on the first `lanes` lanes (1 to the lanes
+  // connected), which share the byte credit. Every worker must call it at the same point of its
+  // submissions (between steps, as the strategy does after its start-up probe), or the slices of
+  // a tensor differ across workers and its push_pull fails.
+  Status SetActiveLanes(int lanes);
+  int active_lanes() const { return active_lanes_.load(); }
   // Schedules with policy `schedule` from the next moment no partition is queued (between steps),
   // keeping the bandwidth measured so far. Fails for an unknown name.
   Status SetSchedule(const std::string& schedule);
@@ -135,12 +144,17 @@ class Engine {
 
   EngineOptions options_;
   Timeline timeline_;  // every lane's events
-  std::vector<std::unique_ptr<Impl>> lanes_;
-  // Tensors declared for fusion, by group: they travel on lane 0, where their buckets form.
+  std::vector<std::unique_ptr<Impl>> lanes_;  // connected
+  std::atomic<int> active_lanes_{1};
+  // Tensors a fusion plan put in a fused bucket: they travel whole on lane 0, where it forms.
   std::mutex fused_mu_;
-  std::unordered_map<std::string, std::vector<std::string>> fused_by_group_;
-  std::unordered_map<std::string, int> fused_names_;  // name -> groups declaring it
+  std::unordered_set<std::string> fused_names_;
 };
+
+// The lanes an engine with these options connects: io_threads, or for kIoThreadsAuto kAutoLanes
+// where the job's workers span several hosts (hosts.h: the hosts option, else the addresses) and 1
+// where they share one, and its cores.
+int ResolveLanes(const EngineOptions& options);
 
 // The process-wide engine used by the TensorFlow kernels.
 Status InitGlobalEngine(const EngineOptions& options);

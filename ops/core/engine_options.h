@@ -45,6 +45,9 @@ constexpr uint64_t kCreditAuto = 0;
 constexpr uint64_t kMinCreditBytes = 16u << 20;
 // io_threads at most: one lane per core of a large host.
 constexpr int kMaxIoThreads = 16;
+// io_threads = kIoThreadsAuto: kAutoLanes lanes where the job spans several hosts (ResolveLanes).
+constexpr int kIoThreadsAuto = 0;
+constexpr int kAutoLanes = 4;
 // A push_pull of at least io_threads x this travels in slices, one per lane (engine.h).
 constexpr uint64_t kMinLaneSliceBytes = uint64_t{1} << 20;
 

@@ -10,6 +10,7 @@
 #include <future>
 #include <memory>
 #include <random>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -893,6 +894,18 @@ TEST(CompressedAllgatherIsTheSameEverywhere) {
   EXPECT_EQ(at, gathered[0].size());
 }
 
+// The bytes each lane sent, from StatsJson.
+std::vector<uint64_t> LaneBytes(Engine& e) {
+  const std::string stats = e.StatsJson();
+  const size_t at = stats.find("\"lane_bytes_sent\": [");
+  std::vector<uint64_t> out;
+  if (at == std::string::npos) return out;
+  std::stringstream list(stats.substr(at + 20, stats.find(']', at) - at - 20));
+  std::string item;
+  while (std::getline(list, item, ',')) out.push_back(std::stoull(item));
+  return out;
+}
+
 // Lanes (io_threads): large push_pulls travel in slices, one per lane, the rest whole on the lane
 // their name hashes to; the sums are the same exact bits, in any submission order, round after
 // round, with a worker much later than the others, and every lane carries bytes.
@@ -914,17 +927,43 @@ TEST(LanesGiveExactSumsWithSlicesOnEveryLane) {
       EXPECT_TRUE(at != std::string::npos);
       if (at == std::string::npos) continue;
       // Every lane sent at least a slice of the 9 MB tensors' pushes.
-      std::string list = stats.substr(at + 20, stats.find(']', at) - at - 20);
-      int counted = 0;
-      for (size_t from = 0; from < list.size(); ++counted) {
-        const size_t comma = list.find(',', from);
-        const uint64_t bytes = std::stoull(list.substr(from, comma - from));
-        EXPECT_TRUE(bytes > kMB);
-        from = comma == std::string::npos ? list.size() : comma + 1;
-      }
-      EXPECT_EQ(counted, lanes);
+      const std::vector<uint64_t> sent = LaneBytes(*e);
+      EXPECT_EQ(sent.size(), static_cast<size_t>(lanes));
+      for (const uint64_t bytes : sent) EXPECT_TRUE(bytes > kMB);
     }
   }
+}
+
+// io_threads auto: one lane on one host (its workers share the cores); kAutoLanes connected over
+// several hosts, of which one carries everything until every worker sets how many to use.
+TEST(AutoLanesConnectOverSeveralHostsAndCarryWhatIsSet) {
+  std::vector<EngineOptions> one_host = ClusterOptions(2);
+  EXPECT_EQ(one_host[0].io_threads, kIoThreadsAuto);
+  EXPECT_EQ(ResolveLanes(one_host[0]), 1);
+  std::vector<EngineOptions> options = ClusterOptions(3);
+  for (EngineOptions& o : options) o.hosts = {"a", "b", "c"};
+  EXPECT_EQ(ResolveLanes(options[0]), kAutoLanes);
+  auto engines = StartCluster(options);
+  if (!engines[0] || !engines[1] || !engines[2]) return;
+  EXPECT_EQ(engines[0]->active_lanes(), 1);
+  std::vector<Case> cases = MakeCases("auto", {1000, 9 * kMB});
+  RunCases(engines, cases, 0);
+  std::vector<uint64_t> lanes = LaneBytes(*engines[0]);
+  EXPECT_EQ(lanes.size(), static_cast<size_t>(kAutoLanes));
+  if (lanes.size() == static_cast<size_t>(kAutoLanes)) {
+    EXPECT_TRUE(lanes[0] > 9 * kMB);
+    for (int l = 1; l < kAutoLanes; ++l) EXPECT_EQ(lanes[l], 0u);
+  }
+  const Status too_many = engines[0]->SetActiveLanes(kAutoLanes + 1);
+  EXPECT_TRUE(!too_many.ok() && Contains(too_many.message(), "are connected"));
+  for (auto& e : engines) EXPECT_TRUE(e->SetActiveLanes(3).ok());
+  RunCases(engines, cases, 1, /*late_rank=*/1);
+  lanes = LaneBytes(*engines[0]);
+  if (lanes.size() == static_cast<size_t>(kAutoLanes)) {
+    for (int l = 1; l < 3; ++l) EXPECT_TRUE(lanes[l] > kMB);
+    EXPECT_EQ(lanes[3], 0u);
+  }
+  EXPECT_TRUE(Contains(engines[0]->StatsJson(), "\"io_threads\": 3, \"lanes\": 4"));
 }
 
 // A sliced tensor still fails closed on a shape that differs (same bytes), naming both shapes, on

@@ -179,6 +179,30 @@ std::string DescribeDisagreement(int rank_a, const std::vector<DeclaredTensor>& 
   return kDisagreementLead + fallback + kDisagreementFix;
 }
 
+FusionInput FusionInputOf(const FusionDeclaration& d) {
+  FusionInput in;
+  in.name = d.name;
+  in.bytes = d.bytes;
+  in.element_size = static_cast<uint32_t>(DataTypeSize(d.dtype));
+  in.priority = d.priority;
+  // What must agree inside one payload: the dtype, averaging and the encoding.
+  in.fuse_key = (static_cast<uint64_t>(d.dtype) << 16) | (static_cast<uint64_t>(d.compression) << 8) |
+                (d.average ? 1u : 0u);
+  in.fusable = d.priority < kControlPriority;
+  return in;
+}
+
+std::vector<std::string> FusedMembers(const std::vector<FusionDeclaration>& tensors, int world_size,
+                                      uint64_t bucket_bytes) {
+  std::vector<FusionInput> inputs;
+  for (const FusionDeclaration& d : tensors) inputs.push_back(FusionInputOf(d));
+  std::vector<std::string> names;
+  for (const FusionBucket& plan : PlanFusion(inputs, world_size, bucket_bytes))
+    if (plan.fused())
+      for (const int m : plan.members) names.push_back(tensors[m].name);
+  return names;
+}
+
 Status Fuser::Declare(const std::string& group, const std::vector<FusionDeclaration>& tensors, int world_size,
                      uint64_t bucket_bytes) {
   // The plans this declaration replaces: its group's, and that of any group holding one of its
@@ -209,16 +233,7 @@ Status Fuser::Declare(const std::string& group, const std::vector<FusionDeclarat
       return Status(Code::kInvalidArgument, "fusion declaration of '" + d.name + "': " + std::to_string(d.bytes) +
                                                 " bytes is not shape " + ShapeString(d.shape) + " of " +
                                                 DataTypeName(d.dtype));
-    FusionInput in;
-    in.name = d.name;
-    in.bytes = d.bytes;
-    in.element_size = static_cast<uint32_t>(elem);
-    in.priority = d.priority;
-    // What must agree inside one payload: the dtype, averaging and the encoding.
-    in.fuse_key = (static_cast<uint64_t>(d.dtype) << 16) | (static_cast<uint64_t>(d.compression) << 8) |
-                  (d.average ? 1u : 0u);
-    in.fusable = d.priority < kControlPriority;
-    inputs.push_back(in);
+    inputs.push_back(FusionInputOf(d));
   }
   buckets_.erase(
       std::remove_if(buckets_.begin(), buckets_.end(), [&](const Bucket& b) { return replaced.count(b.group) != 0; }),

@@ -80,6 +80,13 @@ struct DeclaredTensor {
 std::string DescribeDisagreement(int rank_a, const std::vector<DeclaredTensor>& a, int rank_b,
                                  const std::vector<DeclaredTensor>& b, const std::string& fallback);
 
+// How a declared tensor enters the plan (PlanFusion).
+FusionInput FusionInputOf(const FusionDeclaration& declaration);
+// The tensors of `tensors` that the plan puts in fused buckets (the rest travel alone): what
+// Fuser::Declare holds, for the engine's lanes (engine.h), which keep those on lane 0.
+std::vector<std::string> FusedMembers(const std::vector<FusionDeclaration>& tensors, int world_size,
+                                      uint64_t bucket_bytes);
+
 class Fuser {
  public:
   // A member's request that cannot go on, with the status it ends with.

@@ -630,6 +630,9 @@ Status ReplayConfigFromRequest(const std::string& request_text, ReplayConfig* co
   e.small_allreduce = request.runtime.small_allreduce;
   e.socket_buffer_bytes = request.network.socket_buffer_bytes;
   e.socket_unsent_bytes = static_cast<int>(request.network.socket_unsent_bytes);
+  // The lanes the prediction beside it models (1 unless the request says), not io_threads auto:
+  // the replay has no strategy to size them from its probe.
+  e.io_threads = request.network.io_threads;
   return Status::OK();
 }
 

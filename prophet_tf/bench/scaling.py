@@ -44,6 +44,8 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
+from prophet_tf import _link_probe
+
 __all__ = ["ScalingPoint", "io_threads_for", "scaling_points", "format_tables", "shortfalls",
            "load_points", "plot", "main"]
 
@@ -88,11 +90,11 @@ class ScalingPoint:
 
 def io_threads_for(link_bps: float, options: Any) -> int:
     """The fewest I/O threads whose charged CPU keeps pace with a link of ``link_bps`` per
-    direction under ``options``' costs: at full rate each second a worker sends and receives the
-    link's bytes and adds about half of what it receives (the pushes it owns), so T = ceil(rate x
-    (send + receive + sum / 2) per byte)."""
+    direction under ``options``' costs, by the runtime's own rule (io_threads auto,
+    :func:`prophet_tf._link_probe.lanes_for`): each byte a worker sends costs its sending,
+    receiving as much, and adding about half of that (the pushes it owns)."""
     per_byte = options.send_byte_s + options.receive_byte_s + options.sum_byte_s / 2
-    return max(1, math.ceil(link_bps / 8 * per_byte - 1e-9))
+    return _link_probe.lanes_for(link_bps / 8, per_byte)
 
 
 def scaling_points(profiles: dict[str, Any], bandwidths: Sequence[float], workers: Sequence[int],

@@ -192,10 +192,22 @@ def run_case(strategy, name):
         gradients=len(model.trainable_weights),
         two_level_hosts=int(runtime_stats().get("two_level_hosts", 0)),
         lane_bytes_sent=runtime_stats().get("lane_bytes_sent", []),
+        lanes=int(runtime_stats().get("lanes", 1)),
+        io_threads=int(runtime_stats().get("io_threads", 1)),
+        link=_link(strategy),
         steps=EPOCHS * NUM_SAMPLES // GLOBAL_BATCH,
         seconds=round(time.time() - t0, 2),
         fit_seconds=round(t_ref - t0, 2),
     )
+
+
+def _link(strategy) -> dict:
+    """What the start-up probe agreed (fusion's rate, the lanes), or {}."""
+    rate = strategy.fusion_link_rate
+    if rate is None:
+        return {}
+    return {"agreed_gbps": rate.agreed_gbps, "io_threads": rate.io_threads,
+            "cpu_ns_per_byte": rate.cpu_ns_per_byte}
 
 
 def runtime_stats() -> dict:
@@ -221,9 +233,14 @@ def main():
                    help="comma-separated host label per rank: the two-level push_pull over them "
                         "(ProphetStrategy(hierarchical='on', hosts=...))")
     p.add_argument("--io_threads", type=int, default=None, help="ProphetStrategy(io_threads=...)")
+    p.add_argument("--host_labels", default=None,
+                   help="comma-separated host label per rank (ProphetStrategy(hosts=...)), the path "
+                        "left to hierarchical's default")
     args = p.parse_args()
     options = ({} if args.fusion is None else
                {"fusion": args.fusion if args.fusion in ("auto", "off") else int(args.fusion)})
+    if args.host_labels:
+        options.update(hosts=args.host_labels.split(","))
     if args.io_threads is not None:
         options.update(io_threads=args.io_threads)
     if args.hosts:
