@@ -95,10 +95,14 @@ class FusionLinkRate:
         return None if self.gbps is None else self.gbps * 1e9 / 8
 
 
-def probe_bytes(world_size: int) -> int:
-    """Bytes of the probe's tensor for ``world_size`` workers: PROBE_BYTES, or N x 64 KiB where
-    that is more, so that every worker owns a share of it."""
-    return max(PROBE_BYTES, world_size * SPREAD_BYTES_PER_WORKER)
+def probe_bytes(world_size: int, lanes: int = 1) -> int:
+    """Bytes of the probe's tensor for ``world_size`` workers on ``lanes`` lanes: PROBE_BYTES, or
+    N x 64 KiB where that is more, so that every worker owns a share of it, and at least a
+    slice per lane (the runtime's lane_slice_bytes), so that it travels on every lane."""
+    from prophet_tf._library import runtime_constants
+
+    slice_bytes = int(runtime_constants()["lane_slice_bytes"])
+    return max(PROBE_BYTES, world_size * SPREAD_BYTES_PER_WORKER, lanes * slice_bytes)
 
 
 def allreduce_rate(world_size: int, nbytes: int, seconds: float) -> float:
@@ -158,7 +162,7 @@ def probe(world_size: int, priority: int, size_lanes: bool = False,
     if size_lanes:
         runtime.set_io_threads(connected)  # every worker is here: the probe sees the link
     before = runtime.stats()
-    nbytes = probe_bytes(world_size)
+    nbytes = probe_bytes(world_size, int(before.get("io_threads", 1)))
     with tf.device(HOST_DEVICE):  # where push_pull runs: no copy from a GPU in the timing
         payload = tf.zeros([nbytes // 4], tf.float32)
     best = math.inf

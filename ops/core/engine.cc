@@ -279,8 +279,8 @@ EngineOptions Resolved(EngineOptions options) {
   return options;
 }
 
-// Lanes multiply the sockets: 4 lanes at N = 256 need 1,020, beyond the usual soft limit of
-// 1,024 open files with what TensorFlow holds. Raises the soft limit towards the hard one where
+// Lanes multiply the sockets: 8 lanes at N = 256 need 2,040, beyond the usual soft limit of
+// 1,024 open files. Raises the soft limit towards the hard one where
 // the sockets need it; start-up names the limit if it still falls short (EMFILE).
 void RaiseOpenFileLimit(uint64_t sockets) {
   rlimit limit{};
@@ -434,7 +434,8 @@ int Engine::LaneOf(const OpRequest& request) {
   if (lanes == 1) return 0;
   {
     std::lock_guard<std::mutex> lock(fused_mu_);
-    if (fused_names_.count(request.name)) return 0;
+    const auto fused = fused_lanes_.find(request.name);
+    if (fused != fused_lanes_.end()) return fused->second.first;
   }
   const uint64_t element = DataTypeSize(request.dtype);
   if (request.kind == OpKind::kPushPull && element > 0 && request.bytes % element == 0 &&
@@ -529,15 +530,57 @@ void Engine::SubmitToLane(int lane, OpRequest request) {
 
 void Engine::DeclareFusion(const std::string& group, std::vector<FusionDeclaration> tensors, uint64_t bucket_bytes,
                            std::function<void(const Status&)> done) {
-  if (lanes_.size() > 1) {
-    // Tensors that travel in fused buckets are held on lane 0, whole. Once fused, always there: a
-    // later plan (or a declaration the fuser refuses) may send one alone, which lane 0 also does,
-    // while a slice of a tensor the fuser holds would differ from its declaration.
-    const std::vector<std::string> fused = FusedMembers(tensors, options_.world_size, bucket_bytes);
+  if (lanes_.size() == 1) return DeclareOnLane(0, group, std::move(tensors), bucket_bytes, std::move(done));
+  // Each lane declares its share of the fused buckets (FusionByLane), and every lane declares, so
+  // that a lane's earlier plan of this group ends too. A group that held one of these tensors is
+  // replaced (as Fuser::Declare replaces it on one engine): declared empty on every lane first.
+  auto fused_lane = std::make_shared<std::unordered_map<std::string, int>>();
+  std::vector<std::vector<FusionDeclaration>> shares =
+      FusionByLane(tensors, options_.world_size, bucket_bytes, active_lanes_.load(), fused_lane.get());
+  shares.resize(lanes_.size());
+  std::vector<std::string> replaced;
+  {
     std::lock_guard<std::mutex> lock(fused_mu_);
-    fused_names_.insert(fused.begin(), fused.end());
+    for (const FusionDeclaration& t : tensors) {
+      const auto it = fused_lanes_.find(t.name);
+      if (it != fused_lanes_.end() && it->second.second != group &&
+          std::find(replaced.begin(), replaced.end(), it->second.second) == replaced.end())
+        replaced.push_back(it->second.second);
+    }
   }
-  Impl& m = *lanes_.front();
+  struct Join {
+    std::mutex mu;
+    size_t left = 0;
+    Status status;
+  };
+  auto join = std::make_shared<Join>();
+  join->left = lanes_.size() * (1 + replaced.size());
+  auto answered = [this, join, group, replaced, fused_lane, done = std::move(done)](const Status& status) {
+    {
+      std::lock_guard<std::mutex> lock(join->mu);
+      if (!status.ok() && join->status.ok()) join->status = status;
+      if (--join->left > 0) return;
+    }
+    if (join->status.ok()) {  // routing follows the new plans once every lane holds them
+      std::lock_guard<std::mutex> lock(fused_mu_);
+      for (auto it = fused_lanes_.begin(); it != fused_lanes_.end();)
+        it = it->second.second == group ||
+                     std::find(replaced.begin(), replaced.end(), it->second.second) != replaced.end()
+                 ? fused_lanes_.erase(it)
+                 : std::next(it);
+      for (const auto& [name, lane] : *fused_lane) fused_lanes_[name] = {lane, group};
+    }
+    if (done) done(join->status);
+  };
+  for (const std::string& old : replaced)
+    for (size_t l = 0; l < lanes_.size(); ++l) DeclareOnLane(static_cast<int>(l), old, {}, bucket_bytes, answered);
+  for (size_t l = 0; l < lanes_.size(); ++l)
+    DeclareOnLane(static_cast<int>(l), group, std::move(shares[l]), bucket_bytes, answered);
+}
+
+void Engine::DeclareOnLane(int lane, const std::string& group, std::vector<FusionDeclaration> tensors,
+                           uint64_t bucket_bytes, std::function<void(const Status&)> done) {
+  Impl& m = *lanes_[lane];
   {
     std::lock_guard<std::mutex> lock(m.mu);
     if (m.stopped.empty()) {

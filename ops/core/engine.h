@@ -12,8 +12,9 @@
 // io_threads, one until the strategy's start-up probe says how many the link needs for auto). A
 // push_pull of at least active x kMinLaneSliceBytes travels as one slice per active lane
 // (contiguous, equal element counts), its `done` called once every slice is back; every other
-// request travels whole on the active lane its name hashes to, and a tensor the fusion plan puts
-// in a fused bucket on lane 0, where the buckets form. Every worker cuts and routes the same way, so each lane
+// request travels whole on the active lane its name hashes to; a tensor the fusion plan puts in a
+// fused bucket travels whole on the lane its bucket was dealt to (FusionByLane, fuser.h), where
+// that bucket forms. Every worker cuts and routes the same way, so each lane
 // matches its requests as one engine does.
 //
 // Inside (docs/design.md, "Core file map"): engine.cc owns the thread, the submission queue, the
@@ -32,7 +33,6 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
-#include <unordered_set>
 #include <vector>
 
 #include "ops/core/codec.h"
@@ -146,9 +146,12 @@ class Engine {
   Timeline timeline_;  // every lane's events
   std::vector<std::unique_ptr<Impl>> lanes_;  // connected
   std::atomic<int> active_lanes_{1};
-  // Tensors a fusion plan put in a fused bucket: they travel whole on lane 0, where it forms.
+  void DeclareOnLane(int lane, const std::string& group, std::vector<FusionDeclaration> tensors,
+                     uint64_t bucket_bytes, std::function<void(const Status&)> done);
+  // Tensors a lane's fusion plan put in a fused bucket: they travel whole on that lane, where the
+  // bucket forms; with the group that declared them.
   std::mutex fused_mu_;
-  std::unordered_set<std::string> fused_names_;
+  std::unordered_map<std::string, std::pair<int, std::string>> fused_lanes_;
 };
 
 // The lanes an engine with these options connects: io_threads, or for kIoThreadsAuto kAutoLanes

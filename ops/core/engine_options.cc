@@ -260,6 +260,7 @@ std::string RuntimeConstantsJson() {
     first = false;
   }
   os << "], \"control_priority\": " << kControlPriority << ", \"protocol_version\": " << kProtocolVersion
+     << ", \"auto_lanes\": " << kAutoLanes << ", \"lane_slice_bytes\": " << kMinLaneSliceBytes
      << ", \"options\": [";
   first = true;
 #define PROPHET_OPTION(TYPE, NAME, DEFAULT, ACCEPTS, USE, ENV, DOC)                                 \

@@ -45,9 +45,11 @@ constexpr uint64_t kCreditAuto = 0;
 constexpr uint64_t kMinCreditBytes = 16u << 20;
 // io_threads at most: one lane per core of a large host.
 constexpr int kMaxIoThreads = 16;
-// io_threads = kIoThreadsAuto: kAutoLanes lanes where the job spans several hosts (ResolveLanes).
+// io_threads = kIoThreadsAuto: kAutoLanes lanes connected where the job spans several hosts
+// (ResolveLanes), of which the start-up probe uses what the link needs: 8 keep pace with 100 Gbit/s
+// at the CPU cost per byte measured on the machine of docs/benchmarks.md (7 needed).
 constexpr int kIoThreadsAuto = 0;
-constexpr int kAutoLanes = 4;
+constexpr int kAutoLanes = 8;
 // A push_pull of at least io_threads x this travels in slices, one per lane (engine.h).
 constexpr uint64_t kMinLaneSliceBytes = uint64_t{1} << 20;
 

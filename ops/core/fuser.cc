@@ -192,15 +192,28 @@ FusionInput FusionInputOf(const FusionDeclaration& d) {
   return in;
 }
 
-std::vector<std::string> FusedMembers(const std::vector<FusionDeclaration>& tensors, int world_size,
-                                      uint64_t bucket_bytes) {
+std::vector<std::vector<FusionDeclaration>> FusionByLane(const std::vector<FusionDeclaration>& tensors, int world_size,
+                                                         uint64_t bucket_bytes, int lanes,
+                                                         std::unordered_map<std::string, int>* fused_lane) {
   std::vector<FusionInput> inputs;
   for (const FusionDeclaration& d : tensors) inputs.push_back(FusionInputOf(d));
-  std::vector<std::string> names;
-  for (const FusionBucket& plan : PlanFusion(inputs, world_size, bucket_bytes))
-    if (plan.fused())
-      for (const int m : plan.members) names.push_back(tensors[m].name);
-  return names;
+  std::vector<std::vector<FusionDeclaration>> shares(static_cast<size_t>(std::max(lanes, 1)));
+  size_t next = 0;
+  for (const FusionBucket& plan : PlanFusion(inputs, world_size, bucket_bytes)) {
+    if (!plan.fused()) continue;
+    for (const int m : plan.members) shares[next].push_back(tensors[m]);
+    next = (next + 1) % shares.size();
+  }
+  fused_lane->clear();
+  for (size_t lane = 0; lane < shares.size(); ++lane) {
+    // The lane's fuser plans its share again: what that plan fuses travels there.
+    inputs.clear();
+    for (const FusionDeclaration& d : shares[lane]) inputs.push_back(FusionInputOf(d));
+    for (const FusionBucket& plan : PlanFusion(inputs, world_size, bucket_bytes))
+      if (plan.fused())
+        for (const int m : plan.members) (*fused_lane)[shares[lane][m].name] = static_cast<int>(lane);
+  }
+  return shares;
 }
 
 Status Fuser::Declare(const std::string& group, const std::vector<FusionDeclaration>& tensors, int world_size,

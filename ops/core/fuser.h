@@ -82,10 +82,13 @@ std::string DescribeDisagreement(int rank_a, const std::vector<DeclaredTensor>& 
 
 // How a declared tensor enters the plan (PlanFusion).
 FusionInput FusionInputOf(const FusionDeclaration& declaration);
-// The tensors of `tensors` that the plan puts in fused buckets (the rest travel alone): what
-// Fuser::Declare holds, for the engine's lanes (engine.h), which keep those on lane 0.
-std::vector<std::string> FusedMembers(const std::vector<FusionDeclaration>& tensors, int world_size,
-                                      uint64_t bucket_bytes);
+// For the engine's lanes (engine.h): what each of `lanes` lanes declares. The plan's fused
+// buckets are dealt round-robin, most urgent first, so that every lane carries buckets of every
+// urgency; a lane's share is its buckets' members, which its fuser plans again. `fused_lane` gets,
+// for every tensor its lane's plan fuses, that lane (the rest travel alone).
+std::vector<std::vector<FusionDeclaration>> FusionByLane(const std::vector<FusionDeclaration>& tensors, int world_size,
+                                                         uint64_t bucket_bytes, int lanes,
+                                                         std::unordered_map<std::string, int>* fused_lane);
 
 class Fuser {
  public:

@@ -157,6 +157,39 @@ uint64_t OpsDone(const Engine& e) {
 
 uint64_t Bucket(int n) { return FusionBucketBytes(n, 125e6); }
 
+// Lanes (engine.h): the plan's fused buckets are dealt round-robin over the lanes, every fused
+// member to exactly one lane, and what a lane's own plan fuses is what the routing map says.
+TEST(FusedBucketsAreDealtOverTheLanes) {
+  std::vector<FusionDeclaration> tensors;
+  for (int t = 0; t < 40; ++t) {
+    FusionDeclaration d;
+    d.name = "grad/" + std::to_string(t);
+    d.shape = {1000 + 100 * (t % 7)};
+    d.bytes = 4 * static_cast<uint64_t>(d.shape[0]);
+    d.priority = 40 - t;
+    tensors.push_back(d);
+  }
+  std::unordered_map<std::string, int> one_lane, three_lanes;
+  const auto whole = FusionByLane(tensors, 4, 16 << 10, 1, &one_lane);
+  const auto dealt = FusionByLane(tensors, 4, 16 << 10, 3, &three_lanes);
+  EXPECT_EQ(whole.size(), 1u);
+  EXPECT_EQ(dealt.size(), 3u);
+  size_t members = 0;
+  std::unordered_map<std::string, int> seen;
+  for (size_t lane = 0; lane < dealt.size(); ++lane) {
+    EXPECT_TRUE(dealt[lane].size() >= 4);  // several buckets each
+    members += dealt[lane].size();
+    for (const FusionDeclaration& d : dealt[lane]) EXPECT_TRUE(seen.emplace(d.name, static_cast<int>(lane)).second);
+  }
+  EXPECT_EQ(members, whole[0].size());  // the same fused members, each on one lane
+  int lanes_used[3] = {0, 0, 0};
+  for (const auto& [name, lane] : three_lanes) {
+    EXPECT_EQ(seen.at(name), lane);
+    lanes_used[lane]++;
+  }
+  for (int used : lanes_used) EXPECT_TRUE(used > 0);
+}
+
 TEST(FusedSumsAreTheSameEverywhereRunToRunAndInAnyOrder) {
   for (int n : {3, 4}) {
     auto engines = Cluster(n);

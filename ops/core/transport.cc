@@ -250,6 +250,12 @@ class Bootstrap {
       if (r != o_.rank && !peers_[Slot(r, 0)].ready) return false;
     return true;
   }
+  std::string TooManyFiles() const {
+    return Me() + " has no file descriptor left for its " + std::to_string(static_cast<size_t>(n_ - 1) * lanes_) +
+           " connections (" + std::to_string(n_ - 1) + " peers x " + std::to_string(lanes_) +
+           " io_threads lanes): raise the open-file limit (ulimit -n; the hard limit, ulimit -Hn, bounds what the "
+           "runtime can raise it to) or set io_threads=1";
+  }
   std::string Me() const { return "rank " + std::to_string(o_.rank) + " (" + o_.addresses[o_.rank] + ")"; }
   std::string Rank(int r) const { return "rank " + std::to_string(r) + " at " + o_.addresses[r]; }
 
@@ -290,6 +296,7 @@ void Bootstrap::Dial(int peer, int lane, int64_t now) {
   const sockaddr_storage& addr = addrs.front();
   const int fd = ::socket(addr.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   if (fd < 0) {
+    if (errno == EMFILE || errno == ENFILE) return Fatal(Code::kUnavailable, TooManyFiles());
     d.last_problem = "socket(): " + Errno(errno);
     return;
   }
@@ -420,7 +427,10 @@ void Bootstrap::AcceptAll(int64_t now) {
     sockaddr_storage from{};
     socklen_t from_len = sizeof(from);
     const int fd = ::accept4(listen_fd_, reinterpret_cast<sockaddr*>(&from), &from_len, SOCK_NONBLOCK | SOCK_CLOEXEC);
-    if (fd < 0) return;  // EAGAIN, or a connection that went away before we got to it
+    if (fd < 0) {  // EAGAIN, or a connection that went away before we got to it; or no descriptor left
+      if (errno == EMFILE || errno == ENFILE) Fatal(Code::kUnavailable, TooManyFiles());
+      return;
+    }
     size_t pending = 0;
     Session* oldest = nullptr;
     for (Session& s : sessions_) {

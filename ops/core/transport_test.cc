@@ -8,6 +8,7 @@
 #include <linux/tcp.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -503,6 +504,35 @@ TEST(DifferentHeartbeatSettingsFailTheConnectorAtOnce) {
   o[0].heartbeat_s = 2.0;
   o[1].heartbeat_s = 0.0;
   ExpectConnectorFailsAtOnceAndAcceptorNamesIt(o[0], o[1], "heartbeat_s");
+}
+
+// Lanes multiply the sockets: a worker that runs out of file descriptors says so, with the fix,
+// instead of waiting for peers it can no longer reach.
+TEST(RunningOutOfFileDescriptorsIsNamedWithTheFix) {
+  int open = 0;
+  if (DIR* dir = ::opendir("/proc/self/fd")) {
+    while (::readdir(dir) != nullptr) ++open;
+    ::closedir(dir);
+  }
+  rlimit saved{};
+  EXPECT_EQ(::getrlimit(RLIMIT_NOFILE, &saved), 0);
+  std::vector<BootstrapOptions> o = Job(3, 10.0);
+  for (auto& x : o) x.lanes = 4;
+  std::vector<Worker> w(3);
+  // Room for the 3 listeners and a few of the 24 sockets the job needs in this process.
+  rlimit low = saved;
+  low.rlim_cur = static_cast<rlim_t>(open + 8);
+  EXPECT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
+  for (int r = 0; r < 3; ++r) w[r].Start(o[r]);
+  for (auto& x : w) x.Join();
+  EXPECT_EQ(::setrlimit(RLIMIT_NOFILE, &saved), 0);
+  bool named = false;
+  for (const auto& x : w) {
+    EXPECT_TRUE(!x.status.ok());
+    if (Contains(x.status.message(), "no file descriptor left") && Contains(x.status.message(), "ulimit -n")) named = true;
+    std::printf("%s\n", x.status.message().c_str());
+  }
+  EXPECT_TRUE(named);
 }
 
 TEST(DifferentIoThreadsFailTheConnectorAtOnce) {

@@ -308,6 +308,7 @@ class Simulation {
   // and partitions are per unit; FrameInfo::tensor and OpKey's tensor index a unit.
   std::vector<ModelTensor> units_;
   std::vector<std::vector<int>> unit_members_;      // tensors of each unit
+  std::vector<int> unit_lane_;                      // the lane a fused unit was dealt to (Lane)
   std::vector<int> unit_of_;                        // per tensor
   std::vector<std::unordered_map<uint64_t, size_t>> unit_ready_;  // per worker, by OpKey(step, unit)
   std::vector<std::vector<Partition>> partitions_;  // per unit (two-level: owners are hosts)
@@ -522,7 +523,7 @@ void Simulation::Submit(int w, int step, int tensor) {
   op.submit_ns = now_ns_;
   // A fused bucket's members are packed into it on the I/O thread before its frames go.
   if (charges_cpu_ && unit_members_[tensor].size() > 1) {
-    IoWork(w, 0, now_ns_, static_cast<int64_t>(static_cast<double>(t.bytes) * network_.copy_byte_ns));
+    IoWork(w, unit_lane_[tensor], now_ns_, static_cast<int64_t>(static_cast<double>(t.bytes) * network_.copy_byte_ns));
   }
   TensorReady ready;
   ready.name = &t.name;
@@ -657,7 +658,7 @@ int Simulation::Lane(const FrameInfo& info) const {
   // The ring's chunks: by subdivision (the ring is not the engine's; its threads are TF's).
   if (info.kind == FrameKind::kRing) return static_cast<int>(static_cast<uint64_t>(info.partition) % lanes);
   const ModelTensor& t = units_[info.tensor];
-  if (unit_members_[info.tensor].size() > 1) return 0;  // a fused bucket: formed on lane 0
+  if (unit_members_[info.tensor].size() > 1) return unit_lane_[info.tensor];  // where it was dealt
   if (t.element_size > 0 && t.bytes % t.element_size == 0 && t.bytes >= lanes * kMinLaneSliceBytes) {
     // A slice per lane: the partition's first byte says which (its own cut is the slice's).
     const uint64_t offset = partitions_[info.tensor][static_cast<size_t>(info.partition)].offset;
@@ -857,7 +858,7 @@ void Simulation::PartitionDone(int w, uint64_t key) {
 void Simulation::OpDone(int w, int step, int unit) {
   // ... and their sums copied back out of it.
   if (charges_cpu_ && unit_members_[unit].size() > 1) {
-    IoWork(w, 0, now_ns_, static_cast<int64_t>(static_cast<double>(units_[unit].bytes) * network_.copy_byte_ns));
+    IoWork(w, unit_lane_[unit], now_ns_, static_cast<int64_t>(static_cast<double>(units_[unit].bytes) * network_.copy_byte_ns));
   }
   for (const int tensor : unit_members_[unit]) TensorDone(w, step, tensor);
 }
@@ -1083,6 +1084,7 @@ void Simulation::PlanUnits() {
   exchange_options.small_allreduce = runtime_.small_allreduce;
   exchange_options.partition_bytes = runtime_.partition_bytes;
   unit_of_.assign(profile_.tensors.size(), -1);
+  int fused_units = 0;
   for (const FusionBucket& b : PlanFusion(inputs, n_, bucket_bytes)) {
     const ModelTensor& first = profile_.tensors[b.members.front()];
     ModelTensor unit = first;
@@ -1099,6 +1101,9 @@ void Simulation::PlanUnits() {
     exchanged_.push_back(!mwms() && ExchangesThis(probe, n_, exchange_options));
     units_.push_back(unit);
     unit_members_.push_back(b.members);
+    // Fused buckets are dealt over the lanes round-robin, most urgent first (FusionByLane).
+    const int lanes = std::max(1, network_.io_threads);
+    unit_lane_.push_back(b.fused() ? fused_units++ % lanes : 0);
     if (!two_level()) {
       partitions_.push_back(PlanPartitions(b, n_, runtime_.partition_bytes, bucket_bytes, PartitionMinSplitBytes(runtime_.schedule)));
       continue;

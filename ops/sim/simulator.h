@@ -156,9 +156,10 @@ struct NetworkModel {
   double copy_byte_ns = 0;
   // The I/O threads (lanes, EngineOptions::io_threads) of each worker's runtime: a frame's CPU is
   // charged to its lane's thread, routed as the engine routes (engine.h: a push_pull of at least
-  // io_threads x kMinLaneSliceBytes in slices, one per lane, a fused bucket and its copies on
-  // lane 0, any other tensor on the lane its name hashes to). The lanes' schedulers are modelled
-  // as one (one policy and one credit per worker).
+  // io_threads x kMinLaneSliceBytes in slices, one per lane, fused buckets and their copies dealt
+  // over the lanes round-robin, any other tensor on the lane its name hashes to). The lanes'
+  // schedulers are modelled as one (one policy and one credit per worker), and a lane's fusion
+  // plan as the whole plan's buckets it was dealt.
   int io_threads = 1;
   // > 0: every worker's I/O thread and updates (ModelTensor::apply_ns) run on one pool of this
   // many cores shared by all the workers (workers on one machine: the replay benchmark,

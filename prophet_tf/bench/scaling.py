@@ -92,9 +92,12 @@ def io_threads_for(link_bps: float, options: Any) -> int:
     """The fewest I/O threads whose charged CPU keeps pace with a link of ``link_bps`` per
     direction under ``options``' costs, by the runtime's own rule (io_threads auto,
     :func:`prophet_tf._link_probe.lanes_for`): each byte a worker sends costs its sending,
-    receiving as much, and adding about half of that (the pushes it owns)."""
+    receiving as much, and adding about half of that (the pushes it owns); at most the lanes
+    auto connects."""
+    from prophet_tf._library import runtime_constants
+
     per_byte = options.send_byte_s + options.receive_byte_s + options.sum_byte_s / 2
-    return _link_probe.lanes_for(link_bps / 8, per_byte)
+    return _link_probe.lanes_for(link_bps / 8, per_byte, int(runtime_constants()["auto_lanes"]))
 
 
 def scaling_points(profiles: dict[str, Any], bandwidths: Sequence[float], workers: Sequence[int],

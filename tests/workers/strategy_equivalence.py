@@ -103,11 +103,12 @@ def many_small():
 
 
 def wide():
-    """A 1024 x 1024 kernel (4 MiB): large enough to travel in slices on 2-4 lanes (io_threads)."""
+    """A 1024 x 2048 kernel (8 MiB): large enough to travel in slices on up to 8 lanes
+    (io_threads)."""
     return keras.Sequential([
         keras.Input((FEATURES,)),
         keras.layers.Dense(1024, activation="relu"),
-        keras.layers.Dense(1024, activation="relu"),
+        keras.layers.Dense(2048, activation="relu"),
         keras.layers.Dense(CLASSES, activation="softmax"),
     ])
 
