@@ -913,7 +913,7 @@ TEST(LanesGiveExactSumsWithSlicesOnEveryLane) {
   for (const int lanes : {2, 3}) {
     std::vector<EngineOptions> options = ClusterOptions(3);
     for (EngineOptions& o : options) o.io_threads = lanes;
-    // 3 MB and 9 MB are sliced at 2 and 3 lanes; 2 MB + 12 bytes only at 2, its slices not a
+    // The MB sizes are sliced at 2 and 3 lanes; 2 MB + 12 bytes into slices that are not a
     // multiple of the partition size nor of each other.
     std::vector<Case> cases = MakeCases("lanes", {1, 1000, 2 * kMB + 12, 3 * kMB, 9 * kMB});
     auto engines = StartCluster(options);

@@ -854,7 +854,7 @@ TEST(SharedCoresAlsoRunTheUpdates) {
 }
 
 // Several I/O threads per worker (lanes, as the engine routes them): a push_pull of at least
-// io_threads x 1 MiB travels in slices, one per lane, so its frames' CPU (10 ns per byte received,
+// io_threads x 256 KiB travels in slices, one per lane, so its frames' CPU (10 ns per byte received,
 // far slower than the link) is shared by the threads; a smaller tensor travels whole on one lane,
 // and a second thread changes nothing for it.
 TEST(IoThreadsShareAWorkersCpuWork) {
@@ -873,8 +873,8 @@ TEST(IoThreadsShareAWorkersCpuWork) {
     return Run(profile, network, runtime).step_s;
   };
   const double sliced_one = step_s(8u << 20, 1), sliced_two = step_s(8u << 20, 2);
-  const double whole_one = step_s(1u << 20, 1), whole_two = step_s(1u << 20, 2);
-  std::printf("8 MiB: %.1f ms on one thread, %.1f on two; 1 MiB: %.1f, %.1f\n", sliced_one * 1e3, sliced_two * 1e3,
+  const double whole_one = step_s(256u << 10, 1), whole_two = step_s(256u << 10, 2);
+  std::printf("8 MiB: %.1f ms on one thread, %.1f on two; 256 KiB: %.1f, %.1f\n", sliced_one * 1e3, sliced_two * 1e3,
               whole_one * 1e3, whole_two * 1e3);
   // 8 MiB: 4 MiB of pushes and 4 MiB of sums received per worker, 84 ms of receiving on one
   // thread; two share it.
