@@ -307,6 +307,33 @@ TEST(IntegersSumExactlyAndAverageTruncates) {
   }
 }
 
+// Lanes (io_threads) on the two-level path: each slice takes the path on its own lane, and the
+// integer sums are exact.
+TEST(LanesTakeTheTwoLevelPathSliceBySlice) {
+  const std::vector<std::string> labels = {"a", "a", "b"};
+  std::vector<EngineOptions> options = Options(labels);
+  for (EngineOptions& o : options) o.io_threads = 2;
+  auto engines = Cluster(options);
+  if (!Started(engines)) return;
+  const int n = 3;
+  const uint64_t elements = 300001;  // 2.4 MB: two slices of odd length
+  std::vector<std::vector<int64_t>> in(n, std::vector<int64_t>(elements)), out = in;
+  std::vector<int64_t> expected(elements, 0);
+  for (int r = 0; r < n; ++r)
+    for (uint64_t i = 0; i < elements; ++i) {
+      in[r][i] = static_cast<int64_t>(i) * 7919 - r * 104729;
+      expected[i] += in[r][i];
+    }
+  std::vector<std::future<Status>> done;
+  for (int r = 0; r < n; ++r)
+    done.push_back(Submit(*engines[r], "int/lanes", DataType::kInt64, elements, in[r].data(), out[r].data(), false));
+  for (auto& f : done) EXPECT_TRUE(AWAIT(f).ok());
+  for (int r = 0; r < n; ++r) EXPECT_TRUE(out[r] == expected);
+  const std::string stats = engines[0]->StatsJson();
+  EXPECT_TRUE(Contains(stats, "\"io_threads\": 2") && Contains(stats, "\"two_level_hosts\": 2"));
+  EXPECT_TRUE(!Contains(stats, "\"lane_bytes_sent\": [0") && !Contains(stats, ", 0]"));
+}
+
 TEST(FusedBucketsTravelTheTwoLevelPathTheSameEverywhereRunToRun) {
   const std::vector<std::string> labels = {"a", "a", "b", "b"};
   auto engines = Cluster(Options(labels));
