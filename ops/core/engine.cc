@@ -83,6 +83,14 @@ struct Engine::Impl : public Connection::Handler,
   std::string stopped;
   std::string requested_schedule;                         // SetSchedule, not yet seen
   std::vector<std::promise<std::string>> state_requests;  // SchedulerStateJson callers
+  // Slices of a push_pull whose slice on another lane failed (Engine::SubmitSliced): they fail
+  // everywhere with the same status, instead of waiting for peers that may never send them.
+  struct Cancel {
+    std::string name;
+    uint64_t round = 0;
+    Status status;
+  };
+  std::vector<Cancel> cancels;
   // DeclareFusion calls, applied where they came among the submissions (`at`: submitted.size()).
   struct Declaration {
     size_t at = 0;
@@ -461,19 +469,25 @@ void Engine::SubmitSliced(OpRequest request) {
     std::string name;
     std::string args;  // trace
     int64_t submit_ns = 0;
+    std::vector<uint64_t> rounds;  // of each lane's slice
+    size_t submitted = 0;          // slices submitted so far (their rounds are known)
   };
   auto join = std::make_shared<Join>();
   const size_t lanes = static_cast<size_t>(active_lanes_.load());
   join->left = lanes;
+  join->name = request.name;
+  join->rounds.assign(lanes, 0);
   join->done = std::move(request.done);
   join->submit_ns = NowNs();
   if (timeline_.enabled()) {
-    join->name = request.name;
     join->args = "{\"bytes\": " + std::to_string(request.bytes) + ", \"priority\": " + std::to_string(request.priority) +
                  ", \"lanes\": " + std::to_string(lanes) + ", \"ok\": ";
     timeline_.Instant("ready", request.name, join->submit_ns);
   }
   Timeline* timeline = &timeline_;
+  // Slices are submitted under the join's lock, so that a slice that fails at once finds the
+  // rounds of the others.
+  std::unique_lock<std::mutex> submitting(join->mu);
   const uint64_t element = DataTypeSize(request.dtype);
   const uint64_t elements = request.bytes / element;
   for (size_t l = 0; l < lanes; ++l) {
@@ -490,12 +504,18 @@ void Engine::SubmitSliced(OpRequest request) {
     slice.average = request.average;
     slice.compression = request.compression;
     slice.lane_slice = true;
-    slice.done = [join, timeline](const Status& status, const GatherResult*) {
+    slice.done = [this, join, timeline, l](const Status& status, const GatherResult*) {
       std::function<void(const Status&, const GatherResult*)> done;
       Status result;
       {
         std::lock_guard<std::mutex> lock(join->mu);
-        if (!status.ok() && join->status.ok()) join->status = status;
+        if (!status.ok() && join->status.ok()) {
+          join->status = status;
+          // The other slices would wait for their peers, which may never send them (a worker
+          // that did not slice this tensor): they fail now, everywhere, with this status.
+          for (size_t other = 0; other < join->submitted; ++other)
+            if (other != l) CancelOnLane(static_cast<int>(other), join->name, join->rounds[other], status);
+        }
         if (--join->left > 0) return;
         done = std::move(join->done);
         result = join->status;
@@ -504,18 +524,34 @@ void Engine::SubmitSliced(OpRequest request) {
         timeline->Complete("op", join->name, join->submit_ns, NowNs(), join->args + (result.ok() ? "true}" : "false}"));
       done(result, nullptr);
     };
-    SubmitToLane(static_cast<int>(l), std::move(slice));
+    submitting.unlock();  // a slice refused at once calls `done` here
+    const uint64_t round = SubmitToLane(static_cast<int>(l), std::move(slice));
+    submitting.lock();
+    join->rounds[l] = round;
+    join->submitted = l + 1;
+    if (!join->status.ok()) CancelOnLane(static_cast<int>(l), join->name, round, join->status);  // a sibling failed already
   }
 }
 
-void Engine::SubmitToLane(int lane, OpRequest request) {
+void Engine::CancelOnLane(int lane, const std::string& name, uint64_t round, const Status& status) {
+  Impl& m = *lanes_[lane];
+  {
+    std::lock_guard<std::mutex> lock(m.mu);
+    if (!m.stopped.empty()) return;
+    m.cancels.push_back({name, round, status});
+  }
+  m.Wake();
+}
+
+uint64_t Engine::SubmitToLane(int lane, OpRequest request) {
   Impl& m = *lanes_[lane];
   std::string stopped;
+  uint64_t round = 0;
   {
     std::lock_guard<std::mutex> lock(m.mu);
     stopped = m.stopped;
     if (stopped.empty()) {
-      const uint64_t round = m.rounds[request.name]++;
+      round = m.rounds[request.name]++;
       m.submitted.emplace_back(std::move(request), round);
     }
   }
@@ -523,9 +559,10 @@ void Engine::SubmitToLane(int lane, OpRequest request) {
     request.done(Status(Code::kUnavailable, std::string(OpKindName(request.kind)) + " '" + request.name +
                                                 "' failed: " + stopped),
                  nullptr);
-    return;
+    return round;
   }
   m.Wake();
+  return round;
 }
 
 void Engine::DeclareFusion(const std::string& group, std::vector<FusionDeclaration> tensors, uint64_t bucket_bytes,
@@ -779,9 +816,11 @@ void Engine::Impl::DrainSubmissions() {
   std::vector<std::pair<OpRequest, uint64_t>> batch;
   std::vector<std::promise<std::string>> questions;
   std::vector<Declaration> declared;
+  std::vector<Cancel> cancelled;
   {
     std::lock_guard<std::mutex> lock(mu);
     batch.swap(submitted);
+    cancelled.swap(cancels);
     questions.swap(state_requests);
     declared.swap(declarations);
     if (!requested_schedule.empty()) next_schedule = std::move(requested_schedule);
@@ -818,6 +857,8 @@ void Engine::Impl::DrainSubmissions() {
     ReplayEarly(op);
     if (Alive(id)) failures.OnStarted(op);
   }
+  for (const Cancel& c : cancelled)
+    if (Collective* op = Find(OperationKey(c.name, c.round))) FailEverywhere(op, c.status);
   if (!questions.empty()) {
     const std::string state = PolicyStateJson(*policy);
     for (auto& question : questions) question.set_value(state);

@@ -139,8 +139,11 @@ class Engine {
   explicit Engine(const EngineOptions& options);
   // The lane that carries `request` whole, or -1: in slices on every lane.
   int LaneOf(const OpRequest& request);
-  void SubmitToLane(int lane, OpRequest request);
+  // Returns the request's round on that lane.
+  uint64_t SubmitToLane(int lane, OpRequest request);
   void SubmitSliced(OpRequest request);
+  // Fails name#round on `lane` everywhere with `status` (a slice whose sibling failed).
+  void CancelOnLane(int lane, const std::string& name, uint64_t round, const Status& status);
 
   EngineOptions options_;
   Timeline timeline_;  // every lane's events

@@ -1036,6 +1036,22 @@ TEST(LanesFailClosedOnDifferentShapesAndALostPeer) {
     EXPECT_TRUE(Contains(s.message(), "'dense/kernel'"));
     EXPECT_TRUE(Contains(s.message(), "[2048, 512]") && Contains(s.message(), "[512, 2048]"));
   }
+  // Sizes that differ: rank 0 slices its 4 MiB, rank 1's 1000 floats travel whole on one lane.
+  // That lane finds the mismatch; rank 0's other slice, which rank 1 never sends, fails with it at
+  // once instead of at the operation timeout (20 s here).
+  std::vector<float> small(1000, 1.0f), small_out(1000);
+  const auto t0 = Clock::now();
+  auto q0 = PushPull(engines[0].get(), "conv/kernel", DataType::kFloat32, {rows * cols}, a.data(), oa.data(),
+                     4 * a.size());
+  auto q1 = PushPull(engines[1].get(), "conv/kernel", DataType::kFloat32, {1000}, small.data(), small_out.data(), 4000);
+  for (auto* p : {q0.get(), q1.get()}) {
+    const Status s = AWAIT(*p);
+    EXPECT_TRUE(s.code() == Code::kInvalidArgument);
+    EXPECT_TRUE(Contains(s.message(), "'conv/kernel'") && Contains(s.message(), "[1000]"));
+  }
+  const double waited = SecondsSince(t0);
+  std::printf("sizes that differ failed on both after %.3f s\n", waited);
+  EXPECT_TRUE(waited < 10.0);
   // Rank 1 is lost while rank 0 waits for a sliced push_pull it alone submitted.
   auto orphan = PushPull(engines[0].get(), "orphan/big", DataType::kFloat32, {rows * cols}, a.data(), oa.data(),
                          4 * a.size());
