@@ -115,12 +115,13 @@ def scale_profile(profile: Any, time_scale: float, byte_scale: float) -> Any:
 
 def predict_options(workers_per_host: int, hierarchical: str, fusion_bytes: int, warmup: int,
                     steps: int, costs: Optional[dict] = None, runtime: Optional[dict] = None,
-                    shared_cores: int = 0, mtu: int = 1500) -> Any:
+                    shared_cores: int = 0, mtu: int = 1500, io_threads: int = 1) -> Any:
     """How the predictor models the replay's cluster: egress-only tbf links carrying TCP's
     payload share (as ``bench.predict`` models the emulated cluster), this machine's socket
     limits, W workers per host, the workers' fusion bucket, ``runtime`` (PredictOptions fields:
     the engine's sizes as the workers used them) and ``costs`` (CPU per message and per byte,
-    ``prophet_tf.predict calibrate``) on ``shared_cores`` cores (0: a core per worker)."""
+    ``prophet_tf.predict calibrate``) on ``shared_cores`` cores (0: a core per worker), with
+    ``io_threads`` lanes per worker (the replay's engines take the same)."""
     from prophet_tf.bench.netem import frame_efficiency
     from prophet_tf.predict import (PredictOptions, kernel_autotuned_socket_buffer,
                                     kernel_socket_buffer_cap)
@@ -129,7 +130,7 @@ def predict_options(workers_per_host: int, hierarchical: str, fusion_bytes: int,
                              fusion_bytes=fusion_bytes, warmup_steps=warmup, steps=steps,
                              max_socket_buffer_bytes=kernel_socket_buffer_cap(),
                              autotuned_socket_buffer_bytes=kernel_autotuned_socket_buffer(),
-                             shared_cores=shared_cores)
+                             shared_cores=shared_cores, io_threads=io_threads)
     options = dataclasses.replace(options, **(runtime or {}))
     from prophet_tf.predict.costs import apply_costs
     return apply_costs(options, costs)
@@ -223,7 +224,7 @@ def run_replay(profile: Any, *, workers: int, workers_per_host: int, schedule: s
                costs: Optional[dict], model: str, workdir: str, probe: bool = False,
                check_all: bool = False, fusion: str = "scaled", shared_cores: int = 0,
                tbf_latency_ms: float = 1000.0, sysctls: Optional[dict[str, str]] = None,
-               gso_max_segs: int = 4, mtu: int = 1500) -> ReplayRun:
+               gso_max_segs: int = 4, mtu: int = 1500, io_threads: int = 1) -> ReplayRun:
     """Runs one replay (see the module docstring) and predicts it. Raises RuntimeError naming
     the first worker that failed and its error.
 
@@ -246,7 +247,7 @@ def run_replay(profile: Any, *, workers: int, workers_per_host: int, schedule: s
     played = scale_profile(profile, time_scale, byte_scale)
     link_bps = bandwidth_bps * byte_scale / time_scale
     options = predict_options(workers_per_host, hierarchical, 0 if fusion == "off" else -1,
-                              warmup, steps, costs, None, shared_cores, mtu)
+                              warmup, steps, costs, None, shared_cores, mtu, io_threads)
     request = simulation_request(played, workers, link_bps, schedule, options, None, 0)
     os.makedirs(workdir, exist_ok=True)
     request_path = os.path.join(workdir, "request.txt")
@@ -335,7 +336,7 @@ def run_replay(profile: Any, *, workers: int, workers_per_host: int, schedule: s
         runtime["sender_queue_s"] = tsq_queue_s(workers, workers_per_host, link_bps, gso_max_segs,
                                                 mtu)
     options = predict_options(workers_per_host, hierarchical, fusion, warmup, steps, costs,
-                              runtime, shared_cores, mtu)
+                              runtime, shared_cores, mtu, io_threads)
     try:
         prediction = predict(played, workers=workers, bandwidth_bps=link_bps, schedule=schedule,
                              options=options)
@@ -347,7 +348,7 @@ def run_replay(profile: Any, *, workers: int, workers_per_host: int, schedule: s
         try:
             free = predict(played, workers=workers, bandwidth_bps=link_bps, schedule=schedule,
                            options=predict_options(workers_per_host, hierarchical, fusion, warmup,
-                                                   steps, None, runtime, 0, mtu)).step_s
+                                                   steps, None, runtime, 0, mtu, io_threads)).step_s
         except SimulatedDeadlock:
             free = None
     bound = ideal_bound(played, workers=workers, bandwidth_bps=link_bps, options=options)
@@ -433,6 +434,8 @@ def _define_flags() -> None:
                       "strategy's, from the workers' probe of the emulated link) or off.")
     flags.DEFINE_bool("probe", False, "Run the strategy's start-up probe (4 MiB push_pulls, timed "
                       "as start-up) even where fusion does not need it.")
+    flags.DEFINE_integer("io_threads", 1, "Lanes per worker (the runtime's io_threads), in the "
+                         "engines and in the prediction beside them.")
     flags.DEFINE_integer("shared_cores", 0, "Predict with every worker's I/O thread on one pool of "
                          "this many cores (this machine's, as the replay runs them); 0: a core "
                          "each.")
@@ -555,7 +558,8 @@ def main(argv: Sequence[str]) -> int:
                                          shared_cores=FLAGS.shared_cores,
                                          tbf_latency_ms=FLAGS.tbf_latency_ms,
                                          sysctls=dict(kv.split("=", 1) for kv in FLAGS.sysctl),
-                                         gso_max_segs=FLAGS.gso_max_segs, mtu=FLAGS.mtu)
+                                         gso_max_segs=FLAGS.gso_max_segs, mtu=FLAGS.mtu,
+                                         io_threads=FLAGS.io_threads)
                     except (RuntimeError, ValueError) as e:
                         print(f"| {model} | {schedule} | N={n} | failed: {e} |", flush=True)
                         status = 1
