@@ -418,8 +418,9 @@ void Engine::Impl::Open(const std::vector<int>& fds) {
 void Engine::StopWithoutNotice() {
   for (auto& m : lanes_) {
     m->vanish.store(true);
-    m->RequestStop();
+    m->stop.store(true);  // every lane before any wakes: a lane shutting down fails slices on the others
   }
+  for (auto& m : lanes_) m->RequestStop();
   for (auto& m : lanes_) {
     m->JoinThread();
     m->conns.clear();  // closes the sockets
@@ -427,6 +428,7 @@ void Engine::StopWithoutNotice() {
 }
 
 Engine::~Engine() {
+  for (auto& m : lanes_) m->stop.store(true);  // every lane before any wakes (StopWithoutNotice)
   for (auto& m : lanes_) m->RequestStop();
   for (auto& m : lanes_) m->JoinThread();
   timeline_.Close();
@@ -437,8 +439,7 @@ Engine::~Engine() {
   }
 }
 
-int Engine::LaneOf(const OpRequest& request) {
-  const int lanes = active_lanes_.load();
+int Engine::LaneOf(const OpRequest& request, int lanes) {
   if (lanes == 1) return 0;
   {
     std::lock_guard<std::mutex> lock(fused_mu_);
@@ -453,12 +454,13 @@ int Engine::LaneOf(const OpRequest& request) {
 }
 
 void Engine::Submit(OpRequest request) {
-  const int lane = LaneOf(request);
-  if (lane < 0) return SubmitSliced(std::move(request));
+  const int active = active_lanes_.load();  // once: the cut and the slices must agree
+  const int lane = LaneOf(request, active);
+  if (lane < 0) return SubmitSliced(std::move(request), active);
   SubmitToLane(lane, std::move(request));
 }
 
-void Engine::SubmitSliced(OpRequest request) {
+void Engine::SubmitSliced(OpRequest request, int active) {
   // The slices' `done`s come on different lanes' threads; the last one answers for the request,
   // with the first failure if any (a failed slice's lane has named the tensor and the reason).
   struct Join {
@@ -473,7 +475,7 @@ void Engine::SubmitSliced(OpRequest request) {
     size_t submitted = 0;          // slices submitted so far (their rounds are known)
   };
   auto join = std::make_shared<Join>();
-  const size_t lanes = static_cast<size_t>(active_lanes_.load());
+  const size_t lanes = static_cast<size_t>(active);
   join->left = lanes;
   join->name = request.name;
   join->rounds.assign(lanes, 0);
@@ -568,6 +570,13 @@ uint64_t Engine::SubmitToLane(int lane, OpRequest request) {
 void Engine::DeclareFusion(const std::string& group, std::vector<FusionDeclaration> tensors, uint64_t bucket_bytes,
                            std::function<void(const Status&)> done) {
   if (lanes_.size() == 1) return DeclareOnLane(0, group, std::move(tensors), bucket_bytes, std::move(done));
+  // A lane checks only its share: the whole declaration is checked here, as one engine would.
+  const Status valid = ValidateDeclaration(group, tensors);
+  if (!valid.ok()) {
+    PROPHET_INFO("fusion declaration refused: %s", valid.message().c_str());
+    if (done) done(valid);
+    return;
+  }
   // Each lane declares its share of the fused buckets (FusionByLane), and every lane declares, so
   // that a lane's earlier plan of this group ends too. A group that held one of these tensors is
   // replaced (as Fuser::Declare replaces it on one engine): declared empty on every lane first.
@@ -857,8 +866,11 @@ void Engine::Impl::DrainSubmissions() {
     ReplayEarly(op);
     if (Alive(id)) failures.OnStarted(op);
   }
-  for (const Cancel& c : cancelled)
-    if (Collective* op = Find(OperationKey(c.name, c.round))) FailEverywhere(op, c.status);
+  // Not while stopping: a sibling failed because its lane shuts down, and so does this one, which
+  // fails its operations here without telling the peers (Shutdown).
+  if (!stop.load())
+    for (const Cancel& c : cancelled)
+      if (Collective* op = Find(OperationKey(c.name, c.round))) FailEverywhere(op, c.status);
   if (!questions.empty()) {
     const std::string state = PolicyStateJson(*policy);
     for (auto& question : questions) question.set_value(state);

@@ -137,11 +137,11 @@ class Engine {
 
  private:
   explicit Engine(const EngineOptions& options);
-  // The lane that carries `request` whole, or -1: in slices on every lane.
-  int LaneOf(const OpRequest& request);
+  // The lane that carries `request` whole, or -1: in slices on every active lane.
+  int LaneOf(const OpRequest& request, int active_lanes);
   // Returns the request's round on that lane.
   uint64_t SubmitToLane(int lane, OpRequest request);
-  void SubmitSliced(OpRequest request);
+  void SubmitSliced(OpRequest request, int active_lanes);
   // Fails name#round on `lane` everywhere with `status` (a slice whose sibling failed).
   void CancelOnLane(int lane, const std::string& name, uint64_t round, const Status& status);
 

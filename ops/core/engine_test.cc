@@ -990,6 +990,15 @@ TEST(LanesFormFusedBucketsOfTheirShare) {
     e->DeclareFusion("model", declared, 32 << 10, [applied](const Status& s) { applied->set_value(s); });
     EXPECT_TRUE(answer.wait_for(std::chrono::seconds(10)) == std::future_status::ready && answer.get().ok());
   }
+  // The whole declaration is checked, not only each lane's share: a tensor named twice is refused
+  // as one engine refuses it.
+  std::vector<FusionDeclaration> twice = declared;
+  twice.push_back(declared.back());
+  auto refused = std::make_shared<std::promise<Status>>();
+  auto refusal = refused->get_future();
+  engines[0]->DeclareFusion("other", twice, 32 << 10, [refused](const Status& s) { refused->set_value(s); });
+  const Status no = refusal.get();
+  EXPECT_TRUE(no.code() == Code::kInvalidArgument && Contains(no.message(), "twice"));
   for (int round = 0; round < 3; ++round) {
     std::vector<std::vector<float>> in(3, std::vector<float>(kTensors * kElements)), out = in;
     std::vector<std::unique_ptr<Pending>> pending;

@@ -179,6 +179,22 @@ std::string DescribeDisagreement(int rank_a, const std::vector<DeclaredTensor>& 
   return kDisagreementLead + fallback + kDisagreementFix;
 }
 
+Status ValidateDeclaration(const std::string& group, const std::vector<FusionDeclaration>& tensors) {
+  std::unordered_map<std::string, int> seen;
+  for (const FusionDeclaration& d : tensors) {
+    if (!seen.emplace(d.name, 1).second)
+      return Status(Code::kInvalidArgument, "fusion declaration '" + group + "' names tensor '" + d.name + "' twice");
+    const size_t elem = DataTypeSize(d.dtype);
+    int64_t elements = 1;
+    for (const int64_t dim : d.shape) elements = dim < 0 ? -1 : elements * dim;
+    if (elem == 0 || elements < 0 || d.bytes != static_cast<uint64_t>(elements) * elem)
+      return Status(Code::kInvalidArgument, "fusion declaration of '" + d.name + "': " + std::to_string(d.bytes) +
+                                                " bytes is not shape " + ShapeString(d.shape) + " of " +
+                                                DataTypeName(d.dtype));
+  }
+  return Status::OK();
+}
+
 FusionInput FusionInputOf(const FusionDeclaration& d) {
   FusionInput in;
   in.name = d.name;
@@ -234,20 +250,10 @@ Status Fuser::Declare(const std::string& group, const std::vector<FusionDeclarat
                       "fusion declaration '" + group + "' came while '" + q.front().name + "' of the declaration '" +
                           b.group + "' waits for the rest of its bucket; declare between steps");
   }
+  const Status valid = ValidateDeclaration(group, tensors);
+  if (!valid.ok()) return valid;
   std::vector<FusionInput> inputs;
-  std::unordered_map<std::string, int> seen;
-  for (const FusionDeclaration& d : tensors) {
-    if (!seen.emplace(d.name, 1).second)
-      return Status(Code::kInvalidArgument, "fusion declaration '" + group + "' names tensor '" + d.name + "' twice");
-    const size_t elem = DataTypeSize(d.dtype);
-    int64_t elements = 1;
-    for (const int64_t dim : d.shape) elements = dim < 0 ? -1 : elements * dim;
-    if (elem == 0 || elements < 0 || d.bytes != static_cast<uint64_t>(elements) * elem)
-      return Status(Code::kInvalidArgument, "fusion declaration of '" + d.name + "': " + std::to_string(d.bytes) +
-                                                " bytes is not shape " + ShapeString(d.shape) + " of " +
-                                                DataTypeName(d.dtype));
-    inputs.push_back(FusionInputOf(d));
-  }
+  for (const FusionDeclaration& d : tensors) inputs.push_back(FusionInputOf(d));
   buckets_.erase(
       std::remove_if(buckets_.begin(), buckets_.end(), [&](const Bucket& b) { return replaced.count(b.group) != 0; }),
       buckets_.end());

@@ -80,6 +80,8 @@ struct DeclaredTensor {
 std::string DescribeDisagreement(int rank_a, const std::vector<DeclaredTensor>& a, int rank_b,
                                  const std::vector<DeclaredTensor>& b, const std::string& fallback);
 
+// A declaration that names a tensor twice, or whose bytes are not its shape, fails with the reason.
+Status ValidateDeclaration(const std::string& group, const std::vector<FusionDeclaration>& tensors);
 // How a declared tensor enters the plan (PlanFusion).
 FusionInput FusionInputOf(const FusionDeclaration& declaration);
 // For the engine's lanes (engine.h): what each of `lanes` lanes declares. The plan's fused
