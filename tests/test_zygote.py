@@ -37,7 +37,10 @@ if mode == "exit":
 if mode == "raise":
     raise RuntimeError("raised in the worker")
 if mode == "wait":
-    time.sleep(60)
+    # Short sleeps: Python runs a handler between bytecodes, so a signal that comes after the
+    # last check and before a long sleep starts would be handled only when that sleep ends.
+    for _ in range(600):
+        time.sleep(0.1)
 """
 
 

@@ -232,8 +232,16 @@ def _become(request: dict, fds: list, conn: socket.socket, base_path: list) -> d
             pass
         os.kill(os.getpid(), signal.SIGKILL)
 
-    threading.Thread(target=watch_client, name="zygote-client-watch", daemon=True).start()
-    import numpy
+    # The threads started here (this watch, numpy's BLAS pool) block every signal: a ``python``
+    # process has only its main thread at this point, so the kernel gives it every signal sent
+    # to the process. Python runs handlers in the main thread only, and a signal given to another
+    # thread does not interrupt the main thread's blocking call.
+    unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    try:
+        threading.Thread(target=watch_client, name="zygote-client-watch", daemon=True).start()
+        import numpy
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
 
     numpy.random.seed()
     python_path = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
