@@ -73,6 +73,28 @@ def test_a_stall_is_a_step_over_twice_its_workers_median() -> None:
     assert count_stalls([0.1, 0.11, 0.25, 0.1, 0.9]) == 2
 
 
+def test_each_hosts_queue_holds_frames_of_every_connection_that_crosses_its_link() -> None:
+    import pytest
+
+    from prophet_tf.bench.replay import crossing_connections, tbf_queue_ms
+    # 8 hosts x 8 workers: flat, each worker sends to the 56 elsewhere; two-level, to one a host.
+    assert crossing_connections(64, 8, "off", 1) == 8 * 56
+    assert crossing_connections(64, 8, "auto", 1) == crossing_connections(64, 8, "on", 1) == 8 * 7
+    assert crossing_connections(64, 8, "off", 2) == 2 * 8 * 56            # a connection a lane
+    assert crossing_connections(16, 1, "auto", 1) == 15                  # one a host: flat
+    # ResNet50 at 100 Gbit/s slowed 600 x with 1.2% of its bytes: 2 Mbit/s a host. A 2 s queue
+    # (0.5 MB) dropped packets of its 448 connections until they ended with ETIMEDOUT.
+    link_bps = 100e9 * 0.012 / 600
+    with pytest.raises(ValueError, match=r"2000 gives each host a queue of 0\.50 MB .* 448 "
+                                         r"crossing connections .* ETIMEDOUT.*0 \(sized for them: "
+                                         r"10852 ms\)"):
+        tbf_queue_ms(link_bps, 448, 1500, 2000)
+    assert tbf_queue_ms(link_bps, 448, 1500, 0) == pytest.approx(448 * 4 * 1514 * 8 / 2e6 * 1e3)
+    assert tbf_queue_ms(link_bps, 448, 1500, 8000) == 8000            # 2.9 frames each
+    assert tbf_queue_ms(1e9, 15, 1500, 0) == 1000                     # at least a second
+    with pytest.raises(ValueError, match="a smaller --time_scale or a larger --byte_scale"):
+        tbf_queue_ms(1e9, 100000, 9000, 20)
+
 
 def test_saved_runs_load_and_give_their_error_line(tmp_path: Path) -> None:
     from prophet_tf.bench import replay

@@ -218,12 +218,60 @@ def _machine_busy() -> tuple[float, float]:
     return sum(fields) - idle, sum(fields)
 
 
+#: Packets a sending cross-host connection keeps in its host's tbf queue: flat 8 hosts x 8
+#: workers at 2 Mbit/s held 1.36-1.41 MB for its 448 connections, with no drop.
+QUEUED_PACKETS_PER_CONNECTION = 4
+#: Below two per connection (Reno's smallest window) the queue drops packets at every round.
+MIN_QUEUED_PACKETS_PER_CONNECTION = 2
+
+
+def crossing_connections(workers: int, workers_per_host: int, hierarchical: str,
+                         io_threads: int) -> int:
+    """The connections that carry one host's bytes across its link.
+
+    Flat: each of the host's workers sends to every worker elsewhere, on each lane. Two-level:
+    a partition's leaders have the same local rank on every host (hosts of one size), so each
+    worker sends to one worker per other host."""
+    hosts = workers // workers_per_host
+    two_level = hierarchical == "on" or (hierarchical == "auto" and hosts > 1
+                                         and workers_per_host > 1)
+    peers = hosts - 1 if two_level else workers - workers_per_host
+    return workers_per_host * peers * max(1, io_threads)
+
+
+def tbf_queue_ms(link_bps: float, connections: int, mtu: int, asked_ms: float) -> float:
+    """The tbf queue (as time at ``link_bps``) for ``connections`` sending across a host's link.
+
+    ``asked_ms`` 0: large enough for QUEUED_PACKETS_PER_CONNECTION full frames each, and at least
+    1 s. A queue asked for that cannot hold two frames per connection raises ValueError: it drops
+    packets at every round trip, and Linux ends a connection whose sends the host's own queue
+    refused 15 times in a row (tcp_retries2, 0.5 s apart) with ETIMEDOUT, about 10 s in.
+    """
+    frame_bits = (mtu + 14) * 8
+    def ms_for(packets: int) -> float:
+        return connections * packets * frame_bits / link_bps * 1e3
+    if asked_ms <= 0:
+        return max(1000.0, ms_for(QUEUED_PACKETS_PER_CONNECTION))
+    if asked_ms < ms_for(MIN_QUEUED_PACKETS_PER_CONNECTION):
+        raise ValueError(
+            f"--tbf_latency_ms {asked_ms:g} gives each host a queue of "
+            f"{link_bps / 8 * asked_ms / 1e3 / 1e6:.2f} MB at the emulated {link_bps / 1e6:.3g} "
+            f"Mbit/s, less than the {MIN_QUEUED_PACKETS_PER_CONNECTION} frames each of its "
+            f"{connections} crossing connections needs "
+            f"({connections * MIN_QUEUED_PACKETS_PER_CONNECTION * (mtu + 14) / 1e6:.2f} MB): "
+            f"its packets would be dropped at every round trip and its connections end with "
+            f"ETIMEDOUT. Leave --tbf_latency_ms at 0 (sized for them: "
+            f"{ms_for(QUEUED_PACKETS_PER_CONNECTION):.0f} ms), or raise the emulated rate "
+            f"(a smaller --time_scale or a larger --byte_scale)")
+    return asked_ms
+
+
 def run_replay(profile: Any, *, workers: int, workers_per_host: int, schedule: str,
                hierarchical: str, bandwidth_bps: float, time_scale: float, byte_scale: float,
                warmup: int, steps: int, loopback: bool, heartbeat_s: float, timeout_s: float,
                costs: Optional[dict], model: str, workdir: str, probe: bool = False,
                check_all: bool = False, fusion: str = "scaled", shared_cores: int = 0,
-               tbf_latency_ms: float = 1000.0, sysctls: Optional[dict[str, str]] = None,
+               tbf_latency_ms: float = 0.0, sysctls: Optional[dict[str, str]] = None,
                gso_max_segs: int = 4, mtu: int = 1500, io_threads: int = 1) -> ReplayRun:
     """Runs one replay (see the module docstring) and predicts it. Raises RuntimeError naming
     the first worker that failed and its error.
@@ -255,11 +303,13 @@ def run_replay(profile: Any, *, workers: int, workers_per_host: int, schedule: s
         f.write(request)
     binary = str(replay_binary())
     cluster_cls = netem.LoopbackCluster if loopback else netem.EmulatedCluster
-    # At the few Mbit/s a slowed replay runs, a host's many connections each move a few kB/s:
-    # packets of a few segments keep what each socket queues in the host (two packets) to a few
-    # kB, and a deeper tbf queue than the emulated benchmark's 20 ms holds that for every
-    # connection (else drops, then TCP's retransmission timeouts starved connections for
-    # seconds, and heartbeats declared their workers unresponsive).
+    # At the few Mbit/s a slowed replay runs, a host's many connections each move a few kB/s,
+    # and the host's queue must hold a few packets of every one of them (tbf_queue_ms): with
+    # less, drops and TCP's timeouts starve connections for seconds or end them.
+    if not loopback:
+        tbf_latency_ms = tbf_queue_ms(
+            link_bps, crossing_connections(workers, workers_per_host, hierarchical, io_threads),
+            mtu, tbf_latency_ms)
     cluster = (cluster_cls(hosts, link_bps) if loopback else
                cluster_cls(hosts, link_bps, prefix=NETNS_PREFIX, latency_ms=tbf_latency_ms,
                            gso_max_segs=gso_max_segs, sysctls=dict(sysctls or {}),
@@ -293,12 +343,14 @@ def run_replay(profile: Any, *, workers: int, workers_per_host: int, schedule: s
             with open(os.path.join(workdir, f"rank{w}.log"), "w") as log:
                 procs.append(cluster.popen(w // workers_per_host, argv, stdout=log,
                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
-        deadline = time.monotonic() + timeout_s * 3 + 60
-        failed = None
+        limit_s = timeout_s * 3 + 60
+        deadline = time.monotonic() + limit_s
+        failed, timed_out = None, False
         try:
             while any(p.poll() is None for p in procs):
                 bad = [w for w, p in enumerate(procs) if p.poll() not in (None, 0)]
-                if bad or time.monotonic() > deadline:
+                timed_out = not bad and time.monotonic() > deadline
+                if bad or timed_out:
                     failed = bad[0] if bad else None
                     break
                 time.sleep(0.2)
@@ -311,6 +363,11 @@ def run_replay(profile: Any, *, workers: int, workers_per_host: int, schedule: s
         wall = time.time() - launched
         load1, busy1 = _load(), _machine_busy()
         drops = 0 if loopback else sum(_qdisc_drops(cluster.qdisc_stats(h)) for h in range(hosts))
+        if timed_out:
+            raise RuntimeError(
+                f"the replay did not end within {limit_s:g} s (3 x --timeout_s + 60), so its "
+                f"{workers} workers were stopped (logs in {workdir}); a run this slow needs a "
+                f"larger --timeout_s")
         if failed is None:
             codes = [p.returncode for p in procs]
             failed = next((w for w, c in enumerate(codes) if c != 0), None)
@@ -439,12 +496,12 @@ def _define_flags() -> None:
     flags.DEFINE_integer("shared_cores", 0, "Predict with every worker's I/O thread on one pool of "
                          "this many cores (this machine's, as the replay runs them); 0: a core "
                          "each.")
-    flags.DEFINE_float("tbf_latency_ms", 1000.0, "tbf's queue on each host, as time at its rate "
-                       "(a limit: TCP small queues keep what is there to two packets per socket).")
+    flags.DEFINE_float("tbf_latency_ms", 0.0, "tbf's queue on each host, as time at its rate. "
+                       "0: four full frames for each connection that crosses the host's link, "
+                       "and at least 1000 ms.")
     flags.DEFINE_integer("gso_max_segs", 4, "TCP segments per packet the hosts' interfaces hand "
-                         "their qdisc (what a socket keeps queued there is two packets). 4: "
-                         "0.43 CPU-s per step for 16 workers where 1 took 0.55 (each packet crosses "
-                         "two veths, the bridge and tbf).")
+                         "their qdisc. 4: 0.43 CPU-s per step for 16 workers where 1 took "
+                         "0.55 (each packet crosses two veths, the bridge and tbf).")
     flags.DEFINE_integer("mtu", 1500, "MTU of the emulated hosts' links (9000: jumbo frames, a "
                          "sixth of the packets, each of which costs CPU on its way).")
     flags.DEFINE_list("sysctl", ["net.ipv4.tcp_congestion_control=reno"], "KEY=VALUE kernel "
