@@ -62,6 +62,8 @@ def test_replay_on_loopback_sums_and_reports(tmp_path: Path) -> None:
         assert run["peak_rss_bytes"] > 2 * run["gradient_bytes"]
         assert run["startup_s"] >= run["connect_s"] > 0
         assert run["fusion_bucket_bytes"] > 0 and run["probe_agreed_bps"] > 0
+        # byte_scale 1: the strategy's probe, 4 MiB a round, timed within start-up.
+        assert run["probe_bytes"] == 4 << 20 and 0 < run["probe_s"] < run["startup_s"]
         assert run["cpu"]["workers_cpu_s_per_step"] > 0
 
 

@@ -31,6 +31,7 @@ namespace {
 constexpr int kProbeRounds = 6;
 constexpr uint64_t kProbeBytes = 4u << 20;
 constexpr uint64_t kProbeSpreadBytesPerWorker = 64u << 10;
+constexpr uint64_t kMinProbeBytes = 4u << 10;   // a scaled probe: still a push_pull of every owner
 // Elements of each sum compared with the exact sum when not every one is.
 constexpr int kSampledElements = 16;
 
@@ -128,7 +129,7 @@ class Replay {
   };
 
   Status Prepare();
-  Status Probe(ReplayResult* result);
+  Status Probe(double scale, ReplayResult* result);
   Status DeclareFusion(double link_Bps, ReplayResult* result);
   Status Step(int step, int64_t* begin_ns);
   // The push_pull of `t` (without its callback), as submitted and as declared for fusion.
@@ -236,9 +237,10 @@ Status Replay::Prepare() {
   return Status::OK();
 }
 
-Status Replay::Probe(ReplayResult* result) {
+Status Replay::Probe(double scale, ReplayResult* result) {
   const int n = config_.engine.world_size;
-  const uint64_t bytes = std::max<uint64_t>(kProbeBytes, static_cast<uint64_t>(n) * kProbeSpreadBytesPerWorker);
+  const uint64_t full = std::max<uint64_t>(kProbeBytes, static_cast<uint64_t>(n) * kProbeSpreadBytesPerWorker);
+  const uint64_t bytes = std::max<uint64_t>(kMinProbeBytes, static_cast<uint64_t>(std::llround(static_cast<double>(full) * scale / 4)) * 4);
   Buffer payload(bytes), out(bytes);
   std::memset(payload.data, 0, bytes);
   const int64_t start = NowNs();
@@ -290,6 +292,7 @@ Status Replay::Probe(ReplayResult* result) {
   result->probe_s = static_cast<double>(NowNs() - start) / 1e9;
   result->probe_measured_Bps = measured;
   result->probe_agreed_Bps = agreed;
+  result->probe_bytes = bytes;
   return Status::OK();
 }
 
@@ -521,7 +524,7 @@ Status Replay::Run(ReplayResult* result) {
   double link_Bps = config_.link_Bps;
   const bool needs_rate = config_.fusion_bytes == kFusionAuto && !(link_Bps > 0);
   if ((needs_rate || config_.probe) && config_.engine.world_size > 1) {
-    s = Probe(result);
+    s = Probe(needs_rate ? 1.0 : config_.probe_scale, result);
     if (!s.ok()) return s;
     if (needs_rate) link_Bps = QuantizeLinkGbps(result->probe_agreed_Bps * 8 / 1e9) * 1e9 / 8;
   }
@@ -666,6 +669,7 @@ std::string ReplayResultJson(const ReplayResult& r) {
   AppendNumber("probe_s", r.probe_s, &out);
   AppendNumber("probe_measured_Bps", r.probe_measured_Bps, &out);
   AppendNumber("probe_agreed_Bps", r.probe_agreed_Bps, &out);
+  AppendNumber("probe_bytes", static_cast<double>(r.probe_bytes), &out);
   AppendNumber("fusion_link_Bps", r.fusion_link_Bps, &out);
   AppendNumber("fusion_bucket_bytes", static_cast<double>(r.fusion_bucket_bytes), &out);
   AppendNumber("partition_bytes", static_cast<double>(r.partition_bytes), &out);

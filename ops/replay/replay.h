@@ -43,6 +43,10 @@ struct ReplayConfig {
   // Run the strategy's start-up probe (timed, part of start-up) even where fusion does not need
   // its rate.
   bool probe = false;
+  // Where fusion does not need its rate, the probe's bytes times this: a replay of this share of
+  // the model's bytes over a link slowed as much then spends on the probe's bytes time_scale
+  // times their wire time at full scale, as on every other byte.
+  double probe_scale = 1.0;
   // The automatic bucket size times this: a replay that moves this share of the model's bytes
   // (and sizes for the modelled cluster's link rate) keeps the modelled cluster's buckets.
   double fusion_scale = 1.0;
@@ -63,6 +67,7 @@ struct ReplayResult {
   double probe_s = 0;                 // the probe with its gathering of rates
   double probe_measured_Bps = 0;      // this worker's fastest probe round
   double probe_agreed_Bps = 0;        // the minimum over the workers
+  uint64_t probe_bytes = 0;           // each probe round's push_pull
   double fusion_link_Bps = 0;         // the rate buckets were sized for
   uint64_t fusion_bucket_bytes = 0;
   // The engine's sizes as this run used them (ScaleRuntimeBytes).

@@ -1,6 +1,7 @@
 // The replay worker (replay.h): real engines in one process over loopback, every element of every
 // sum checked against the exact sum, the step's shape on the virtual clock, and the counters.
 #include <cmath>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -54,7 +55,7 @@ StepProfile SmallModel() {
 }
 
 std::vector<ReplayResult> RunJob(int n, const std::string& schedule, double link_Bps, Status* failed,
-                                 bool check_all = true) {
+                                 bool check_all = true, const std::function<void(ReplayConfig*)>& tweak = {}) {
   std::vector<EngineOptions> engines = testing::ClusterOptions(n, 30.0, "replay-test");
   std::vector<ReplayConfig> configs(n);
   std::vector<ReplayResult> results(n);
@@ -68,6 +69,7 @@ std::vector<ReplayResult> RunJob(int n, const std::string& schedule, double link
     configs[r].warmup_steps = 2;
     configs[r].steps = 3;
     configs[r].check_all = check_all;
+    if (tweak) tweak(&configs[r]);
   }
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r) threads.emplace_back([&, r] { statuses[r] = RunReplay(configs[r], &results[r]); });
@@ -130,6 +132,23 @@ TEST(TheProbeAgreesOnOneRateEverywhere) {
     EXPECT_TRUE(r.probe_agreed_Bps <= r.probe_measured_Bps);
     EXPECT_EQ(r.probe_agreed_Bps, results[0].probe_agreed_Bps);
     EXPECT_EQ(r.fusion_link_Bps, QuantizeLinkGbps(results[0].probe_agreed_Bps * 8 / 1e9) * 1e9 / 8);
+  }
+}
+
+TEST(AScaledProbeMovesItsShareOfTheBytesUnlessFusionNeedsItsRate) {
+  for (double link_Bps : {1.25e9, 0.0}) {
+    Status s;
+    const std::vector<ReplayResult> results = RunJob(3, "prophet", link_Bps, &s, true, [](ReplayConfig* c) {
+      c->probe = true;
+      c->probe_scale = 0.01;
+    });
+    if (!s.ok()) FAIL(s.message());
+    ExpectGoodRun(results, SmallModel());
+    // 4 MiB x 0.01 in whole float32 elements; fusion sized from the rate: the whole 4 MiB.
+    for (const ReplayResult& r : results) {
+      EXPECT_EQ(r.probe_bytes, link_Bps > 0 ? uint64_t{41944} : uint64_t{4} << 20);
+      EXPECT_TRUE(r.probe_agreed_Bps > 0);
+    }
   }
 }
 

@@ -10,7 +10,7 @@
 // --link_gbps: the rate automatic fusion sizes for (else the start-up probe's); --probe: run the
 // probe (timed as start-up) even where fusion does not need it; --fusion_scale: the automatic
 // bucket size times F (a replay of F of the model's bytes); --byte_scale: the engine's sizes
-// times F (ScaleRuntimeBytes).
+// times F (ScaleRuntimeBytes), and the probe's where fusion does not need its rate.
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -95,6 +95,7 @@ int Main(int argc, char** argv) {
   config.fusion_scale = fusion_scale;
   if (!(byte_scale > 0)) return Usage("--byte_scale must be positive");
   if (byte_scale != 1) ScaleRuntimeBytes(byte_scale, &config.engine);
+  config.probe_scale = byte_scale;
   SetLogRank(rank);
   // A peer that closed its connection must fail the operations that needed it, not kill this
   // process on the next write (the engine's writev has no MSG_NOSIGNAL; Python, which runs the

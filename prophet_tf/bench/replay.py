@@ -180,6 +180,8 @@ class ReplayRun:
     fusion_bucket_bytes: int
     fusion_link_bps: float
     probe_agreed_bps: float
+    probe_s: Optional[float]      # the slowest worker's start-up probe (0: none ran)
+    probe_bytes: Optional[int]    # each probe round's push_pull, as replayed
     cpu: dict[str, Any]
     # Hosts of the two-level path as the engines resolved `hierarchical` (0: the flat path; None:
     # a run saved before this field).
@@ -439,7 +441,8 @@ def run_replay(profile: Any, *, workers: int, workers_per_host: int, schedule: s
         ops_failed=sum(int(r["ops_failed"]) for r in results),
         sums_checked=sum(int(r["sums_checked"]) for r in results),
         fusion_bucket_bytes=fusion, fusion_link_bps=float(first["fusion_link_Bps"]) * 8,
-        probe_agreed_bps=float(first["probe_agreed_Bps"]) * 8, cpu=cpu,
+        probe_agreed_bps=float(first["probe_agreed_Bps"]) * 8,
+        probe_s=max(r["probe_s"] for r in results), probe_bytes=int(first["probe_bytes"]), cpu=cpu,
         two_level_hosts=int(first.get("engine", {}).get("two_level_hosts", 0)),
         worker_steps_s=[statistics.median(r["periods_s"]) for r in results],
         periods_s=list(first["periods_s"]), wall_s=wall)
@@ -489,8 +492,9 @@ def _define_flags() -> None:
     flags.DEFINE_enum("fusion", "scaled", ["scaled", "auto", "off"], "Buckets: scaled (the "
                       "modelled cluster's for --bandwidth, times --byte_scale), auto (the "
                       "strategy's, from the workers' probe of the emulated link) or off.")
-    flags.DEFINE_bool("probe", False, "Run the strategy's start-up probe (4 MiB push_pulls, timed "
-                      "as start-up) even where fusion does not need it.")
+    flags.DEFINE_bool("probe", False, "Run the strategy's start-up probe (push_pulls of 4 MiB or "
+                      "64 KiB a worker, times --byte_scale unless --fusion auto needs its rate; "
+                      "timed as start-up) even where fusion does not need it.")
     flags.DEFINE_integer("io_threads", 1, "Lanes per worker (the runtime's io_threads), in the "
                          "engines and in the prediction beside them.")
     flags.DEFINE_integer("shared_cores", 0, "Predict with every worker's I/O thread on one pool of "
