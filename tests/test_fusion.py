@@ -114,6 +114,18 @@ def test_two_workers_size_buckets_for_the_link_rate_they_measured_and_agreed(run
                                    + [f"{_link_probe.PROBE_NAME}/rates"]), probe_ops
 
 
+def test_lanes_keep_pace_with_the_link_at_most_three_quarters_busy():
+    from prophet_tf._link_probe import LANE_BUSY_SHARE, lanes_for
+    assert LANE_BUSY_SHARE == 0.75
+    per_byte = 0.54e-9   # this machine: sending, receiving as much, summing half
+    # 25 Gbit/s needs 1.69 lanes' time: 3 lanes (2 would each be 84% busy).
+    assert lanes_for(25e9 / 8, per_byte) == 3
+    # 100 Gbit/s needs 6.75: 9, which auto's 8 connected lanes cap.
+    assert lanes_for(100e9 / 8, per_byte) == 9 and lanes_for(100e9 / 8, per_byte, 8) == 8
+    assert lanes_for(0.75e9, 1e-9) == 1 and lanes_for(0.76e9, 1e-9) == 2
+    assert lanes_for(0.0, per_byte) == 1 and lanes_for(1e12, per_byte, 1) == 1
+
+
 def test_link_rate_rounds_to_the_series_within_the_payload_allowance():
     from prophet_tf._link_probe import (MIN_GBPS, PAYLOAD_ALLOWANCE, allreduce_rate, probe_bytes,
                                         quantize_gbps)
