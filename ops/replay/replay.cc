@@ -20,6 +20,7 @@
 
 #include "ops/core/engine.h"
 #include "ops/core/fusion.h"
+#include "ops/core/schedule_traits.h"
 #include "ops/core/scheduler.h"
 #include "ops/sim/simulation_request.h"
 
@@ -31,7 +32,9 @@ namespace {
 constexpr int kProbeRounds = 6;
 constexpr uint64_t kProbeBytes = 4u << 20;
 constexpr uint64_t kProbeSpreadBytesPerWorker = 64u << 10;
-constexpr uint64_t kMinProbeBytes = 4u << 10;   // a scaled probe: still a push_pull of every owner
+// A scaled probe is cut and sent as the runtime sends a control push_pull of its size: below
+// N x 64 KiB it is not spread over every owner, and a small one may go by exchange.
+constexpr uint64_t kMinProbeBytes = 4u << 10;
 // Elements of each sum compared with the exact sum when not every one is.
 constexpr int kSampledElements = 16;
 
@@ -643,8 +646,11 @@ void ScaleRuntimeBytes(double byte_scale, EngineOptions* o) {
   auto scaled = [byte_scale](uint64_t bytes) {
     return std::max<uint64_t>(kMinScaledBytes, static_cast<uint64_t>(std::llround(static_cast<double>(bytes) * byte_scale)));
   };
-  const uint64_t credit = ResolveCreditBytes(o->credit_bytes, o->world_size, o->partition_bytes);
-  o->partition_bytes = scaled(o->partition_bytes);
+  // Resolved first: scaling kPartitionAuto (0) gave the 4 KiB floor, and the credit its
+  // minimum, whatever the schedule's sizes.
+  const uint64_t partition = ResolvePartitionBytes(o->partition_bytes, o->schedule);
+  const uint64_t credit = ResolveScheduleCreditBytes(o->credit_bytes, o->schedule, o->world_size, partition);
+  o->partition_bytes = scaled(partition);
   o->credit_bytes = std::max(o->partition_bytes, scaled(credit));
   if (o->socket_unsent_bytes > 0) o->socket_unsent_bytes = static_cast<int>(scaled(static_cast<uint64_t>(o->socket_unsent_bytes)));
 }

@@ -152,6 +152,23 @@ TEST(AScaledProbeMovesItsShareOfTheBytesUnlessFusionNeedsItsRate) {
   }
 }
 
+TEST(ScaledSizesAreTheScheduleSizesTimesTheScale) {
+  EngineOptions o;
+  o.world_size = 16;
+  o.schedule = "prophet";
+  ScaleRuntimeBytes(0.012, &o);   // partition and credit left automatic: the runtime's sizes
+  EXPECT_EQ(o.partition_bytes, uint64_t{50332});            // 4 MiB x 0.012
+  EXPECT_EQ(o.credit_bytes, uint64_t{754975});              // 15 peers x 4 MiB x 0.012
+  EngineOptions set;
+  set.world_size = 16;
+  set.schedule = "prophet";
+  set.partition_bytes = 1u << 20;
+  set.credit_bytes = 64u << 20;
+  ScaleRuntimeBytes(0.001, &set);
+  EXPECT_EQ(set.partition_bytes, kMinScaledBytes);          // 1049 bytes: the floor
+  EXPECT_EQ(set.credit_bytes, uint64_t{67109});
+}
+
 TEST(ExactSumsOfTheContributions) {
   for (int n : {1, 2, 7, 64, 4096}) {
     for (int t : {0, 5}) {
