@@ -92,6 +92,8 @@ def test_each_hosts_queue_holds_frames_of_every_connection_that_crosses_its_link
                                          r"10852 ms\)"):
         tbf_queue_ms(link_bps, 448, 1500, 2000)
     assert tbf_queue_ms(link_bps, 448, 1500, 0) == pytest.approx(448 * 4 * 1514 * 8 / 2e6 * 1e3)
+    # Packets of 4 segments, two a socket: 8 frames each.
+    assert tbf_queue_ms(link_bps, 448, 1500, 0, 4) == pytest.approx(448 * 8 * 1514 * 8 / 2e6 * 1e3)
     assert tbf_queue_ms(link_bps, 448, 1500, 8000) == 8000            # 2.9 frames each
     assert tbf_queue_ms(1e9, 15, 1500, 0) == 1000                     # at least a second
     with pytest.raises(ValueError, match="a smaller --time_scale or a larger --byte_scale"):

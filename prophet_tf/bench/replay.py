@@ -220,11 +220,13 @@ def _machine_busy() -> tuple[float, float]:
     return sum(fields) - idle, sum(fields)
 
 
-#: Packets a sending cross-host connection keeps in its host's tbf queue: flat 8 hosts x 8
-#: workers at 2 Mbit/s held 1.36-1.41 MB for its 448 connections, with no drop.
-QUEUED_PACKETS_PER_CONNECTION = 4
+#: Full frames a sending cross-host connection may keep in its host's tbf queue, at least: flat
+#: 8 hosts x 8 workers at 2 Mbit/s (single-segment packets) held 1.36-1.41 MB for its 448
+#: connections, 2 frames each, with no drop; twice that leaves room. Packets of S segments (TCP
+#: small queues keep two per socket) need 2 x S.
+QUEUED_FRAMES_PER_CONNECTION = 4
 #: Below two per connection (Reno's smallest window) the queue drops packets at every round.
-MIN_QUEUED_PACKETS_PER_CONNECTION = 2
+MIN_QUEUED_FRAMES_PER_CONNECTION = 2
 
 
 def crossing_connections(workers: int, workers_per_host: int, hierarchical: str,
@@ -241,11 +243,12 @@ def crossing_connections(workers: int, workers_per_host: int, hierarchical: str,
     return workers_per_host * peers * max(1, io_threads)
 
 
-def tbf_queue_ms(link_bps: float, connections: int, mtu: int, asked_ms: float) -> float:
+def tbf_queue_ms(link_bps: float, connections: int, mtu: int, asked_ms: float,
+                 gso_max_segs: int = 1) -> float:
     """The tbf queue (as time at ``link_bps``) for ``connections`` sending across a host's link.
 
-    ``asked_ms`` 0: large enough for QUEUED_PACKETS_PER_CONNECTION full frames each, and at least
-    1 s. A queue asked for that cannot hold two frames per connection raises ValueError: it drops
+    ``asked_ms`` 0: large enough for QUEUED_FRAMES_PER_CONNECTION full frames each, or two
+    packets of ``gso_max_segs`` segments if more, and at least 1 s. A queue asked for that cannot hold two frames per connection raises ValueError: it drops
     packets at every round trip, and Linux ends a connection whose sends the host's own queue
     refused 15 times in a row (tcp_retries2, 0.5 s apart) with ETIMEDOUT, about 10 s in.
     """
@@ -253,18 +256,18 @@ def tbf_queue_ms(link_bps: float, connections: int, mtu: int, asked_ms: float) -
     def ms_for(packets: int) -> float:
         return connections * packets * frame_bits / link_bps * 1e3
     if asked_ms <= 0:
-        return max(1000.0, ms_for(QUEUED_PACKETS_PER_CONNECTION))
-    if asked_ms < ms_for(MIN_QUEUED_PACKETS_PER_CONNECTION):
+        return max(1000.0, ms_for(max(QUEUED_FRAMES_PER_CONNECTION, 2 * gso_max_segs)))
+    if asked_ms < ms_for(MIN_QUEUED_FRAMES_PER_CONNECTION):
         raise ValueError(
             f"--tbf_latency_ms {asked_ms:g} gives each host a queue of "
             f"{link_bps / 8 * asked_ms / 1e3 / 1e6:.2f} MB at the emulated {link_bps / 1e6:.3g} "
-            f"Mbit/s, less than the {MIN_QUEUED_PACKETS_PER_CONNECTION} frames each of its "
+            f"Mbit/s, less than the {MIN_QUEUED_FRAMES_PER_CONNECTION} frames each of its "
             f"{connections} crossing connections needs "
-            f"({connections * MIN_QUEUED_PACKETS_PER_CONNECTION * (mtu + 14) / 1e6:.2f} MB): "
+            f"({connections * MIN_QUEUED_FRAMES_PER_CONNECTION * (mtu + 14) / 1e6:.2f} MB): "
             f"its packets would be dropped at every round trip and its connections end with "
             f"ETIMEDOUT. Leave --tbf_latency_ms at 0 (sized for them: "
-            f"{ms_for(QUEUED_PACKETS_PER_CONNECTION):.0f} ms), or raise the emulated rate "
-            f"(a smaller --time_scale or a larger --byte_scale)")
+            f"{ms_for(max(QUEUED_FRAMES_PER_CONNECTION, 2 * gso_max_segs)):.0f} ms), or raise "
+            f"the emulated rate (a smaller --time_scale or a larger --byte_scale)")
     return asked_ms
 
 
@@ -311,7 +314,7 @@ def run_replay(profile: Any, *, workers: int, workers_per_host: int, schedule: s
     if not loopback:
         tbf_latency_ms = tbf_queue_ms(
             link_bps, crossing_connections(workers, workers_per_host, hierarchical, io_threads),
-            mtu, tbf_latency_ms)
+            mtu, tbf_latency_ms, gso_max_segs)
     cluster = (cluster_cls(hosts, link_bps) if loopback else
                cluster_cls(hosts, link_bps, prefix=NETNS_PREFIX, latency_ms=tbf_latency_ms,
                            gso_max_segs=gso_max_segs, sysctls=dict(sysctls or {}),
@@ -442,7 +445,7 @@ def run_replay(profile: Any, *, workers: int, workers_per_host: int, schedule: s
         sums_checked=sum(int(r["sums_checked"]) for r in results),
         fusion_bucket_bytes=fusion, fusion_link_bps=float(first["fusion_link_Bps"]) * 8,
         probe_agreed_bps=float(first["probe_agreed_Bps"]) * 8,
-        probe_s=max(r["probe_s"] for r in results), probe_bytes=int(first["probe_bytes"]), cpu=cpu,
+        probe_s=max(r["probe_s"] for r in results), probe_bytes=first.get("probe_bytes"), cpu=cpu,
         two_level_hosts=int(first.get("engine", {}).get("two_level_hosts", 0)),
         worker_steps_s=[statistics.median(r["periods_s"]) for r in results],
         periods_s=list(first["periods_s"]), wall_s=wall)
@@ -501,8 +504,8 @@ def _define_flags() -> None:
                          "this many cores (this machine's, as the replay runs them); 0: a core "
                          "each.")
     flags.DEFINE_float("tbf_latency_ms", 0.0, "tbf's queue on each host, as time at its rate. "
-                       "0: four full frames for each connection that crosses the host's link, "
-                       "and at least 1000 ms.")
+                       "0: four full frames (or two packets of --gso_max_segs) for each "
+                       "connection that crosses the host's link, and at least 1000 ms.")
     flags.DEFINE_integer("gso_max_segs", 4, "TCP segments per packet the hosts' interfaces hand "
                          "their qdisc. 4: 0.43 CPU-s per step for 16 workers where 1 took "
                          "0.55 (each packet crosses two veths, the bridge and tbf).")
