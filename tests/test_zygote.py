@@ -23,14 +23,19 @@ import zygote
 ROOT = Path(__file__).resolve().parents[1]
 
 SHOW = """
-import json, os, signal, sys, time
+import json, os, signal, sys, threading, time
 mode = sys.argv[1] if len(sys.argv) > 1 else ""
 if mode == "wait":   # before it says it is up: a test signals it as soon as it is
     signal.signal(signal.SIGTERM, lambda *_: (print("SIGTERM handled", flush=True), sys.exit(7)))
+def blocked_elsewhere():   # each other thread's blocked signals (/proc: SigBlk, a hex mask)
+    tasks = [t for t in os.listdir("/proc/self/task") if int(t) != threading.get_native_id()]
+    return [int(next(line.split()[1] for line in open(f"/proc/self/task/{t}/status")
+                     if line.startswith("SigBlk:")), 16) for t in tasks]
 print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "pid": os.getpid(), "ppid": os.getppid(),
                   "kept": os.environ.get("KEPT"), "hash": hash("prophet"),
                   "executable": sys.executable, "path0": sys.path[0],
-                  "netns": os.readlink("/proc/self/ns/net")}), flush=True)
+                  "netns": os.readlink("/proc/self/ns/net"), "blocked": blocked_elsewhere()}),
+      flush=True)
 print("on stderr", file=sys.stderr, flush=True)
 if mode == "exit":
     sys.exit(int(sys.argv[2]))
@@ -112,7 +117,9 @@ def test_a_signal_to_the_client_reaches_the_worker(zygotes):
     client, env, tmp_path, _ = zygotes
     proc = subprocess.Popen([client, "-u", str(tmp_path / "show.py"), "wait"], env=env,
                             stdout=subprocess.PIPE, text=True, start_new_session=True)
-    _shown(proc.stdout.readline())
+    shown = _shown(proc.stdout.readline())
+    # The zygote's own threads block SIGTERM, so the kernel gives it to the main thread.
+    assert shown["blocked"] and all(mask & (1 << (signal.SIGTERM - 1)) for mask in shown["blocked"])
     os.killpg(proc.pid, signal.SIGTERM)   # as the launcher stops a worker's process group
     assert proc.wait(timeout=30) == 7
     assert "SIGTERM handled" in proc.stdout.read()

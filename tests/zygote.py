@@ -232,9 +232,9 @@ def _become(request: dict, fds: list, conn: socket.socket, base_path: list) -> d
             pass
         os.kill(os.getpid(), signal.SIGKILL)
 
-    # The threads started here (this watch, numpy's BLAS pool) block every signal: a ``python``
-    # process has only its main thread at this point, so the kernel gives it every signal sent
-    # to the process. Python runs handlers in the main thread only, and a signal given to another
+    # The threads started here (this watch; numpy's BLAS pool where numpy is first imported here,
+    # without preloading) block every signal: a ``python`` process has only its main thread at
+    # this point, so the kernel gives it every signal sent to the process. Python runs handlers in the main thread only, and a signal given to another
     # thread does not interrupt the main thread's blocking call.
     unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
     try:
