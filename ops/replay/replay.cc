@@ -646,8 +646,8 @@ void ScaleRuntimeBytes(double byte_scale, EngineOptions* o) {
   auto scaled = [byte_scale](uint64_t bytes) {
     return std::max<uint64_t>(kMinScaledBytes, static_cast<uint64_t>(std::llround(static_cast<double>(bytes) * byte_scale)));
   };
-  // Resolved first: scaling kPartitionAuto (0) gave the 4 KiB floor, and the credit its
-  // minimum, whatever the schedule's sizes.
+  // Resolved first: kPartitionAuto (0) scaled is the 4 KiB floor, not the schedule's partition
+  // size times the scale, and the credit follows from the resolved partition size.
   const uint64_t partition = ResolvePartitionBytes(o->partition_bytes, o->schedule);
   const uint64_t credit = ResolveScheduleCreditBytes(o->credit_bytes, o->schedule, o->world_size, partition);
   o->partition_bytes = scaled(partition);
