@@ -14,9 +14,12 @@
 // The token itself never travels. (The handshake authenticates who joins the job; the data that
 // follows is neither encrypted nor signed.)
 //
-// Once a worker holds a connection to every peer it sends kReady on each, and it leaves start-up
-// when every peer's kReady has arrived. A worker whose start-up fails sends kAbort with the reason
-// to the peers it is connected to, so the whole job fails at once and everyone says why.
+// Once a worker holds every connection (every lane of every peer) it sends kReady to each peer on
+// lane 0, and it leaves start-up when every peer's kReady has arrived. A worker whose start-up
+// fails sends kAbort with the reason to the peers it is connected to, so the whole job fails at
+// once and everyone says why: on lane 0, and until it has sent kReady on every other lane held
+// too, where a peer that does not hold lane 0 yet reads it (after kReady a peer's engine may be
+// reading lanes 1 and up, and lane 0 is held).
 //
 // Verdict has the layout of protocol version 1's reply and the hello starts like version 1's, so
 // workers of different versions tell each other why they cannot work together.

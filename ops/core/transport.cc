@@ -218,7 +218,7 @@ class Bootstrap {
   std::string RejectedMeanwhile() const;
   // --- after the handshake ---
   void Establish(Session& s);
-  void OnNotice(int peer);
+  void OnNotice(int peer, int lane);
   void SendReady();
   // --- everything else ---
   void Fatal(Code code, const std::string& message) {
@@ -615,8 +615,8 @@ void Bootstrap::SendReady() {
                                           "or gave up; see its log");
 }
 
-void Bootstrap::OnNotice(int peer) {
-  Connected& c = peers_[Slot(peer, 0)];
+void Bootstrap::OnNotice(int peer, int lane) {
+  Connected& c = peers_[Slot(peer, lane)];
   int err = 0;
   const size_t want = c.have_header ? sizeof(StartupNotice) + c.header.reason_len : sizeof(StartupNotice);
   const ReadResult r = ReadUpTo(c.fd, &c.in, want, &err);
@@ -627,12 +627,13 @@ void Bootstrap::OnNotice(int peer) {
   if (r == ReadResult::kPartial) return;
   if (!c.have_header) {
     std::memcpy(&c.header, c.in.data(), sizeof(StartupNotice));
+    // kReady comes on lane 0 only; kAbort on every lane connected (Failed).
     if (c.header.magic != kStartupNoticeMagic || c.header.reason_len > kMaxNoticeReasonBytes ||
-        (c.header.kind != static_cast<uint8_t>(NoticeKind::kReady) &&
-         c.header.kind != static_cast<uint8_t>(NoticeKind::kAbort)))
-      return Fatal(Code::kInternal, Rank(peer) + " sent an invalid start-up notice");
+        !((lane == 0 && c.header.kind == static_cast<uint8_t>(NoticeKind::kReady)) ||
+          c.header.kind == static_cast<uint8_t>(NoticeKind::kAbort)))
+      return Fatal(Code::kInternal, Rank(peer) + " sent an invalid start-up notice on lane " + std::to_string(lane));
     c.have_header = true;
-    if (c.header.reason_len > 0) return OnNotice(peer);  // the reason may already be here
+    if (c.header.reason_len > 0) return OnNotice(peer, lane);  // the reason may already be here
   }
   if (c.header.kind == static_cast<uint8_t>(NoticeKind::kAbort)) {
     const std::string reason = c.in.substr(sizeof(StartupNotice));
@@ -712,10 +713,13 @@ Status Bootstrap::Failed(const Status& status) {
                       static_cast<uint8_t>(status.code()), static_cast<uint16_t>(reason.size())};
   std::string notice(reinterpret_cast<const char*>(&abort), sizeof(abort));
   notice += reason;
+  // Before this worker's kReady also on lanes 1 and up, which its peers read until they send
+  // theirs: one that does not hold lane 0 yet hears it there. After, a peer's engine may already
+  // be reading those lanes, and lane 0 is held everywhere.
   for (size_t i = 0; i < peers_.size(); ++i) {
     Connected& c = peers_[i];
     if (c.fd < 0) continue;
-    if (i < static_cast<size_t>(n_)) SendAll(c.fd, notice.data(), notice.size());  // lane 0 carries notices
+    if (i < static_cast<size_t>(n_) || !ready_sent_) SendAll(c.fd, notice.data(), notice.size());
     ::close(c.fd);
     c.fd = -1;
   }
@@ -733,7 +737,7 @@ Status Bootstrap::Failed(const Status& status) {
 Status Bootstrap::Run(std::vector<int>* fds) {
   std::vector<pollfd> pfds;
   std::vector<Session*> owners;  // parallel to pfds: the session, or nullptr
-  std::vector<int> notice_peer;  // parallel to pfds: the connected peer, or -1
+  std::vector<int> notice_peer;  // parallel to pfds: the connected peer's slot (peer and lane), or -1
   while (true) {
     int64_t now = NowNs();
     if (!fatal_.ok()) return Failed(fatal_);
@@ -773,13 +777,19 @@ Status Bootstrap::Run(std::vector<int>* fds) {
       wake_ns = std::min(wake_ns, s.deadline_ns);
     }
     for (int r = 0; r < n_; ++r) {
-      // A peer that is ready may already be sending the engine's frames: leave them unread. Only
-      // lane 0 carries notices; the other lanes' first bytes are the engine's.
-      const Connected& c = peers_[Slot(r, 0)];
-      if (c.fd < 0 || c.ready) continue;
-      pfds.push_back({c.fd, POLLIN, 0});
-      owners.push_back(nullptr);
-      notice_peer.push_back(r);
+      // A peer that is ready may already be sending the engine's frames: leave them unread. Its
+      // kReady comes on lane 0. Until this worker has sent its own kReady, no peer can have
+      // finished start-up, so none sends an engine frame yet: lanes 1 and up carry nothing but
+      // an abort (or their close), which is how a peer that fails before this worker holds its
+      // lane 0 is heard at once. Lanes 1 and up first: a peer that fails sends its abort there
+      // before it closes a lane 0 still in its handshake, whose close says less.
+      for (int l = ready_sent_ ? 0 : lanes_ - 1; l >= 0; --l) {
+        const Connected& c = peers_[Slot(r, l)];
+        if (c.fd < 0 || c.ready) continue;
+        pfds.push_back({c.fd, POLLIN, 0});
+        owners.push_back(nullptr);
+        notice_peer.push_back(static_cast<int>(Slot(r, l)));
+      }
     }
     for (int l = 0; l < lanes_; ++l)
       for (int r = 0; r < o_.rank; ++r)
@@ -791,7 +801,7 @@ Status Bootstrap::Run(std::vector<int>* fds) {
     for (size_t i = 0; ready > 0 && i < pfds.size() && fatal_.ok(); ++i) {
       if (pfds[i].revents == 0) continue;
       if (notice_peer[i] >= 0) {
-        OnNotice(notice_peer[i]);
+        OnNotice(notice_peer[i] % n_, notice_peer[i] / n_);
         continue;
       }
       Session* s = owners[i];

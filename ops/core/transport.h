@@ -54,7 +54,8 @@ struct BootstrapOptions {
   // the hello's flags; peers must use the same (checked here).
   uint16_t path_tag = 0;
   // Connections per pair of workers, one per engine lane (EngineOptions::io_threads); peers must
-  // use the same (checked here). Start-up notices travel on lane 0.
+  // use the same (checked here). kReady travels on lane 0; kAbort on every lane held until this
+  // worker has sent its kReady (handshake.h).
   int lanes = 1;
 };
 

@@ -99,7 +99,7 @@ bool SendBytes(int fd, const void* data, size_t len) {
 // Returns the final verdict (status kRejected with the reason, or kAccepted); `fd_out` keeps the
 // connection open when given.
 Verdict HandshakeAs(int port, int rank, int world_size, int acceptor_rank, const std::string& token,
-                    int* fd_out = nullptr, std::string* client_bytes = nullptr) {
+                    int* fd_out = nullptr, std::string* client_bytes = nullptr, int lane = 0, int lanes = 1) {
   Verdict result = MakeVerdict(VerdictStatus::kRejected, "test client: no answer");
   const int fd = ConnectTo(port, 5.0);
   if (fd < 0) return result;
@@ -108,7 +108,8 @@ Verdict HandshakeAs(int port, int rank, int world_size, int acceptor_rank, const
   h.rank = rank;
   h.world_size = world_size;
   h.acceptor_rank = acceptor_rank;
-  h.lanes = 1;
+  h.lane = static_cast<uint16_t>(lane);
+  h.lanes = static_cast<uint16_t>(lanes);
   RandomNonce(h.nonce);
   SendBytes(fd, &h, sizeof(h));
   if (client_bytes) client_bytes->assign(reinterpret_cast<const char*>(&h), sizeof(h));
@@ -649,6 +650,67 @@ TEST(APeerThatConnectedAndDiedIsNamedAtOnce) {
     EXPECT_TRUE(Contains(w[r].status.message(), "exited") || Contains(w[r].status.message(), "crashed"));
   }
   EXPECT_TRUE(SecondsSince(died) < 10.0);  // the connect timeout is 20 s
+}
+
+// Starts rank 0 of `o` (every worker with two lanes) on `w` and connects to it as `rank` on lane 1
+// only; returns that connection. Rank 0 then holds the peer's lane 1 but not its lane 0, which
+// carries kReady.
+int StartWithLaneOneOf(std::vector<BootstrapOptions>& o, int rank, Worker* w) {
+  for (auto& x : o) x.lanes = 2;
+  w->Start(o[0]);
+  int fd = -1;
+  const Verdict v = HandshakeAs(PortOf(o[0].addresses[0]), rank, static_cast<int>(o.size()), 0, o[0].token, &fd,
+                                nullptr, /*lane=*/1, /*lanes=*/2);
+  EXPECT_EQ(v.status, static_cast<uint16_t>(VerdictStatus::kAccepted));
+  return fd;
+}
+
+TEST(APeerThatAbortsBeforeItsLaneZeroConnectsIsHeardOnItsOtherLanes) {
+  std::vector<BootstrapOptions> o = Job(3, 20.0);
+  Worker w;
+  const int fd = StartWithLaneOneOf(o, 2, &w);
+  const std::string reason = "test: rank 2 gave up";
+  const StartupNotice abort{kStartupNoticeMagic, static_cast<uint8_t>(NoticeKind::kAbort),
+                            static_cast<uint8_t>(Code::kFailedPrecondition), static_cast<uint16_t>(reason.size())};
+  const auto sent = Clock::now();
+  EXPECT_TRUE(SendBytes(fd, &abort, sizeof(abort)) && SendBytes(fd, reason.data(), reason.size()));
+  w.Join();
+  std::printf("rank 0 after %.3f s: %s\n", SecondsSince(sent), w.status.message().c_str());
+  EXPECT_TRUE(w.status.code() == Code::kFailedPrecondition);
+  EXPECT_TRUE(Contains(w.status.message(), "failed on rank 2: " + reason));
+  EXPECT_TRUE(SecondsSince(sent) < 10.0);  // the connect timeout is 20 s
+  ::close(fd);
+}
+
+TEST(APeerThatDiesBeforeItsLaneZeroConnectsIsNamedAtOnce) {
+  std::vector<BootstrapOptions> o = Job(2, 20.0);
+  Worker w;
+  const int fd = StartWithLaneOneOf(o, 1, &w);
+  const auto died = Clock::now();
+  ::close(fd);
+  w.Join();
+  std::printf("rank 0 after %.3f s: %s\n", SecondsSince(died), w.status.message().c_str());
+  EXPECT_TRUE(w.status.code() == Code::kUnavailable);
+  EXPECT_TRUE(Contains(w.status.message(), "rank 1") && Contains(w.status.message(), "exited"));
+  EXPECT_TRUE(SecondsSince(died) < 10.0);
+}
+
+TEST(AWorkerThatFailsTellsEveryLaneConnected) {
+  // Rank 0 fails at its deadline with only rank 1's lane 1 connected: rank 1 reads why there.
+  std::vector<BootstrapOptions> o = Job(2, 4.0);
+  Worker w;
+  const int fd = StartWithLaneOneOf(o, 1, &w);
+  w.Join();
+  EXPECT_TRUE(w.status.code() == Code::kDeadlineExceeded);
+  StartupNotice notice{};
+  EXPECT_EQ(ReadSome(fd, &notice, sizeof(notice), 5.0), sizeof(notice));
+  EXPECT_EQ(notice.magic, kStartupNoticeMagic);
+  EXPECT_EQ(notice.kind, static_cast<uint8_t>(NoticeKind::kAbort));
+  EXPECT_EQ(notice.code, static_cast<uint8_t>(Code::kDeadlineExceeded));
+  std::string reason(notice.reason_len, '\0');
+  EXPECT_EQ(ReadSome(fd, reason.data(), reason.size(), 5.0), reason.size());
+  EXPECT_TRUE(Contains(reason, "rank(s) 1 did not connect to this worker"));
+  ::close(fd);
 }
 
 TEST(APeerThatNeverCameIsNamedWithTheReason) {
