@@ -98,6 +98,9 @@ def test_each_hosts_queue_holds_frames_of_every_connection_that_crosses_its_link
     assert tbf_queue_ms(1e9, 15, 1500, 0) == 1000                     # at least a second
     with pytest.raises(ValueError, match="a smaller --time_scale or a larger --byte_scale"):
         tbf_queue_ms(1e9, 100000, 9000, 20)
+    for wrong in (-5, float("nan")):
+        with pytest.raises(ValueError, match=r"--tbf_latency_ms .*: expected 0 \(sized for"):
+            tbf_queue_ms(1e9, 15, 1500, wrong)
 
 
 def test_saved_runs_load_and_give_their_error_line(tmp_path: Path) -> None:

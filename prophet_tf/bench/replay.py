@@ -250,12 +250,16 @@ def tbf_queue_ms(link_bps: float, connections: int, mtu: int, asked_ms: float,
     ``asked_ms`` 0: large enough for QUEUED_FRAMES_PER_CONNECTION full frames each, or two
     packets of ``gso_max_segs`` segments if more, and at least 1 s. A queue asked for that cannot hold two frames per connection raises ValueError: it drops
     packets at every round trip, and Linux ends a connection whose sends the host's own queue
-    refused 15 times in a row (tcp_retries2, 0.5 s apart) with ETIMEDOUT, about 10 s in.
+    refused 15 times in a row (tcp_retries2, 0.5 s apart) with ETIMEDOUT, about 10 s in. So does
+    a negative (or NaN) ``asked_ms``.
     """
     frame_bits = (mtu + 14) * 8
     def ms_for(packets: int) -> float:
         return connections * packets * frame_bits / link_bps * 1e3
-    if asked_ms <= 0:
+    if not asked_ms >= 0:  # NaN too
+        raise ValueError(f"--tbf_latency_ms {asked_ms:g}: expected 0 (sized for the crossing "
+                         "connections) or a queue in milliseconds")
+    if asked_ms == 0:
         return max(1000.0, ms_for(max(QUEUED_FRAMES_PER_CONNECTION, 2 * gso_max_segs)))
     if asked_ms < ms_for(MIN_QUEUED_FRAMES_PER_CONNECTION):
         raise ValueError(
