@@ -94,8 +94,36 @@ TEST(MidSizeTensorsArePipelined) {
   EXPECT_EQ(parts.size(), 8u);
   parts = MakePartitions("w", 200 * kKiB, 4, 2, 4 * kMiB);  // only the one-share-per-worker rule
   EXPECT_EQ(parts.size(), 2u);
-  parts = MakePartitions("w", 256 * kMiB, 4, 3, 4 * kMiB);  // large: partition_bytes decides
-  EXPECT_EQ(parts.size(), 64u);
+  // Large: partition_bytes decides (64 would fit), rounded up to whole rounds of the 3 owners.
+  parts = MakePartitions("w", 256 * kMiB, 4, 3, 4 * kMiB);
+  EXPECT_EQ(parts.size(), 66u);
+  EXPECT_TRUE(CheckCover(parts, 256 * kMiB, 4, 3, 4 * kMiB));
+}
+
+// A tensor cut across every worker gives each owner the same share (to an element per partition),
+// whatever N: its all-reduce ends when its busiest owner has received every contribution and sent
+// every sum back. 73 partitions of ResNet50's 9 MiB kernels over 64 owners gave 9 owners twice
+// the bytes of the others (predicted at 1 Gbit/s: 7% slower steps than TensorFlow's ring).
+TEST(EveryOwnerSumsTheSameShareOfATensorCutAcrossAllWorkers) {
+  const uint64_t sizes[] = {4ull * 3 * 3 * 512 * 512, 4ull * 3 * 3 * 256 * 256, 4ull * 2048 * 1000, kMiB,
+                            37 * kMiB + 12, 400 * kMiB};
+  int checked = 0;
+  for (const int world : {2, 3, 5, 8, 16, 64, 100, 256}) {
+    for (const uint64_t bytes : sizes) {
+      for (const uint64_t partition_bytes : {4 * kMiB, kMiB}) {
+        const std::vector<Partition> parts = MakePartitions("t", bytes, 4, world, partition_bytes);
+        EXPECT_TRUE(CheckCover(parts, bytes, 4, world, partition_bytes));
+        if (bytes < static_cast<uint64_t>(world) * 64 * kKiB) continue;  // not cut across all
+        EXPECT_EQ(parts.size() % static_cast<size_t>(world), 0u);
+        std::vector<uint64_t> load(world, 0);
+        for (const Partition& p : parts) load[p.owner] += p.bytes;
+        const auto [lo, hi] = std::minmax_element(load.begin(), load.end());
+        EXPECT_TRUE(*hi - *lo <= 4 * parts.size() / static_cast<size_t>(world));
+        ++checked;
+      }
+    }
+  }
+  EXPECT_TRUE(checked > 40);
 }
 
 TEST(LargeTensorsAreSplitAcrossAllWorkers) {

@@ -23,7 +23,9 @@ constexpr uint32_t kFrameMagic = 0x31465450;  // "PTF1" little-endian
 // 5: kFusionCheck (fused declarations that differ across workers).
 // 6: kExchange frames (small push_pulls by recursive doubling).
 // 7: lanes (io_threads): the hello names its lane and the number of lanes.
-constexpr uint16_t kProtocolVersion = 7;
+// 8: a tensor cut across every worker is cut into whole rounds of owners (partition.h): a worker
+//    of version 7 would cut some tensors into other partitions.
+constexpr uint16_t kProtocolVersion = 8;
 constexpr uint32_t kMaxNameBytes = 4096;
 constexpr uint32_t kMaxDims = 32;
 constexpr uint64_t kMaxPayloadBytes = uint64_t{1} << 38;  // 256 GiB: any tensor a host can hold
