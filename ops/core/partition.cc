@@ -23,10 +23,11 @@ std::vector<Partition> MakePartitions(const std::string& name, uint64_t total_by
     // Pipelining: with several partitions per owner, the first sums travel back while later
     // partitions are still arriving, so both directions of every link stay busy.
     parts = std::max<uint64_t>(parts, std::min<uint64_t>(kPipelinePartitionsPerWorker * n, total_bytes / kPipelineMinPartitionBytes));
-    // Whole rounds of owners, so that every owner sums the same share of the tensor: 73
-    // partitions over 64 owners gave 9 of them twice the others' bytes to receive and send back,
+    // Whole rounds of owners, so that every owner sums the same share of the tensor: 72
+    // partitions over 64 owners gave 8 of them twice the others' bytes to receive and send back,
     // and each tensor's all-reduce ends with its busiest owner. Fewer when partition_bytes
-    // allows it, else more.
+    // allows it, else more (then possibly below kPipelineMinPartitionBytes, with a
+    // partition_bytes just above it).
     if (parts % n != 0) parts = parts / n * n >= fit ? parts / n * n : (parts / n + 1) * n;
   }
   parts = std::max<uint64_t>(parts, 1);

@@ -23,7 +23,8 @@ struct Partition {
 // least `world_size` partitions so that every worker sums a share of it, and a larger one into
 // up to 8 partitions per worker (none below 128 KiB) so that sums flow back while later
 // partitions are still arriving, in whole rounds of the N owners (fewer where `partition_bytes`
-// allows, else more), so that every owner sums the same share. Owners go round-robin
+// allows, else more, then possibly below 128 KiB), so that every owner sums the same share.
+// Owners go round-robin
 // from a start rank derived from the tensor name: the same on every worker, and different
 // tensors start on different ranks so small tensors spread too. Every tensor, even an empty one,
 // has at least one partition: partition 0 is where shape mismatches are caught. With

@@ -102,7 +102,7 @@ TEST(MidSizeTensorsArePipelined) {
 
 // A tensor cut across every worker gives each owner the same share (to an element per partition),
 // whatever N: its all-reduce ends when its busiest owner has received every contribution and sent
-// every sum back. 73 partitions of ResNet50's 9 MiB kernels over 64 owners gave 9 owners twice
+// every sum back. 72 partitions of ResNet50's 9 MiB kernels over 64 owners gave 8 owners twice
 // the bytes of the others (predicted at 1 Gbit/s: 7% slower steps than TensorFlow's ring).
 TEST(EveryOwnerSumsTheSameShareOfATensorCutAcrossAllWorkers) {
   const uint64_t sizes[] = {4ull * 3 * 3 * 512 * 512, 4ull * 3 * 3 * 256 * 256, 4ull * 2048 * 1000, kMiB,
@@ -118,7 +118,7 @@ TEST(EveryOwnerSumsTheSameShareOfATensorCutAcrossAllWorkers) {
         std::vector<uint64_t> load(world, 0);
         for (const Partition& p : parts) load[p.owner] += p.bytes;
         const auto [lo, hi] = std::minmax_element(load.begin(), load.end());
-        EXPECT_TRUE(*hi - *lo <= 4 * parts.size() / static_cast<size_t>(world));
+        EXPECT_TRUE(*hi - *lo <= 4);  // one element: partitions differ by one, owners take whole rounds
         ++checked;
       }
     }
