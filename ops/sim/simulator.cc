@@ -312,6 +312,8 @@ class Simulation {
   std::vector<int> unit_of_;                        // per tensor
   std::vector<std::unordered_map<uint64_t, size_t>> unit_ready_;  // per worker, by OpKey(step, unit)
   std::vector<std::vector<Partition>> partitions_;  // per unit (two-level: owners are hosts)
+  // Per unit that travels in slices, one per lane (flat path), each partition's lane; else empty.
+  std::vector<std::vector<int>> partition_lanes_;
   std::vector<std::vector<int>> leader_rank_;       // two-level: per unit and partition, the leader's rank on its host
   std::vector<bool> exchanged_;                     // per unit: by exchange (SmallAllreduceApplies)
   std::vector<FrameInfo> frames_;
@@ -659,6 +661,8 @@ int Simulation::Lane(const FrameInfo& info) const {
   if (info.kind == FrameKind::kRing) return static_cast<int>(static_cast<uint64_t>(info.partition) % lanes);
   const ModelTensor& t = units_[info.tensor];
   if (unit_members_[info.tensor].size() > 1) return unit_lane_[info.tensor];  // where it was dealt
+  const std::vector<int>& sliced = partition_lanes_[info.tensor];
+  if (!sliced.empty()) return sliced[static_cast<size_t>(info.partition)];
   if (t.element_size > 0 && t.bytes % t.element_size == 0 && t.bytes >= lanes * kMinLaneSliceBytes) {
     // A slice per lane: the partition's first byte says which (its own cut is the slice's).
     const uint64_t offset = partitions_[info.tensor][static_cast<size_t>(info.partition)].offset;
@@ -1104,6 +1108,25 @@ void Simulation::PlanUnits() {
     // Fused buckets are dealt over the lanes round-robin, most urgent first (FusionByLane).
     const int lanes = std::max(1, network_.io_threads);
     unit_lane_.push_back(b.fused() ? fused_units++ % lanes : 0);
+    partition_lanes_.emplace_back();
+    const uint64_t element = unit.element_size;
+    if (!two_level() && lanes > 1 && !b.fused() && !mwms() && !exchanged_.back() && element > 0 &&
+        unit.bytes % element == 0 && unit.bytes >= static_cast<uint64_t>(lanes) * kMinLaneSliceBytes) {
+      // As Engine::SubmitSliced: equal element counts per lane, each slice cut on its own.
+      std::vector<Partition> parts;
+      const uint64_t elements = unit.bytes / element;
+      for (int l = 0; l < lanes; ++l) {
+        const uint64_t first = elements * l / lanes, end = elements * (l + 1) / lanes;
+        for (Partition p : MakePartitions(unit.name, (end - first) * element, element, n_, runtime_.partition_bytes,
+                                          PartitionMinSplitBytes(runtime_.schedule))) {
+          p.offset += first * element;
+          parts.push_back(p);
+          partition_lanes_.back().push_back(l);
+        }
+      }
+      partitions_.push_back(std::move(parts));
+      continue;
+    }
     if (!two_level()) {
       partitions_.push_back(PlanPartitions(b, n_, runtime_.partition_bytes, bucket_bytes, PartitionMinSplitBytes(runtime_.schedule)));
       continue;

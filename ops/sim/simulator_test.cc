@@ -889,6 +889,34 @@ TEST(IoThreadsShareAWorkersCpuWork) {
   EXPECT_TRUE(!s.ok() && s.message().find("io_threads") != std::string::npos);
 }
 
+// With lanes, each lane's slice is cut on its own, as the engine cuts it (Engine::SubmitSliced,
+// then PushPull): 3 MiB over 2 workers on 2 lanes is two slices of 1.5 MiB, each cut into 12
+// partitions of 128 KiB, where the whole tensor would be cut into 16.
+TEST(EachLanesSliceIsCutAsTheEngineCutsIt) {
+  RuntimeModel runtime = OwnerPath();
+  runtime.schedule = "priority";
+  runtime.partition_bytes = 4u << 20;
+  NetworkModel network = SlowNetwork(2);
+  network.link_Bps = 10e9;
+  StepProfile profile;
+  profile.layers = {{"dense", 10 * kMs, 0}};
+  const uint64_t bytes = 3u << 20;
+  profile.tensors = {Tensor("grad/dense", bytes, 1, 0, 0)};
+  size_t sliced = 0;
+  for (int l = 0; l < 2; ++l) sliced += MakePartitions("grad/dense", bytes / 2, 4, 2, runtime.partition_bytes).size();
+  const size_t whole = MakePartitions("grad/dense", bytes, 4, 2, runtime.partition_bytes).size();
+  EXPECT_EQ(sliced, 24u);
+  EXPECT_EQ(whole, 16u);
+  for (const int lanes : {1, 2}) {
+    network.io_threads = lanes;
+    const StepPrediction p = Run(profile, network, runtime);
+    // Each worker pushes the partitions it does not own and sends back the sums of those it
+    // owns: one frame per partition with 2 workers.
+    std::printf("%d lane(s): %.1f messages per worker and step\n", lanes, p.messages_per_step);
+    EXPECT_NEAR(p.messages_per_step, lanes == 1 ? whole : sliced, 0.5);
+  }
+}
+
 TEST(BadInputIsRejectedWithTheReason) {
   StepPrediction p;
   RuntimeModel runtime;
