@@ -142,10 +142,12 @@ def test_link_rate_rounds_to_the_series_within_the_payload_allowance():
             quantize_gbps(bad)
     # Every worker owns a share of the probe's tensor: N x 64 KiB from N = 64 on.
     assert probe_bytes(2) == probe_bytes(64) == 4 << 20 and probe_bytes(256) == 16 << 20
-    # At least a slice per lane (the runtime's lane_slice_bytes), so that it travels on every lane.
+    # At least a slice per lane (the runtime's lane_slice_bytes), so that it travels on every lane,
+    # and each slice spread over every worker (64 KiB each): 8 lanes x 64 x 64 KiB at N = 64.
     from prophet_tf._library import runtime_constants
     slice_bytes = runtime_constants()["lane_slice_bytes"]
     assert probe_bytes(2, lanes=8) == max(4 << 20, 8 * slice_bytes)
     assert probe_bytes(2, lanes=64) == 64 * slice_bytes > 4 << 20
+    assert probe_bytes(64, lanes=8) == 8 * 64 * (64 << 10) == 32 << 20
     # 2 workers: each link carries the tensor once per direction; N: 2 (N-1)/N of it.
     assert allreduce_rate(2, 1000, 1.0) == 1000.0 and allreduce_rate(4, 1000, 1.0) == 1500.0

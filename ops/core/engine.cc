@@ -446,9 +446,7 @@ int Engine::LaneOf(const OpRequest& request, int lanes) {
     const auto fused = fused_lanes_.find(request.name);
     if (fused != fused_lanes_.end()) return fused->second.first;
   }
-  const uint64_t element = DataTypeSize(request.dtype);
-  if (request.kind == OpKind::kPushPull && element > 0 && request.bytes % element == 0 &&
-      request.bytes >= static_cast<uint64_t>(lanes) * kMinLaneSliceBytes)
+  if (request.kind == OpKind::kPushPull && TravelsInSlices(request.bytes, DataTypeSize(request.dtype), lanes, world_size()))
     return -1;
   return static_cast<int>(HashString(request.name) % static_cast<uint64_t>(lanes));
 }

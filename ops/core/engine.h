@@ -10,7 +10,7 @@
 // thread, a connection to every peer, a scheduler), and knows nothing of the others. Of the lanes
 // connected, the first `active` carry requests (SetActiveLanes: all of them for an explicit
 // io_threads, one until the strategy's start-up probe says how many the link needs for auto). A
-// push_pull of at least active x kMinLaneSliceBytes travels as one slice per active lane
+// push_pull that TravelsInSlices (engine_options.h) travels as one slice per active lane
 // (contiguous, equal element counts), its `done` called once every slice is back; every other
 // request travels whole on the active lane its name hashes to; a tensor the fusion plan puts in a
 // fused bucket travels whole on the lane its bucket was dealt to (FusionByLane, fuser.h), where

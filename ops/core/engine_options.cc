@@ -8,9 +8,21 @@
 #include <system_error>
 
 #include "ops/core/codec.h"
+#include "ops/core/partition.h"
 #include "ops/core/wire.h"
 
 namespace prophet {
+
+uint64_t LaneSliceFromBytes(int lanes, int world_size) {
+  if (lanes <= 1) return 0;
+  const uint64_t slice = std::max<uint64_t>(kMinLaneSliceBytes, static_cast<uint64_t>(std::max(world_size, 1)) * kDefaultMinSplitBytes);
+  return static_cast<uint64_t>(lanes) * slice;
+}
+
+bool TravelsInSlices(uint64_t bytes, uint64_t element_size, int lanes, int world_size) {
+  const uint64_t from = LaneSliceFromBytes(lanes, world_size);
+  return from > 0 && element_size > 0 && bytes % element_size == 0 && bytes >= from;
+}
 
 uint64_t ResolveCreditBytes(uint64_t setting, int world_size, uint64_t partition_bytes) {
   if (setting != kCreditAuto) return setting;
@@ -261,6 +273,7 @@ std::string RuntimeConstantsJson() {
   }
   os << "], \"control_priority\": " << kControlPriority << ", \"protocol_version\": " << kProtocolVersion
      << ", \"auto_lanes\": " << kAutoLanes << ", \"lane_slice_bytes\": " << kMinLaneSliceBytes
+     << ", \"lane_spread_bytes_per_worker\": " << kDefaultMinSplitBytes
      << ", \"options\": [";
   first = true;
 #define PROPHET_OPTION(TYPE, NAME, DEFAULT, ACCEPTS, USE, ENV, DOC)                                 \

@@ -153,6 +153,25 @@ TEST(PartitionsAndCreditLeftToTheScheduleResolveByIt) {
   EXPECT_EQ(PartitionMinSplitBytes("bytescheduler"), kNoExtraSplit);
 }
 
+// A push_pull travels in slices only where each lane's slice is still spread over every owner:
+// each lane cuts its slice on its own, under the tensor's name.
+TEST(APushPullIsSlicedOverTheLanesOnlyWhereEverySliceReachesEveryOwner) {
+  const uint64_t kernel = 4ull * 3 * 3 * 512 * 512;  // 9 MiB
+  EXPECT_TRUE(TravelsInSlices(kernel, 4, 3, 8));       // 3 MiB slices, 384 KiB an owner
+  EXPECT_TRUE(!TravelsInSlices(kernel, 4, 3, 64));     // 3 MiB slices: below 64 x 64 KiB
+  EXPECT_EQ(LaneSliceFromBytes(3, 64), 3 * 64 * kDefaultMinSplitBytes);
+  EXPECT_EQ(LaneSliceFromBytes(8, 2), 8 * kMinLaneSliceBytes);
+  EXPECT_EQ(LaneSliceFromBytes(1, 64), 0u);
+  EXPECT_TRUE(!TravelsInSlices(kernel, 4, 1, 8));      // one lane: whole
+  EXPECT_TRUE(!TravelsInSlices(kernel + 2, 4, 3, 8));  // not whole elements
+  // Where it is sliced, every slice is cut over all N owners.
+  for (const int world : {2, 8, 64, 256})
+    for (const int lanes : {2, 3, 8}) {
+      const uint64_t from = LaneSliceFromBytes(lanes, world);
+      EXPECT_TRUE(MakePartitions("t", from / lanes, 4, world, 4u << 20).size() >= static_cast<size_t>(world));
+    }
+}
+
 TEST(ConstantsForPythonComeFromTheCore) {
   const std::string json = RuntimeConstantsJson();
   for (const char* name : kScheduleNames) EXPECT_TRUE(Contains(json, std::string("\"") + name + "\""));

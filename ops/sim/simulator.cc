@@ -663,7 +663,7 @@ int Simulation::Lane(const FrameInfo& info) const {
   if (unit_members_[info.tensor].size() > 1) return unit_lane_[info.tensor];  // where it was dealt
   const std::vector<int>& sliced = partition_lanes_[info.tensor];
   if (!sliced.empty()) return sliced[static_cast<size_t>(info.partition)];
-  if (t.element_size > 0 && t.bytes % t.element_size == 0 && t.bytes >= lanes * kMinLaneSliceBytes) {
+  if (TravelsInSlices(t.bytes, t.element_size, static_cast<int>(lanes), n_)) {
     // A slice per lane: the partition's first byte says which (its own cut is the slice's).
     const uint64_t offset = partitions_[info.tensor][static_cast<size_t>(info.partition)].offset;
     return static_cast<int>(std::min(lanes - 1, offset * lanes / t.bytes));
@@ -1110,8 +1110,7 @@ void Simulation::PlanUnits() {
     unit_lane_.push_back(b.fused() ? fused_units++ % lanes : 0);
     partition_lanes_.emplace_back();
     const uint64_t element = unit.element_size;
-    if (!two_level() && lanes > 1 && !b.fused() && !mwms() && !exchanged_.back() && element > 0 &&
-        unit.bytes % element == 0 && unit.bytes >= static_cast<uint64_t>(lanes) * kMinLaneSliceBytes) {
+    if (!two_level() && !b.fused() && !mwms() && !exchanged_.back() && TravelsInSlices(unit.bytes, element, lanes, n_)) {
       // As Engine::SubmitSliced: equal element counts per lane, each slice cut on its own.
       std::vector<Partition> parts;
       const uint64_t elements = unit.bytes / element;
