@@ -188,6 +188,8 @@ def predict_api() -> ctypes.CDLL:
     lib.prophet_predict_free.restype = None
     lib.prophet_runtime_constants.argtypes = [ctypes.c_char_p, ctypes.c_int]
     lib.prophet_runtime_constants.restype = ctypes.c_int
+    lib.prophet_runtime_lane_slice_from_bytes.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.prophet_runtime_lane_slice_from_bytes.restype = ctypes.c_ulonglong
     lib.prophet_runtime_resolve.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)]
     lib.prophet_runtime_resolve.restype = ctypes.c_int
     return lib

@@ -98,15 +98,11 @@ class FusionLinkRate:
 def probe_bytes(world_size: int, lanes: int = 1) -> int:
     """Bytes of the probe's tensor for ``world_size`` workers on ``lanes`` lanes: PROBE_BYTES, or
     N x 64 KiB where that is more, so that every worker owns a share of it, and with several
-    lanes at least what the runtime cuts into a slice per lane (each slice at least its
-    lane_slice_bytes and spread over every worker: ops/core/engine_options.h,
-    LaneSliceFromBytes), so that it travels on every lane."""
-    from prophet_tf._library import runtime_constants
+    lanes at least what the runtime cuts into a slice per lane (ops/core/engine_options.h,
+    LaneSliceFromBytes: each slice spread over every worker), so that it travels on every lane."""
+    from prophet_tf._library import predict_api
 
-    constants = runtime_constants()
-    slice_bytes = max(int(constants["lane_slice_bytes"]),
-                      world_size * int(constants["lane_spread_bytes_per_worker"]))
-    sliced = lanes * slice_bytes if lanes > 1 else 0
+    sliced = int(predict_api().prophet_runtime_lane_slice_from_bytes(lanes, world_size))
     return max(PROBE_BYTES, world_size * SPREAD_BYTES_PER_WORKER, sliced)
 
 

@@ -491,7 +491,8 @@ void Engine::SubmitSliced(OpRequest request, int active) {
   const uint64_t element = DataTypeSize(request.dtype);
   const uint64_t elements = request.bytes / element;
   for (size_t l = 0; l < lanes; ++l) {
-    const uint64_t first = elements * l / lanes, end = elements * (l + 1) / lanes;
+    const uint64_t first = LaneSliceStart(elements, static_cast<int>(l), active),
+                   end = LaneSliceStart(elements, static_cast<int>(l) + 1, active);
     OpRequest slice;
     slice.kind = request.kind;
     slice.name = request.name;

@@ -273,7 +273,6 @@ std::string RuntimeConstantsJson() {
   }
   os << "], \"control_priority\": " << kControlPriority << ", \"protocol_version\": " << kProtocolVersion
      << ", \"auto_lanes\": " << kAutoLanes << ", \"lane_slice_bytes\": " << kMinLaneSliceBytes
-     << ", \"lane_spread_bytes_per_worker\": " << kDefaultMinSplitBytes
      << ", \"options\": [";
   first = true;
 #define PROPHET_OPTION(TYPE, NAME, DEFAULT, ACCEPTS, USE, ENV, DOC)                                 \

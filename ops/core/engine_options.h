@@ -65,6 +65,11 @@ constexpr uint64_t kMinLaneSliceBytes = uint64_t{256} << 10;
 uint64_t LaneSliceFromBytes(int lanes, int world_size);
 // Whether a push_pull of `bytes` travels in slices (LaneSliceFromBytes; whole elements).
 bool TravelsInSlices(uint64_t bytes, uint64_t element_size, int lanes, int world_size);
+// The first element of `lane`'s slice of `elements` over `lanes` lanes (equal element counts;
+// lane == lanes gives `elements`).
+inline uint64_t LaneSliceStart(uint64_t elements, int lane, int lanes) {
+  return elements * static_cast<uint64_t>(lane) / static_cast<uint64_t>(lanes);
+}
 
 // The byte credit a setting gives on `world_size` workers. Why it grows with N: a push's credit
 // returns when its last byte is in the socket, and a socket holds about 1/(N-1) of what TCP

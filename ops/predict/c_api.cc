@@ -68,6 +68,11 @@ __attribute__((visibility("default"))) int prophet_predict_calibrate(double effo
 
 __attribute__((visibility("default"))) void prophet_predict_free(char* result) { std::free(result); }
 
+// LaneSliceFromBytes: the bytes from which a push_pull travels in slices over `lanes` lanes.
+__attribute__((visibility("default"))) unsigned long long prophet_runtime_lane_slice_from_bytes(int lanes, int world_size) {
+  return prophet::LaneSliceFromBytes(lanes, world_size);
+}
+
 // Writes the JSON object of RuntimeConstantsJson (schedule names, the option table, the control
 // priority); returns the length it needs (call again with more room if that is >= len).
 __attribute__((visibility("default"))) int prophet_runtime_constants(char* buf, int len) {

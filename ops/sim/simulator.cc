@@ -664,7 +664,7 @@ int Simulation::Lane(const FrameInfo& info) const {
   const std::vector<int>& sliced = partition_lanes_[info.tensor];
   if (!sliced.empty()) return sliced[static_cast<size_t>(info.partition)];
   if (TravelsInSlices(t.bytes, t.element_size, static_cast<int>(lanes), n_)) {
-    // A slice per lane: the partition's first byte says which (its own cut is the slice's).
+    // Two-level: the tensor is cut whole for the hosts; a partition's first byte says whose slice.
     const uint64_t offset = partitions_[info.tensor][static_cast<size_t>(info.partition)].offset;
     return static_cast<int>(std::min(lanes - 1, offset * lanes / t.bytes));
   }
@@ -1115,7 +1115,7 @@ void Simulation::PlanUnits() {
       std::vector<Partition> parts;
       const uint64_t elements = unit.bytes / element;
       for (int l = 0; l < lanes; ++l) {
-        const uint64_t first = elements * l / lanes, end = elements * (l + 1) / lanes;
+        const uint64_t first = LaneSliceStart(elements, l, lanes), end = LaneSliceStart(elements, l + 1, lanes);
         for (Partition p : MakePartitions(unit.name, (end - first) * element, element, n_, runtime_.partition_bytes,
                                           PartitionMinSplitBytes(runtime_.schedule))) {
           p.offset += first * element;
