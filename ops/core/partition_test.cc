@@ -135,9 +135,9 @@ TEST(LargeTensorsAreSplitAcrossAllWorkers) {
     std::vector<int> owned(world, 0);
     for (const Partition& p : parts) owned[p.owner]++;
     for (int r = 0; r < world; ++r) EXPECT_TRUE(owned[r] >= 1);  // every worker sums a share
-    // Just below the threshold: not split.
+    // Just below the threshold: one owner fewer, each partition at least 64 KiB.
     parts = MakePartitions("fc/kernel", total - 4, 4, world, 4 * kMiB);
-    EXPECT_EQ(parts.size(), 1u);
+    EXPECT_EQ(parts.size(), static_cast<size_t>(world - 1));
     // float64, float16 too.
     parts = MakePartitions("fc/kernel", total, 8, world, 4 * kMiB);
     EXPECT_TRUE(parts.size() >= static_cast<size_t>(world));
@@ -146,6 +146,28 @@ TEST(LargeTensorsAreSplitAcrossAllWorkers) {
   }
   // A single worker never splits for balance.
   EXPECT_EQ(MakePartitions("x", 10 * kMiB, 4, 1, 64 * kMiB).size(), 1u);
+}
+
+TEST(TensorsTooSmallForEveryOwnerSpreadOverSeveral) {
+  // A whole 1.5 MB tensor on one owner at N = 64 made that owner receive and send back 63 x
+  // 1.5 MB while the others waited; cut into partitions of at least 64 KiB, each on its own owner.
+  const int world = 64;
+  for (const uint64_t total : {uint64_t{64 * kKiB}, uint64_t{128 * kKiB} - 4, uint64_t{128 * kKiB},
+                               uint64_t{1572864}, uint64_t{world * 64 * kKiB} - 4}) {
+    const std::vector<Partition> parts = MakePartitions("position_embedding", total, 4, world, 64 * kMiB);
+    EXPECT_EQ(parts.size(), static_cast<size_t>(std::max<uint64_t>(1, total / (64 * kKiB))));
+    std::vector<int> owned(world, 0);
+    uint64_t covered = 0;
+    for (const Partition& p : parts) {
+      EXPECT_EQ(p.offset, covered);
+      covered += p.bytes;
+      EXPECT_TRUE(p.bytes >= 64 * kKiB || parts.size() == 1);
+      EXPECT_EQ(++owned[p.owner], 1);  // every partition on its own owner
+    }
+    EXPECT_EQ(covered, total);
+  }
+  // A schedule that asks for its own partitions only (kNoExtraSplit) keeps the tensor whole.
+  EXPECT_EQ(MakePartitions("position_embedding", 1572864, 4, world, 64 * kMiB, ~uint64_t{0}).size(), 1u);
 }
 
 TEST(EmptyAndTinyTensors) {

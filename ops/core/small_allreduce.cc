@@ -1,8 +1,10 @@
 #include "ops/core/small_allreduce.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "ops/core/fusion.h"
+#include "ops/core/partition.h"
 #include "ops/core/reduce.h"
 
 namespace prophet {
@@ -19,9 +21,6 @@ int FloorPowerOfTwo(int n, int* log2) {
   if (log2) *log2 = k;
   return p;
 }
-
-// A tensor of at least N x this spreads over N owners (partition.h's min_split_bytes).
-constexpr uint64_t kSpreadBytesPerWorker = 64 * 1024;
 
 }  // namespace
 
@@ -85,12 +84,15 @@ double ExchangeTimeNs(int world_size, uint64_t bytes, const ExchangeModel& model
 
 double OwnerTimeNs(int world_size, uint64_t bytes, const ExchangeModel& model) {
   const double n = world_size, wire_ns = static_cast<double>(bytes) / model.link_Bps * 1e9;
-  return 2 * model.latency_ns + n * model.message_ns + 2 * (n - 1) * wire_ns;
+  // The owners MakePartitions spreads it over (partition_bytes does not cut what fits).
+  const double owners = static_cast<double>(
+      std::min<size_t>(MakePartitions("", bytes, 1, world_size, ~uint64_t{0}).size(), std::max(world_size, 1)));
+  return 2 * model.latency_ns + n * model.message_ns + 2 * (n - 1) * wire_ns / owners;
 }
 
 bool SmallAllreduceFits(uint64_t bytes, int world_size, uint64_t partition_bytes, Encoding compression) {
   return world_size >= 2 && compression == Encoding::kNone && bytes > 0 && bytes <= partition_bytes &&
-         bytes < kSpreadBytesPerWorker * static_cast<uint64_t>(world_size);
+         bytes < kDefaultMinSplitBytes * static_cast<uint64_t>(world_size);
 }
 
 bool SmallAllreduceApplies(uint64_t bytes, int world_size, uint64_t partition_bytes, Encoding compression,

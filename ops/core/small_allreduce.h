@@ -2,8 +2,9 @@
 // pushes to one owner and N-1 sums back (docs/design.md, "Small tensors").
 //
 // A control collective too small to spread over N owners (metric state, loss-scale flags, the
-// step report's sum, a scalar of the crossing's barrier) gets one or a few owners under push_pull: each such owner handles N-1 pushes and N-1 sums while the others wait,
-// so its latency grows linearly with N. Here every worker exchanges its partial sum with one
+// step report's sum, a scalar of the crossing's barrier) gets one or a few owners under
+// push_pull: each such owner handles N-1 pushes and N-1 sums while the others wait, so its
+// latency grows linearly with N. Here every worker exchanges its partial sum with one
 // partner per stage, and the partners double: P = the largest power of two <= N workers take
 // part, log2(P) stages. With N = P + r (0 < r < P), the first 2r ranks fold in pairs first (an even
 // rank sends its values to the odd rank above it, which takes part in its place) and the odd rank
@@ -53,15 +54,16 @@ std::vector<ExchangeStep> ExchangePlan(int rank, int world_size);
 // frames one at a time). A frame costs `message_ns` of CPU (its sender's and its receiver's
 // together), `latency_ns` on the link (one way) and bytes / link_Bps on the wire:
 //   exchange:   stages x (m + L + B/R)           each stage: send one frame, receive the partner's
-//   one owner:  2 L + N m + 2 (N-1) B/R            a push in, the owner's N-1 receives and N-1
+//   k owners:   2 L + N m + 2 (N-1) B/(k R)        a push in, an owner's N-1 receives and N-1
 //                                                  sends one after the other (its link carries
 //                                                  N-1 pushes in and N-1 sums out), the sum back
-// (A tensor below N x 64 KiB has one owner: MakePartitions spreads only larger ones.) For a tiny
+// (k: the owners MakePartitions spreads it over, one per 64 KiB below N x 64 KiB.) For a tiny
 // tensor the exchange wins where (stages - 2) L < (N - stages) m: at N = 2 (one hop against a
 // push and its sum) and N = 4 at any latency, never at N = 3 (3 stages with the fold); at other
 // N once the N - stages frames it saves the owner outweigh its stages - 2 extra hops (with the
 // assumed 20 us per frame and 25 us latency: every N but 3, 5 and 6 up to 256). Larger tensors
-// tilt it towards the exchange (stages x B against the owner's 2 (N-1) B).
+// tilt it towards the exchange (stages x B against an owner's 2 (N-1) B / k) while one owner
+// takes them whole (below 128 KiB); beyond, their owners share the bytes.
 // The engine decides with what every worker assumes alike (the default ExchangeModel: fusion's
 // per-message cost and link rate, kExchangeAssumedLatencyNs), so that all take the same path;
 // the simulator predicts that choice with the same model and the time it takes with its own.

@@ -215,6 +215,8 @@ TEST(TheExchangeWhereItsPredictedLatencyIsBelowTheOwners) {
   // N = 8: 3 stages (135 us) against 2 hops and the owner's 8 frames (210 us).
   EXPECT_NEAR(ExchangeTimeNs(8, 8), 3 * 45000 + 3 * 6.4, 1e-6);
   EXPECT_NEAR(OwnerTimeNs(8, 8), 50000 + 160000 + 14 * 6.4, 1e-6);
+  // 1 MiB at N = 64 has 16 owners (MakePartitions: one per 64 KiB), which share its 2 x 63 copies.
+  EXPECT_NEAR(OwnerTimeNs(64, 1 << 20), 50000 + 64 * 20000 + 2 * 63 * (1 << 20) / 1.25 / 16, 1e-3);
   auto applies = [&](uint64_t bytes, int n) { return SmallAllreduceApplies(bytes, n, partition, Encoding::kNone); };
   // Small N: the exchange at 2 and 4 (fewer hops or as many), the owner at 3, 5 and 6 (the fold
   // adds two hops that the few frames it saves the owner do not pay for).

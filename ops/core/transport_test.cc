@@ -177,8 +177,8 @@ void ExpectConnectedPairwise(std::vector<Worker>& workers, int lanes = 1) {
 }
 
 TEST(HandshakeMacIsHmacSha256OverTheTranscript) {
-  // Expected values computed independently with Python's hmac module (8 = kProtocolVersion):
-  //   hmac.new(b"job-token", label + b"\0" + struct.pack("<4I", 8, 3, 2, 0) + nonce_c + nonce_a, "sha256")
+  // Expected values computed independently with Python's hmac module (9 = kProtocolVersion):
+  //   hmac.new(b"job-token", label + b"\0" + struct.pack("<4I", 9, 3, 2, 0) + nonce_c + nonce_a, "sha256")
   uint8_t nonce_c[kNonceBytes], nonce_a[kNonceBytes];
   for (size_t i = 0; i < kNonceBytes; ++i) {
     nonce_c[i] = static_cast<uint8_t>(1 + i);
@@ -188,8 +188,8 @@ TEST(HandshakeMacIsHmacSha256OverTheTranscript) {
   uint8_t mac_a[kMacBytes], mac_c[kMacBytes], other[kMacBytes];
   HandshakeMac("job-token", HandshakeRole::kAcceptor, params, nonce_c, nonce_a, mac_a);
   HandshakeMac("job-token", HandshakeRole::kConnector, params, nonce_c, nonce_a, mac_c);
-  EXPECT_EQ(Hex(mac_a, kMacBytes), std::string("dac3e95da5f8c40182dc8a68e95d225a9a4552e29a96a2f39861791364b2864a"));
-  EXPECT_EQ(Hex(mac_c, kMacBytes), std::string("ad3b3e415ff7604c4436f1ea29d13cdb9cf9e30ae63ad6352cec1fa11237552a"));
+  EXPECT_EQ(Hex(mac_a, kMacBytes), std::string("b30910b6e4247e33678029fab084db740b4fc042d6fde1169e31a8ffed4bdc86"));
+  EXPECT_EQ(Hex(mac_c, kMacBytes), std::string("3dce2dbe18d285a826dfe1356ff72308de2bd565489eb3f4312e653d466a8ab3"));
   EXPECT_TRUE(MacEqual(mac_a, mac_a));
   EXPECT_TRUE(!MacEqual(mac_a, mac_c));
   // Every input changes the MAC.
