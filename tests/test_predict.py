@@ -186,10 +186,11 @@ def one_tensor_profile() -> Profile:
                    tensors=[ProfiledTensor("grad/dense/kernel", 100_000, 1, 0.0, "dense")])
 
 
-# The kernel holds nothing; every tensor by its owners (the cases computed by hand are about that
-# path; small tensors by exchange have their own test).
+# The kernel holds nothing; every tensor by its owners, unfused (the cases computed by hand are
+# about that path: a tensor below 2 x 64 KiB on one owner; small tensors by exchange and fusion
+# have their own tests).
 EXACT = PredictOptions(payload_efficiency=1.0, frame_overhead_bytes=0, socket_buffer_bytes=0,
-                       autotuned_socket_buffer_bytes=0, small_allreduce=False)
+                       autotuned_socket_buffer_bytes=0, small_allreduce=False, fusion_bytes=0)
 
 
 def test_predict_one_tensor_on_two_workers_exactly():
@@ -201,6 +202,11 @@ def test_predict_one_tensor_on_two_workers_exactly():
     assert p.speedup == pytest.approx(2 * 0.010 / 0.210)
     assert p.comm_s == pytest.approx(0.100, abs=1e-6)
     assert p.tensor_times[0]["done_s"] == pytest.approx(0.210, abs=1e-6)
+    # Fused (the default), the tensor alone is a bucket of one, cut between both owners: each
+    # pushes 50,000 bytes to the other while it receives theirs, then the sums cross: 110 ms.
+    fused = predict(one_tensor_profile(), workers=2, bandwidth_bps=8e6, schedule="priority_nocross",
+                    options=dataclasses.replace(EXACT, fusion_bytes=-1))
+    assert fused.step_s == pytest.approx(0.110, abs=1e-6)
     one = predict(one_tensor_profile(), workers=1, bandwidth_bps=8e6, options=EXACT)
     assert one.step_s == pytest.approx(0.010)
     with pytest.raises(PredictError, match="unknown schedule"):

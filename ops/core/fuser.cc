@@ -214,12 +214,11 @@ std::vector<std::vector<FusionDeclaration>> FusionByLane(const std::vector<Fusio
   std::vector<FusionInput> inputs;
   for (const FusionDeclaration& d : tensors) inputs.push_back(FusionInputOf(d));
   std::vector<std::vector<FusionDeclaration>> shares(static_cast<size_t>(std::max(lanes, 1)));
-  size_t next = 0;
-  for (const FusionBucket& plan : PlanFusion(inputs, world_size, bucket_bytes)) {
-    if (!plan.fused()) continue;
-    for (const int m : plan.members) shares[next].push_back(tensors[m]);
-    next = (next + 1) % shares.size();
-  }
+  const std::vector<FusionBucket> plan = PlanFusion(inputs, world_size, bucket_bytes);
+  const std::vector<int> lane_of = DealBucketsToLanes(plan, lanes);
+  for (size_t b = 0; b < plan.size(); ++b)
+    if (lane_of[b] >= 0)
+      for (const int m : plan[b].members) shares[static_cast<size_t>(lane_of[b])].push_back(tensors[m]);
   fused_lane->clear();
   for (size_t lane = 0; lane < shares.size(); ++lane) {
     // The lane's fuser plans its share again: what that plan fuses travels there.
@@ -279,7 +278,7 @@ Status Fuser::Declare(const std::string& group, const std::vector<FusionDeclarat
   uint64_t fused_bytes = 0;
   for (size_t i = 0; i < buckets_.size(); ++i) {
     names.push_back(buckets_[i].name);
-    fused_bytes += buckets_[i].plan.bytes;
+    if (buckets_[i].members.size() > 1) fused_bytes += buckets_[i].plan.bytes;  // a bucket of one packs nothing
     for (size_t slot = 0; slot < buckets_[i].members.size(); ++slot) member_of_[buckets_[i].members[slot].name] = {i, slot};
   }
   // Bucket names carry their members' declarations: equal sets of names, equal buckets.
@@ -360,7 +359,9 @@ OpRequest Fuser::Launch(Bucket& b) {
   };
   auto run = std::make_shared<Run>();
   run->pool = buffers_;
-  run->data = buffers_->Take(b.plan.bytes);
+  // A bucket of one travels in its member's own buffers: nothing to pack.
+  const bool alone = b.queued.size() == 1;
+  if (!alone) run->data = buffers_->Take(b.plan.bytes);
   b.launching.clear();
   for (size_t m = 0; m < b.queued.size(); ++m) {
     OpRequest member = std::move(b.queued[m].front());
@@ -368,7 +369,7 @@ OpRequest Fuser::Launch(Bucket& b) {
     b.launching.push_back(b.rounds[m].front());
     b.rounds[m].pop_front();
     b.since_ns[m].pop_front();
-    if (member.bytes) std::memcpy(run->data.data() + b.plan.offsets[m], member.input, member.bytes);
+    if (!alone && member.bytes) std::memcpy(run->data.data() + b.plan.offsets[m], member.input, member.bytes);
     run->members.push_back(std::move(member));
   }
   const FusionDeclaration& first = b.members.front();
@@ -377,8 +378,8 @@ OpRequest Fuser::Launch(Bucket& b) {
   r.name = b.name;
   r.dtype = first.dtype;
   r.shape = {static_cast<int64_t>(b.plan.bytes / DataTypeSize(first.dtype))};
-  r.input = run->data.data();
-  r.output = run->data.data();
+  r.input = alone ? run->members.front().input : run->data.data();
+  r.output = alone ? run->members.front().output : run->data.data();
   r.bytes = b.plan.bytes;
   r.priority = b.plan.priority;
   r.average = first.average;
@@ -386,11 +387,11 @@ OpRequest Fuser::Launch(Bucket& b) {
   r.fusion_bucket_bytes = b.bucket_bytes;
   const std::vector<uint64_t> offsets = b.plan.offsets;
   const std::string what = "fused bucket '" + b.name + "' of " + MemberList(b.members);
-  r.done = [run, offsets, what](const Status& status, const GatherResult*) {
+  r.done = [run, offsets, what, alone](const Status& status, const GatherResult*) {
     for (size_t m = 0; m < run->members.size(); ++m) {
       OpRequest& member = run->members[m];
       if (status.ok()) {
-        if (member.bytes) std::memcpy(member.output, run->data.data() + offsets[m], member.bytes);
+        if (!alone && member.bytes) std::memcpy(member.output, run->data.data() + offsets[m], member.bytes);
         member.done(status, nullptr);
       } else if (status.message().rfind(kDisagreementLead, 0) == 0) {
         member.done(status, nullptr);  // names the tensor that differs, not this bucket
@@ -398,7 +399,7 @@ OpRequest Fuser::Launch(Bucket& b) {
         member.done(Status(status.code(), what + ": " + status.message()), nullptr);
       }
     }
-    run->pool->Give(std::move(run->data));  // the operation is over: no frame uses it any more
+    if (!alone) run->pool->Give(std::move(run->data));  // the operation is over: no frame uses it any more
   };
   return r;
 }

@@ -84,9 +84,9 @@ std::string DescribeDisagreement(int rank_a, const std::vector<DeclaredTensor>& 
 Status ValidateDeclaration(const std::string& group, const std::vector<FusionDeclaration>& tensors);
 // How a declared tensor enters the plan (PlanFusion).
 FusionInput FusionInputOf(const FusionDeclaration& declaration);
-// For the engine's lanes (engine.h): what each of `lanes` lanes declares. The plan's fused
-// buckets are dealt round-robin, most urgent first, so that every lane carries buckets of every
-// urgency; a lane's share is its buckets' members, which its fuser plans again. `fused_lane` gets,
+// For the engine's lanes (engine.h): what each of `lanes` lanes declares. The plan's buckets
+// are dealt by DealBucketsToLanes (fusion.h: about the same bytes on every lane, buckets of
+// every urgency); a lane's share is its buckets' members, which its fuser plans again. `fused_lane` gets,
 // for every tensor its lane's plan fuses, that lane (the rest travel alone).
 std::vector<std::vector<FusionDeclaration>> FusionByLane(const std::vector<FusionDeclaration>& tensors, int world_size,
                                                          uint64_t bucket_bytes, int lanes,

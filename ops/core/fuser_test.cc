@@ -149,6 +149,32 @@ std::vector<std::vector<float>> SameEverywhere(std::vector<Step>& steps, const s
   return out;
 }
 
+// Each result is the sum (or mean) of the n workers' inputs of RunStep's `seed`, to float32
+// summation's accuracy.
+void ExpectSums(const std::vector<std::vector<float>>& results, const std::vector<FusionDeclaration>& decl, int n,
+                unsigned seed) {
+  for (size_t i = 0; i < decl.size(); ++i) {
+    std::vector<std::vector<float>> inputs;
+    for (int r = 0; r < n; ++r) inputs.push_back(Values(decl[i].bytes / 4, seed * 1000 + static_cast<unsigned>(r * 100 + i)));
+    for (size_t e = 0; e < results[i].size(); ++e) {
+      double sum = 0, magnitude = 0;
+      for (int r = 0; r < n; ++r) {
+        sum += inputs[r][e];
+        magnitude += std::fabs(inputs[r][e]);
+      }
+      if (decl[i].average) {
+        sum /= n;
+        magnitude /= n;
+      }
+      if (std::fabs(results[i][e] - sum) > 4 * n * 6e-8 * magnitude) {
+        FAIL(decl[i].name + " element " + std::to_string(e) + ": " + std::to_string(results[i][e]) + " for " +
+             std::to_string(sum));
+        break;
+      }
+    }
+  }
+}
+
 uint64_t OpsDone(const Engine& e) {
   const std::string stats = e.StatsJson();
   const size_t at = stats.find("\"ops_done\": ");
@@ -208,27 +234,7 @@ TEST(FusedSumsAreTheSameEverywhereRunToRunAndInAnyOrder) {
       if (std::memcmp(a[i].data(), b[i].data(), decl[i].bytes) != 0) FAIL("run to run: other bits for " + decl[i].name);
     // And the values are the sums (or means) of the inputs, to float32 summation's accuracy.
     std::vector<Step> third = RunStep(engines, decl, 2);
-    std::vector<std::vector<std::vector<float>>> inputs(n);
-    for (int r = 0; r < n; ++r)
-      for (size_t i = 0; i < decl.size(); ++i) inputs[r].push_back(Values(decl[i].bytes / 4, 2000 + static_cast<unsigned>(r * 100 + i)));
-    const std::vector<std::vector<float>> c = SameEverywhere(third, decl);
-    for (size_t i = 0; i < decl.size(); ++i) {
-      for (size_t e = 0; e < c[i].size(); ++e) {
-        double sum = 0, magnitude = 0;
-        for (int r = 0; r < n; ++r) {
-          sum += inputs[r][i][e];
-          magnitude += std::fabs(inputs[r][i][e]);
-        }
-        if (decl[i].average) {
-          sum /= n;
-          magnitude /= n;
-        }
-        if (std::fabs(c[i][e] - sum) > 4 * n * 6e-8 * magnitude) {
-          FAIL(decl[i].name + " element " + std::to_string(e) + ": " + std::to_string(c[i][e]) + " for " + std::to_string(sum));
-          break;
-        }
-      }
-    }
+    ExpectSums(SameEverywhere(third, decl), decl, n, 2);
   }
 }
 
@@ -241,6 +247,37 @@ TEST(TwoWorkersFusedIsBitwiseUnfused) {
   const std::vector<std::vector<float>> a = SameEverywhere(f, fused), b = SameEverywhere(p, plain);
   for (size_t i = 0; i < fused.size(); ++i)
     if (std::memcmp(a[i].data(), b[i].data(), fused[i].bytes) != 0) FAIL("fused differs from unfused: " + fused[i].name);
+}
+
+// A fusable tensor larger than its bucket's cap travels alone, as a bucket of one in its own
+// buffers (no packing), cut among owners as buckets are: the sums are right, in place or not,
+// and the same bits everywhere.
+TEST(ABucketOfOneSumsInItsOwnBuffers) {
+  const int n = 4;
+  auto engines = Cluster(n);
+  if (engines.size() != static_cast<size_t>(n) || !engines.back()) return;
+  std::vector<FusionDeclaration> decl;
+  for (int i = 0; i < 3; ++i) {
+    FusionDeclaration d;
+    d.name = "one/grad" + std::to_string(i);
+    d.bytes = 4 * static_cast<uint64_t>(40000 + i);  // below N x 64 KiB: fusable
+    d.shape = {static_cast<int64_t>(d.bytes / 4)};
+    d.priority = 3 - i;
+    d.average = i == 1;  // neighbours differ: each alone
+    decl.push_back(d);
+  }
+  std::vector<FusionInput> inputs;
+  for (const FusionDeclaration& d : decl) inputs.push_back(FusionInputOf(d));
+  const std::vector<FusionBucket> plan = PlanFusion(inputs, n, Bucket(n));
+  EXPECT_EQ(plan.size(), 3u);
+  for (const FusionBucket& b : plan) {
+    EXPECT_TRUE(b.fused() && b.members.size() == 1);
+    EXPECT_TRUE(BucketPartitions(b.name, b.bytes, 4, n, 4u << 20, Bucket(n)).size() > 1);  // not whole on one owner
+  }
+  for (auto& e : engines) e->DeclareFusion("g", decl, Bucket(n));
+  std::vector<Step> s = RunStep(engines, decl, 3);
+  ExpectSums(SameEverywhere(s, decl), decl, n, 3);
+  EXPECT_EQ(OpsDone(*engines[0]), decl.size());  // each travelled as its own bucket
 }
 
 TEST(CompressedBucketsAreTheSameEverywhere) {

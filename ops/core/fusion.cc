@@ -49,6 +49,22 @@ uint64_t ResolveFusionBytes(int64_t setting, int world_size, double link_Bps) {
   return static_cast<uint64_t>(std::max<int64_t>(0, setting));
 }
 
+std::vector<int> DealBucketsToLanes(const std::vector<FusionBucket>& plan, int lanes) {
+  std::vector<uint64_t> carried(static_cast<size_t>(std::max(lanes, 1)), 0);
+  std::vector<int> lane_of;
+  lane_of.reserve(plan.size());
+  for (const FusionBucket& b : plan) {
+    if (!b.fused()) {
+      lane_of.push_back(-1);
+      continue;
+    }
+    const size_t lane = static_cast<size_t>(std::min_element(carried.begin(), carried.end()) - carried.begin());
+    carried[lane] += b.bytes;
+    lane_of.push_back(static_cast<int>(lane));
+  }
+  return lane_of;
+}
+
 uint64_t FusionBucketCap(uint64_t ahead_bytes, int world_size, uint64_t bucket_bytes) {
   const uint64_t owner_bytes = bucket_bytes / static_cast<uint64_t>(std::max(world_size, 1));
   return std::min(bucket_bytes, std::max(owner_bytes, ahead_bytes));
@@ -95,12 +111,9 @@ std::vector<FusionBucket> PlanFusion(const std::vector<FusionInput>& tensors, in
   uint64_t ahead_bytes = 0; // bytes of every tensor before the current one in priority order
   auto close = [&] {
     if (open.members.empty()) return;
-    if (open.fused()) {
-      open.name = FusedName(tensors, open);
-      buckets.push_back(std::move(open));
-    } else {
-      buckets.push_back(Alone(tensors, open.members.front()));
-    }
+    open.name = FusedName(tensors, open);
+    open.bucket = true;
+    buckets.push_back(std::move(open));
     open = FusionBucket();
   };
   for (const int i : order) {

@@ -31,15 +31,20 @@ struct FusionInput {
 };
 
 struct FusionBucket {
-  // A lone tensor keeps its own name (so its partitions and owners are exactly the unfused
-  // ones); a fused bucket is named after its members (kFusedPrefix, first and last member, count).
+  // A tensor that cannot fuse keeps its own name (so its partitions and owners are exactly the
+  // unfused ones); a bucket is named after its members (kFusedPrefix, first and last member,
+  // count), even a bucket of one: a fusable tensor that travels alone is still cut among owners
+  // as a bucket is (BucketPartitions), since whole on one owner it would hold up the step while
+  // that owner takes N-1 pushes and sends N-1 sums (ResNet50's first kernel, 37.6 kB, at N = 256:
+  // 9.6 MB each way on one link).
   std::string name;
   uint64_t bytes = 0;
   uint32_t element_size = 4;
   int64_t priority = 0;              // its most urgent member's
   std::vector<int> members;          // indices into the plan's input, most urgent first
   std::vector<uint64_t> offsets;     // byte offset of each member inside the bucket
-  bool fused() const { return members.size() > 1; }
+  bool bucket = false;               // travels as a bucket (fuser.h), of one member or more
+  bool fused() const { return bucket; }
 };
 
 constexpr const char* kFusedPrefix = "fused:";
@@ -103,6 +108,14 @@ uint64_t ResolveFusionBytes(int64_t setting, int world_size, double link_Bps);
 // that double from the most urgent end keep that tail to one owner's share, while a less urgent
 // bucket is ready before the more urgent bytes it may equal, which the links still carry after it.
 uint64_t FusionBucketCap(uint64_t ahead_bytes, int world_size, uint64_t bucket_bytes);
+
+// The lane each bucket of `plan` travels on where the engine runs `lanes` lanes (engine.h), -1
+// for a tensor that is not a bucket: in plan order (most urgent first), each bucket to the lane
+// with the fewest bucket bytes so far (the lowest such lane), so that every lane carries about
+// the same bytes and buckets of every urgency. Dealt by count instead, a model whose small and
+// large buckets alternate (BERT-base's feed-forward biases between its kernels) put every large
+// bucket on every other lane. Used by the engine (FusionByLane) and the simulator.
+std::vector<int> DealBucketsToLanes(const std::vector<FusionBucket>& plan, int lanes);
 
 // Buckets in priority order (most urgent first; equal priorities by name): runs of consecutive
 // fusable tensors of one fuse_key, each smaller than N x min_split_bytes (larger ones already

@@ -70,6 +70,7 @@ FusionBucket Fused(uint64_t bytes) {
   b.bytes = bytes;
   b.members = {0, 1};
   b.offsets = {0, bytes / 2};
+  b.bucket = true;
   return b;
 }
 
@@ -94,7 +95,7 @@ TEST(BucketsSpreadOverEveryOwnerTheyCanFeed) {
     EXPECT_EQ(parts.size(), static_cast<size_t>(std::min<double>(n, std::ceil(best))));
     EXPECT_TRUE(parts.size() < static_cast<size_t>(n) || n <= 16);
   }
-  // A lone tensor is cut exactly as without fusion.
+  // A tensor that cannot fuse is cut exactly as without fusion.
   FusionBucket lone;
   lone.name = "grad/x";
   lone.bytes = 1000;
@@ -121,8 +122,30 @@ TEST(FusesRunsInPriorityOrder) {
   EXPECT_EQ(plan[1].name, std::string("big"));
   EXPECT_EQ(plan[2].name, std::string("fused:c..e/3"));
   EXPECT_EQ(plan[2].offsets[2], 80000u);
-  EXPECT_EQ(plan[3].name, std::string("f"));  // alone: keeps its own name, so its unfused owners
-  EXPECT_TRUE(!plan[3].fused());
+  // f alone, still a bucket: cut among owners as buckets are, not whole on one owner.
+  EXPECT_EQ(plan[3].name, std::string("fused:f..f/1"));
+  EXPECT_TRUE(plan[3].fused());
+}
+
+// ResNet50's first kernel (37,632 bytes) is the most urgent gradient and larger than the first
+// bucket's cap (one owner's share), so it travels alone. Whole, its one owner takes 255 pushes
+// and sends 255 sums at N = 256 (9.6 MB each way) while every other link has finished.
+TEST(AFusableTensorAloneIsCutAsABucket) {
+  const int n = 256;
+  const uint64_t bucket_bytes = FusionBucketBytes(n, 125e6);
+  std::vector<FusionInput> in = {In("grad/conv1_conv/kernel", 37632, 3), In("grad/conv1_conv/bias", 256, 2)};
+  const std::vector<FusionBucket> plan = PlanFusion(in, n, bucket_bytes);
+  EXPECT_TRUE(Covers(in, plan));
+  EXPECT_EQ(plan.size(), 2u);
+  EXPECT_EQ(plan[0].members.size(), 1u);
+  EXPECT_TRUE(plan[0].fused());
+  const std::vector<Partition> parts = PlanPartitions(plan[0], n, 4u << 20, bucket_bytes);
+  const std::vector<Partition> as_bucket = BucketPartitions(plan[0].name, 37632, 4, n, 4u << 20, bucket_bytes);
+  EXPECT_EQ(parts.size(), as_bucket.size());
+  std::set<int> owners;
+  for (const Partition& p : parts) owners.insert(p.owner);
+  EXPECT_EQ(owners.size(), parts.size());  // each on its own owner
+  EXPECT_TRUE(parts.size() >= 40);          // ceil(sqrt(4.5 x 255 x 37632 / 22500)) = 44
 }
 
 // The most urgent bucket leaves when the backward pass ends, so it holds one owner's share;
@@ -168,6 +191,33 @@ TEST(OffOrOneWorkerKeepsEveryTensorAlone) {
     EXPECT_EQ(plan[0].name, std::string("a"));
     EXPECT_EQ(plan[1].name, std::string("b"));
   }
+}
+
+// Large and small buckets alternate (BERT-base: each feed-forward bias alone between two
+// kernels): dealt by count, every large bucket went to every other lane.
+TEST(BucketsAreDealtToLanesByBytes) {
+  std::vector<FusionBucket> plan;
+  for (int i = 0; i < 16; ++i) {
+    FusionBucket b = Fused(i % 2 == 0 ? 9000000 : 12000);
+    b.name = "fused:" + std::to_string(i);
+    plan.push_back(b);
+  }
+  FusionBucket lone;  // a tensor that is not a bucket stays off the deal
+  lone.name = "grad/big";
+  lone.bytes = 90000000;
+  lone.members = {0};
+  lone.offsets = {0};
+  plan.insert(plan.begin() + 3, lone);
+  const std::vector<int> lane_of = DealBucketsToLanes(plan, 4);
+  EXPECT_EQ(lane_of.size(), plan.size());
+  EXPECT_EQ(lane_of[3], -1);
+  std::vector<uint64_t> bytes(4, 0);
+  for (size_t b = 0; b < plan.size(); ++b)
+    if (lane_of[b] >= 0) bytes[static_cast<size_t>(lane_of[b])] += plan[b].bytes;
+  for (const uint64_t carried : bytes) EXPECT_TRUE(carried >= 18000000 && carried <= 18100000);  // two large buckets each
+  EXPECT_EQ(lane_of[0], 0);  // the most urgent on the first lane
+  // One lane: everything on it.
+  for (const int lane : DealBucketsToLanes(plan, 1)) EXPECT_TRUE(lane == 0 || lane == -1);
 }
 
 TEST(SamePlanWhateverTheInputOrder) {

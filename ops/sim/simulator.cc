@@ -308,7 +308,7 @@ class Simulation {
   // and partitions are per unit; FrameInfo::tensor and OpKey's tensor index a unit.
   std::vector<ModelTensor> units_;
   std::vector<std::vector<int>> unit_members_;      // tensors of each unit
-  std::vector<int> unit_lane_;                      // the lane a fused unit was dealt to (Lane)
+  std::vector<int> unit_lane_;                      // the lane a bucket was dealt to (Lane); -1: not a bucket
   std::vector<int> unit_of_;                        // per tensor
   std::vector<std::unordered_map<uint64_t, size_t>> unit_ready_;  // per worker, by OpKey(step, unit)
   std::vector<std::vector<Partition>> partitions_;  // per unit (two-level: owners are hosts)
@@ -660,7 +660,7 @@ int Simulation::Lane(const FrameInfo& info) const {
   // The ring's chunks: by subdivision (the ring is not the engine's; its threads are TF's).
   if (info.kind == FrameKind::kRing) return static_cast<int>(static_cast<uint64_t>(info.partition) % lanes);
   const ModelTensor& t = units_[info.tensor];
-  if (unit_members_[info.tensor].size() > 1) return unit_lane_[info.tensor];  // where it was dealt
+  if (unit_lane_[info.tensor] >= 0) return unit_lane_[info.tensor];  // a bucket: where it was dealt
   const std::vector<int>& sliced = partition_lanes_[info.tensor];
   if (!sliced.empty()) return sliced[static_cast<size_t>(info.partition)];
   if (TravelsInSlices(t.bytes, t.element_size, static_cast<int>(lanes), n_)) {
@@ -1088,8 +1088,12 @@ void Simulation::PlanUnits() {
   exchange_options.small_allreduce = runtime_.small_allreduce;
   exchange_options.partition_bytes = runtime_.partition_bytes;
   unit_of_.assign(profile_.tensors.size(), -1);
-  int fused_units = 0;
-  for (const FusionBucket& b : PlanFusion(inputs, n_, bucket_bytes)) {
+  const std::vector<FusionBucket> plan = PlanFusion(inputs, n_, bucket_bytes);
+  // Buckets are dealt over the lanes as the engine deals them (FusionByLane); the rest on lane 0.
+  const int lanes = std::max(1, network_.io_threads);
+  const std::vector<int> bucket_lane = DealBucketsToLanes(plan, lanes);
+  for (size_t bi = 0; bi < plan.size(); ++bi) {
+    const FusionBucket& b = plan[bi];
     const ModelTensor& first = profile_.tensors[b.members.front()];
     ModelTensor unit = first;
     unit.name = b.name;
@@ -1105,9 +1109,7 @@ void Simulation::PlanUnits() {
     exchanged_.push_back(!mwms() && ExchangesThis(probe, n_, exchange_options));
     units_.push_back(unit);
     unit_members_.push_back(b.members);
-    // Fused buckets are dealt over the lanes round-robin, most urgent first (FusionByLane).
-    const int lanes = std::max(1, network_.io_threads);
-    unit_lane_.push_back(b.fused() ? fused_units++ % lanes : 0);
+    unit_lane_.push_back(bucket_lane[bi]);
     partition_lanes_.emplace_back();
     const uint64_t element = unit.element_size;
     if (!two_level() && !b.fused() && !mwms() && !exchanged_.back() && TravelsInSlices(unit.bytes, element, lanes, n_)) {

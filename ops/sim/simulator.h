@@ -157,7 +157,7 @@ struct NetworkModel {
   // The I/O threads (lanes, EngineOptions::io_threads) of each worker's runtime: a frame's CPU is
   // charged to its lane's thread, routed as the engine routes (engine.h: a push_pull that
   // TravelsInSlices in slices, one per lane, each cut on its own; fused buckets and their copies dealt
-  // over the lanes round-robin, any other tensor on the lane its name hashes to). The lanes'
+  // over the lanes by DealBucketsToLanes, any other tensor on the lane its name hashes to). The lanes'
   // schedulers are modelled as one (one policy and one credit per worker), and a lane's fusion
   // plan as the whole plan's buckets it was dealt.
   int io_threads = 1;

@@ -153,7 +153,7 @@ class PredictOptions:
       io_threads: I/O threads (lanes, the runtime's ``io_threads``) per worker, each frame's CPU
         on its lane's thread, routed as the runtime routes (a push_pull of at least
         io_threads x max(256 KiB, N x 64 KiB) in slices, one per lane, each cut on its own;
-        fused buckets dealt round-robin; other tensors by name); the lanes' schedulers are
+        fused buckets dealt as the runtime deals them; other tensors by name); the lanes' schedulers are
         modelled as one.
       small_allreduce: small control collectives by recursive doubling where the engine's rule
         takes them (ops/core/small_allreduce.h), as the engine sends them (True, the default).
