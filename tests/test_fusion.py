@@ -34,8 +34,8 @@ def test_many_small_gradients_fused_on_three_workers_match_one_process(run_worke
         _check_case(run, case)
         for rank in range(3):
             r = run.one(rank, case=case)
-            # The gradients travelled fused (a gradient alone in its run travels alone), every
-            # step: as many push_pulls held for buckets on every worker.
+            # The gradients travelled fused (a fusable gradient alone in its run as a bucket of
+            # one), every step: as many push_pulls held for buckets on every worker.
             assert r["fused"] >= r["gradients"] * r["steps"] // 2, r
             assert r["fused"] == run.one(0, case=case)["fused"], r
 

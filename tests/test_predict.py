@@ -375,6 +375,14 @@ def test_synthetic_timeline_is_a_runtime_trace(tmp_path, fusion_bytes):
     fused = [e for e in tracks["op"] if str(e.get("name")).startswith("fused:")]
     assert bool(fused) == (fusion_bytes != 0)
     assert ({t.name: t.bytes for t in again.tensors} == {t.name: t.bytes for t in profile.tensors})
+    # A tensor alone in its bucket (a bucket of one) keeps its own span too.
+    one = str(tmp_path / "one.json")
+    predict(one_tensor_profile(), workers=2, bandwidth_bps=1e9, options=dataclasses.replace(
+        EXACT, fusion_bytes=fusion_bytes), timeline_path=one)
+    alone = timeline.load_trace(tmp_path / "one.0.json")
+    assert [t.name for t in profile_from_trace(alone).tensors] == ["grad/dense/kernel"]
+    assert any(str(e.get("name")).startswith("fused:")
+               for e in timeline.events_by_track(alone)["op"]) == (fusion_bytes != 0)
 
 
 def test_rates_and_durations():

@@ -1,6 +1,7 @@
 // The engine's side of fusion (fusion.h): declared tensors are held until every member of their
 // bucket is submitted, then travel as one push_pull of the packed bucket, whose sums are copied
-// back into each member's output (docs/design.md, "Fusion").
+// back into each member's output (a bucket of one travels in its member's own buffers)
+// (docs/design.md, "Fusion").
 //
 // Agreement: every worker declares the same tensors (the training program's gradients: names,
 // bytes, dtype, priority, averaging, compression), so PlanFusion gives every worker the same

@@ -183,7 +183,7 @@ uint64_t OpsDone(const Engine& e) {
 
 uint64_t Bucket(int n) { return FusionBucketBytes(n, 125e6); }
 
-// Lanes (engine.h): the plan's fused buckets are dealt round-robin over the lanes, every fused
+// Lanes (engine.h): the plan's buckets are dealt over the lanes (DealBucketsToLanes), every fused
 // member to exactly one lane, and what a lane's own plan fuses is what the routing map says.
 TEST(FusedBucketsAreDealtOverTheLanes) {
   std::vector<FusionDeclaration> tensors;

@@ -27,7 +27,7 @@ struct FusionInput {
   // Tensors fuse only with tensors of the same key (the caller packs what must agree inside one
   // payload: dtype, encoding, averaging). Control collectives must not be given a fusable key.
   uint64_t fuse_key = 0;
-  bool fusable = true;  // false: always its own bucket (control collectives, sparse, ...)
+  bool fusable = true;  // false: never a bucket, travels alone (control collectives, sparse, ...)
 };
 
 struct FusionBucket {
@@ -85,7 +85,8 @@ uint64_t FusionBucketBytes(int world_size, double link_Bps, int64_t message_cost
 // them; owners round-robin from the bucket name's hash (MakePartitions does the cutting).
 std::vector<Partition> BucketPartitions(const std::string& name, uint64_t bytes, uint32_t element_size, int world_size,
                                         uint64_t partition_bytes, uint64_t bucket_bytes);
-// BucketPartitions for a fused bucket, MakePartitions (with `min_split_bytes`) for a lone tensor.
+// BucketPartitions for a bucket (of one too), MakePartitions (with `min_split_bytes`) for a
+// tensor that is not a bucket.
 std::vector<Partition> PlanPartitions(const FusionBucket& bucket, int world_size, uint64_t partition_bytes,
                                       uint64_t bucket_bytes, uint64_t min_split_bytes = kDefaultMinSplitBytes);
 
@@ -121,8 +122,9 @@ std::vector<int> DealBucketsToLanes(const std::vector<FusionBucket>& plan, int l
 // fusable tensors of one fuse_key, each smaller than N x min_split_bytes (larger ones already
 // spread over every owner and travel alone), closed once they reach their cap (FusionBucketCap:
 // sizes that double from the most urgent bucket up to `bucket_bytes`) or when the next tensor
-// cannot join. Every input is in exactly one bucket. bucket_bytes == 0: no fusion
-// (every tensor its own bucket). Inputs must have distinct names.
+// cannot join (a fusable tensor alone is a bucket of one). Every input is in exactly one entry;
+// the others are not buckets (fused() false) and travel alone. bucket_bytes == 0: no fusion (no
+// buckets). Inputs must have distinct names.
 std::vector<FusionBucket> PlanFusion(const std::vector<FusionInput>& tensors, int world_size, uint64_t bucket_bytes,
                                      uint64_t min_split_bytes = 64 * 1024);
 

@@ -6,6 +6,7 @@
 #include "ops/core/fusion.h"
 #include "ops/core/partition.h"
 #include "ops/core/reduce.h"
+#include "ops/core/schedule_traits.h"
 
 namespace prophet {
 
@@ -86,7 +87,8 @@ double OwnerTimeNs(int world_size, uint64_t bytes, const ExchangeModel& model) {
   const double n = world_size, wire_ns = static_cast<double>(bytes) / model.link_Bps * 1e9;
   // The owners MakePartitions spreads it over (partition_bytes does not cut what fits).
   const double owners = static_cast<double>(
-      std::min<size_t>(MakePartitions("", bytes, 1, world_size, ~uint64_t{0}).size(), std::max(world_size, 1)));
+      std::min<size_t>(MakePartitions("", bytes, 1, world_size, ~uint64_t{0}, model.min_split_bytes).size(),
+                       std::max(world_size, 1)));
   return 2 * model.latency_ns + n * model.message_ns + 2 * (n - 1) * wire_ns / owners;
 }
 
@@ -110,8 +112,10 @@ bool ExchangesThis(const OpRequest& request, int world_size, const EngineOptions
   }
   // Control collectives only: gradients stay under the scheduler (its order, credit, bandwidth
   // estimate and Prophet's profile come from their pushes); small ones are fused anyway.
+  ExchangeModel model;
+  model.min_split_bytes = PartitionMinSplitBytes(options.schedule);
   return request.priority >= kControlPriority &&
-         SmallAllreduceApplies(request.bytes, world_size, options.partition_bytes, request.compression);
+         SmallAllreduceApplies(request.bytes, world_size, options.partition_bytes, request.compression, model);
 }
 
 bool ParseSmallAllreduce(const std::string& text, EngineOptions::SmallAllreduceMode* out) {

@@ -74,6 +74,9 @@ struct ExchangeModel {
   double message_ns = static_cast<double>(kFusionMessageCostNs);
   double latency_ns = static_cast<double>(kExchangeAssumedLatencyNs);
   double link_Bps = kFusionAssumedLink_Bps;
+  // The owner path's cut of a small tensor: MakePartitions' min_split_bytes under the schedule
+  // (PartitionMinSplitBytes; kNoExtraSplit keeps it on one owner).
+  uint64_t min_split_bytes = kDefaultMinSplitBytes;
 };
 double ExchangeTimeNs(int world_size, uint64_t bytes, const ExchangeModel& model = ExchangeModel());
 double OwnerTimeNs(int world_size, uint64_t bytes, const ExchangeModel& model = ExchangeModel());

@@ -217,6 +217,9 @@ TEST(TheExchangeWhereItsPredictedLatencyIsBelowTheOwners) {
   EXPECT_NEAR(OwnerTimeNs(8, 8), 50000 + 160000 + 14 * 6.4, 1e-6);
   // 1 MiB at N = 64 has 16 owners (MakePartitions: one per 64 KiB), which share its 2 x 63 copies.
   EXPECT_NEAR(OwnerTimeNs(64, 1 << 20), 50000 + 64 * 20000 + 2 * 63 * (1 << 20) / 1.25 / 16, 1e-3);
+  ExchangeModel exact;  // a schedule with exact partitions (kNoExtraSplit) keeps it on one owner
+  exact.min_split_bytes = ~uint64_t{0};
+  EXPECT_NEAR(OwnerTimeNs(64, 1 << 20, exact), 50000 + 64 * 20000 + 2 * 63 * (1 << 20) / 1.25, 1e-3);
   auto applies = [&](uint64_t bytes, int n) { return SmallAllreduceApplies(bytes, n, partition, Encoding::kNone); };
   // Small N: the exchange at 2 and 4 (fewer hops or as many), the owner at 3, 5 and 6 (the fold
   // adds two hops that the few frames it saves the owner do not pay for).

@@ -25,7 +25,8 @@ constexpr uint32_t kFrameMagic = 0x31465450;  // "PTF1" little-endian
 // 7: lanes (io_threads): the hello names its lane and the number of lanes.
 // 8: a tensor cut across every worker is cut into whole rounds of owners (partition.h): a worker
 //    of version 7 would cut some tensors into other partitions.
-// 9: a tensor too small for every owner is cut over several (partition.h).
+// 9: a tensor too small for every owner is cut over several (partition.h), and a fusable tensor
+//    alone travels as a bucket of one (fusion.h).
 constexpr uint16_t kProtocolVersion = 9;
 constexpr uint32_t kMaxNameBytes = 4096;
 constexpr uint32_t kMaxDims = 32;

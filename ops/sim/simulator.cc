@@ -844,9 +844,9 @@ void Simulation::PartitionDone(int w, uint64_t key) {
     worker.timeline->Complete("op", t.name, op.submit_ns, now_ns_,
                               "{\"round\": " + std::to_string(step) + ", \"bytes\": " + std::to_string(t.bytes) +
                                   ", \"priority\": " + std::to_string(t.priority) + ", \"ok\": true}");
-    // The members of a fused bucket keep "op" spans of their own, as the engine writes them.
+    // The members of a bucket (of one too) keep "op" spans of their own, as the engine writes them.
     const std::vector<int>& members = unit_members_[tensor];
-    for (size_t m = 0; members.size() > 1 && m < members.size(); ++m) {
+    for (size_t m = 0; unit_lane_[tensor] >= 0 && m < members.size(); ++m) {
       const ModelTensor& member = profile_.tensors[members[m]];
       worker.timeline->Complete("op", member.name, op.submit_ns, now_ns_,
                                 "{\"round\": " + std::to_string(step) + ", \"bytes\": " +
@@ -1087,6 +1087,7 @@ void Simulation::PlanUnits() {
   EngineOptions exchange_options;  // what ExchangesThis reads
   exchange_options.small_allreduce = runtime_.small_allreduce;
   exchange_options.partition_bytes = runtime_.partition_bytes;
+  if (!mwms()) exchange_options.schedule = runtime_.schedule;  // its cut of the owner path
   unit_of_.assign(profile_.tensors.size(), -1);
   const std::vector<FusionBucket> plan = PlanFusion(inputs, n_, bucket_bytes);
   // Buckets are dealt over the lanes as the engine deals them (FusionByLane); the rest on lane 0.
