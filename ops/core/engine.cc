@@ -98,6 +98,8 @@ struct Engine::Impl : public Connection::Handler,
     std::vector<FusionDeclaration> tensors;
     uint64_t bucket_bytes = 0;
     std::function<void(const Status&)> done;
+    bool dealt = false;                    // `buckets` are the lane's dealt buckets (FusionByLane)
+    std::vector<std::vector<int>> buckets;
   };
   std::vector<Declaration> declarations;
   std::string schedule_name;                              // the policy in use, for StatsJson
@@ -580,9 +582,11 @@ void Engine::DeclareFusion(const std::string& group, std::vector<FusionDeclarati
   // that a lane's earlier plan of this group ends too. A group that held one of these tensors is
   // replaced (as Fuser::Declare replaces it on one engine): declared empty on every lane first.
   auto fused_lane = std::make_shared<std::unordered_map<std::string, int>>();
+  std::vector<std::vector<std::vector<int>>> buckets;
   std::vector<std::vector<FusionDeclaration>> shares =
-      FusionByLane(tensors, options_.world_size, bucket_bytes, active_lanes_.load(), fused_lane.get());
+      FusionByLane(tensors, options_.world_size, bucket_bytes, active_lanes_.load(), fused_lane.get(), &buckets);
   shares.resize(lanes_.size());
+  buckets.resize(lanes_.size());
   std::vector<std::string> replaced;
   {
     std::lock_guard<std::mutex> lock(fused_mu_);
@@ -620,16 +624,18 @@ void Engine::DeclareFusion(const std::string& group, std::vector<FusionDeclarati
   for (const std::string& old : replaced)
     for (size_t l = 0; l < lanes_.size(); ++l) DeclareOnLane(static_cast<int>(l), old, {}, bucket_bytes, answered);
   for (size_t l = 0; l < lanes_.size(); ++l)
-    DeclareOnLane(static_cast<int>(l), group, std::move(shares[l]), bucket_bytes, answered);
+    DeclareOnLane(static_cast<int>(l), group, std::move(shares[l]), bucket_bytes, answered, &buckets[l]);
 }
 
 void Engine::DeclareOnLane(int lane, const std::string& group, std::vector<FusionDeclaration> tensors,
-                           uint64_t bucket_bytes, std::function<void(const Status&)> done) {
+                           uint64_t bucket_bytes, std::function<void(const Status&)> done,
+                           const std::vector<std::vector<int>>* buckets) {
   Impl& m = *lanes_[lane];
   {
     std::lock_guard<std::mutex> lock(m.mu);
     if (m.stopped.empty()) {
-      m.declarations.push_back({m.submitted.size(), group, std::move(tensors), bucket_bytes, std::move(done)});
+      m.declarations.push_back({m.submitted.size(), group, std::move(tensors), bucket_bytes, std::move(done),
+                                buckets != nullptr, buckets ? *buckets : std::vector<std::vector<int>>()});
       done = nullptr;
     }
   }
@@ -844,7 +850,7 @@ void Engine::Impl::DrainSubmissions() {
   auto declare_up_to = [&](size_t at) {
     for (; next_declaration < declared.size() && declared[next_declaration].at <= at; ++next_declaration) {
       Declaration& d = declared[next_declaration];
-      const Status s = fuser.Declare(d.group, d.tensors, world_size(), d.bucket_bytes);
+      const Status s = fuser.Declare(d.group, d.tensors, world_size(), d.bucket_bytes, d.dealt ? &d.buckets : nullptr);
       if (!s.ok()) PROPHET_INFO("fusion declaration refused: %s", s.message().c_str());
       std::vector<Fuser::CheckFrame> digest;
       fuser.TellDigest(rank(), world_size(), &digest);

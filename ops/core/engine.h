@@ -149,8 +149,10 @@ class Engine {
   Timeline timeline_;  // every lane's events
   std::vector<std::unique_ptr<Impl>> lanes_;  // connected
   std::atomic<int> active_lanes_{1};
+  // `buckets`: the lane's dealt buckets (FusionByLane), taken as they are; null: the lane plans.
   void DeclareOnLane(int lane, const std::string& group, std::vector<FusionDeclaration> tensors,
-                     uint64_t bucket_bytes, std::function<void(const Status&)> done);
+                     uint64_t bucket_bytes, std::function<void(const Status&)> done,
+                     const std::vector<std::vector<int>>* buckets = nullptr);
   // Tensors a lane's fusion plan put in a fused bucket: they travel whole on that lane, where the
   // bucket forms; with the group that declared them.
   std::mutex fused_mu_;

@@ -210,29 +210,32 @@ FusionInput FusionInputOf(const FusionDeclaration& d) {
 
 std::vector<std::vector<FusionDeclaration>> FusionByLane(const std::vector<FusionDeclaration>& tensors, int world_size,
                                                          uint64_t bucket_bytes, int lanes,
-                                                         std::unordered_map<std::string, int>* fused_lane) {
+                                                         std::unordered_map<std::string, int>* fused_lane,
+                                                         std::vector<std::vector<std::vector<int>>>* groups) {
   std::vector<FusionInput> inputs;
   for (const FusionDeclaration& d : tensors) inputs.push_back(FusionInputOf(d));
-  std::vector<std::vector<FusionDeclaration>> shares(static_cast<size_t>(std::max(lanes, 1)));
+  const size_t n_lanes = static_cast<size_t>(std::max(lanes, 1));
+  std::vector<std::vector<FusionDeclaration>> shares(n_lanes);
+  groups->assign(n_lanes, {});
+  fused_lane->clear();
   const std::vector<FusionBucket> plan = PlanFusion(inputs, world_size, bucket_bytes);
   const std::vector<int> lane_of = DealBucketsToLanes(plan, lanes);
-  for (size_t b = 0; b < plan.size(); ++b)
-    if (lane_of[b] >= 0)
-      for (const int m : plan[b].members) shares[static_cast<size_t>(lane_of[b])].push_back(tensors[m]);
-  fused_lane->clear();
-  for (size_t lane = 0; lane < shares.size(); ++lane) {
-    // The lane's fuser plans its share again: what that plan fuses travels there.
-    inputs.clear();
-    for (const FusionDeclaration& d : shares[lane]) inputs.push_back(FusionInputOf(d));
-    for (const FusionBucket& plan : PlanFusion(inputs, world_size, bucket_bytes))
-      if (plan.fused())
-        for (const int m : plan.members) (*fused_lane)[shares[lane][m].name] = static_cast<int>(lane);
+  for (size_t b = 0; b < plan.size(); ++b) {
+    if (lane_of[b] < 0) continue;
+    const size_t lane = static_cast<size_t>(lane_of[b]);
+    std::vector<int> group;
+    for (const int m : plan[b].members) {
+      group.push_back(static_cast<int>(shares[lane].size()));
+      shares[lane].push_back(tensors[m]);
+      (*fused_lane)[tensors[m].name] = lane_of[b];
+    }
+    (*groups)[lane].push_back(std::move(group));
   }
   return shares;
 }
 
 Status Fuser::Declare(const std::string& group, const std::vector<FusionDeclaration>& tensors, int world_size,
-                     uint64_t bucket_bytes) {
+                     uint64_t bucket_bytes, const std::vector<std::vector<int>>* buckets) {
   // The plans this declaration replaces: its group's, and that of any group holding one of its
   // tensors. A model compiled again gets a new optimizer (a new group) for the same gradients;
   // the last declaration of a tensor wins, and the old group's other tensors travel alone.
@@ -259,7 +262,7 @@ Status Fuser::Declare(const std::string& group, const std::vector<FusionDeclarat
   for (auto it = declared_.begin(); it != declared_.end();)
     it = replaced.count(it->second.second) ? declared_.erase(it) : std::next(it);
   for (const FusionDeclaration& d : tensors) declared_[d.name] = {DeclaredTensor{d, bucket_bytes}, group};
-  for (FusionBucket& plan : PlanFusion(inputs, world_size, bucket_bytes)) {
+  for (FusionBucket& plan : buckets ? PlanOfBuckets(inputs, *buckets) : PlanFusion(inputs, world_size, bucket_bytes)) {
     if (!plan.fused()) continue;  // travels alone, as without fusion
     Bucket b;
     b.group = group;

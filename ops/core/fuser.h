@@ -87,11 +87,13 @@ Status ValidateDeclaration(const std::string& group, const std::vector<FusionDec
 FusionInput FusionInputOf(const FusionDeclaration& declaration);
 // For the engine's lanes (engine.h): what each of `lanes` lanes declares. The plan's buckets
 // are dealt by DealBucketsToLanes (fusion.h: about the same bytes on every lane, buckets of
-// every urgency); a lane's share is its buckets' members, which its fuser plans again. `fused_lane` gets,
-// for every tensor its lane's plan fuses, that lane (the rest travel alone).
+// every urgency); a lane's share is its buckets' members, and `groups` gets, per lane, those
+// buckets as indices into its share, which its fuser takes as they are (Fuser::Declare).
+// `fused_lane` gets, for every member of a bucket, its lane (the rest travel alone).
 std::vector<std::vector<FusionDeclaration>> FusionByLane(const std::vector<FusionDeclaration>& tensors, int world_size,
                                                          uint64_t bucket_bytes, int lanes,
-                                                         std::unordered_map<std::string, int>* fused_lane);
+                                                         std::unordered_map<std::string, int>* fused_lane,
+                                                         std::vector<std::vector<std::vector<int>>>* groups);
 
 class Fuser {
  public:
@@ -101,9 +103,10 @@ class Fuser {
   // Replaces the plan of `group` (one optimizer step's gradients) and of every other group that
   // holds one of `tensors` (a model compiled again declares its gradients for a new optimizer:
   // the last declaration wins, the old group's other tensors travel alone). Fails if a member of
-  // a replaced plan is held (declare between steps) or `tensors` names a tensor twice.
+  // a replaced plan is held (declare between steps) or `tensors` names a tensor twice. With
+  // `buckets` (a lane's share: FusionByLane's groups), those are the buckets; else PlanFusion's.
   Status Declare(const std::string& group, const std::vector<FusionDeclaration>& tensors, int world_size,
-                 uint64_t bucket_bytes);
+                 uint64_t bucket_bytes, const std::vector<std::vector<int>>* buckets = nullptr);
   // Whether `request` is a push_pull of a tensor that travels in a fused bucket.
   bool Fuses(const OpRequest& request) const;
   // Holds a member's request. Appends the bucket's request when this completes a round of its

@@ -196,8 +196,9 @@ TEST(FusedBucketsAreDealtOverTheLanes) {
     tensors.push_back(d);
   }
   std::unordered_map<std::string, int> one_lane, three_lanes;
-  const auto whole = FusionByLane(tensors, 4, 16 << 10, 1, &one_lane);
-  const auto dealt = FusionByLane(tensors, 4, 16 << 10, 3, &three_lanes);
+  std::vector<std::vector<std::vector<int>>> one_groups, groups;
+  const auto whole = FusionByLane(tensors, 4, 16 << 10, 1, &one_lane, &one_groups);
+  const auto dealt = FusionByLane(tensors, 4, 16 << 10, 3, &three_lanes, &groups);
   EXPECT_EQ(whole.size(), 1u);
   EXPECT_EQ(dealt.size(), 3u);
   size_t members = 0;
@@ -214,6 +215,26 @@ TEST(FusedBucketsAreDealtOverTheLanes) {
     lanes_used[lane]++;
   }
   for (int used : lanes_used) EXPECT_TRUE(used > 0);
+  // Each lane's buckets are the whole plan's buckets it was dealt, not a plan of its share again
+  // (which the simulator does not model): together, the same bucket names as the whole plan.
+  std::vector<FusionInput> inputs;
+  for (const FusionDeclaration& d : tensors) inputs.push_back(FusionInputOf(d));
+  std::vector<std::string> planned, carried;
+  for (const FusionBucket& b : PlanFusion(inputs, 4, 16 << 10))
+    if (b.fused()) planned.push_back(b.name);
+  EXPECT_EQ(groups.size(), 3u);
+  for (size_t lane = 0; lane < dealt.size(); ++lane) {
+    std::vector<FusionInput> share;
+    for (const FusionDeclaration& d : dealt[lane]) share.push_back(FusionInputOf(d));
+    for (const FusionBucket& b : PlanOfBuckets(share, groups[lane])) {
+      EXPECT_TRUE(b.fused());  // every member of a share is in a bucket
+      carried.push_back(b.name);
+    }
+  }
+  std::sort(planned.begin(), planned.end());
+  std::sort(carried.begin(), carried.end());
+  EXPECT_TRUE(planned == carried);
+  EXPECT_TRUE(planned.size() >= 6);
 }
 
 TEST(FusedSumsAreTheSameEverywhereRunToRunAndInAnyOrder) {

@@ -92,6 +92,30 @@ std::string FusedName(const std::vector<FusionInput>& tensors, const FusionBucke
 
 }  // namespace
 
+std::vector<FusionBucket> PlanOfBuckets(const std::vector<FusionInput>& tensors,
+                                        const std::vector<std::vector<int>>& groups) {
+  std::vector<FusionBucket> plan;
+  std::vector<bool> grouped(tensors.size(), false);
+  for (const std::vector<int>& members : groups) {
+    if (members.empty()) continue;
+    FusionBucket b;
+    b.element_size = tensors[members.front()].element_size;
+    b.priority = tensors[members.front()].priority;
+    for (const int m : members) {
+      b.members.push_back(m);
+      b.offsets.push_back(b.bytes);
+      b.bytes += tensors[m].bytes;
+      grouped[m] = true;
+    }
+    b.name = FusedName(tensors, b);
+    b.bucket = true;
+    plan.push_back(std::move(b));
+  }
+  for (size_t i = 0; i < tensors.size(); ++i)
+    if (!grouped[i]) plan.push_back(Alone(tensors, static_cast<int>(i)));
+  return plan;
+}
+
 std::vector<FusionBucket> PlanFusion(const std::vector<FusionInput>& tensors, int world_size, uint64_t bucket_bytes,
                                      uint64_t min_split_bytes) {
   std::vector<int> order(tensors.size());
