@@ -72,6 +72,15 @@ def zygotes(tmp_path):
         proc.wait(timeout=30)
 
 
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (it may be reaped at any moment)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
 def _shown(out: str) -> dict:
     return json.loads(out.splitlines()[0])
 
@@ -133,7 +142,7 @@ def test_kill_9_of_the_client_ends_the_worker_and_a_killed_worker_ends_its_clien
     proc.kill()
     proc.wait(timeout=30)
     deadline = time.monotonic() + 10
-    while os.path.exists(f"/proc/{worker}") and open(f"/proc/{worker}/stat").read().split()[2] != "Z":
+    while _running(worker):
         assert time.monotonic() < deadline, "the forked worker outlived its client's kill -9"
         time.sleep(0.05)
     proc = subprocess.Popen([client, "-u", str(tmp_path / "show.py"), "wait"], env=env,
