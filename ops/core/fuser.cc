@@ -254,6 +254,16 @@ Status Fuser::Declare(const std::string& group, const std::vector<FusionDeclarat
   }
   const Status valid = ValidateDeclaration(group, tensors);
   if (!valid.ok()) return valid;
+  if (buckets) {  // FusionByLane's groups: each tensor of the share in at most one bucket
+    std::vector<bool> seen(tensors.size(), false);
+    for (const std::vector<int>& members : *buckets)
+      for (const int m : members) {
+        if (m < 0 || static_cast<size_t>(m) >= tensors.size() || seen[static_cast<size_t>(m)])
+          return Status(Code::kInvalidArgument, "fusion declaration '" + group + "': the buckets dealt to this lane "
+                                                "name a tensor twice or one it was not given");
+        seen[static_cast<size_t>(m)] = true;
+      }
+  }
   std::vector<FusionInput> inputs;
   for (const FusionDeclaration& d : tensors) inputs.push_back(FusionInputOf(d));
   buckets_.erase(

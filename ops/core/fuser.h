@@ -4,8 +4,8 @@
 // (docs/design.md, "Fusion").
 //
 // Agreement: every worker declares the same tensors (the training program's gradients: names,
-// bytes, dtype, priority, averaging, compression), so PlanFusion gives every worker the same
-// buckets, members, order and byte offsets. A bucket's name carries a digest of its members'
+// bytes, dtype, priority, averaging, compression), so PlanFusion (and, with lanes, the dealt
+// buckets: FusionByLane) gives every worker the same buckets, members, order and byte offsets. A bucket's name carries a digest of its members'
 // declarations, so workers whose declarations differ never add each other's bytes: their buckets
 // have different names. A member submitted with another shape, dtype, averaging or compression
 // than declared fails at once with an error naming it, and so does the rest of its bucket's round,

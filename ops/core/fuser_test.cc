@@ -537,6 +537,11 @@ TEST(DeclarationsAreCheckedAndOneWorkerNeverFuses) {
   decl[0].bytes = 8;  // not its shape
   EXPECT_TRUE(!fuser.Declare("g", decl, 4, 1 << 20).ok());
   decl = Declarations("check");
+  // A lane's dealt buckets (FusionByLane) must name each of its tensors at most once.
+  const std::vector<std::vector<int>> twice = {{0, 1}, {1}}, outside = {{0, 24}}, dealt = {{0, 1}, {2}};
+  EXPECT_TRUE(!fuser.Declare("g", decl, 4, 1 << 20, &twice).ok());
+  EXPECT_TRUE(!fuser.Declare("g", decl, 4, 1 << 20, &outside).ok());
+  EXPECT_TRUE(fuser.Declare("g", decl, 4, 1 << 20, &dealt).ok());
   EXPECT_TRUE(fuser.Declare("g", decl, 1, 1 << 20).ok());
   OpRequest q;
   q.name = decl[0].name;

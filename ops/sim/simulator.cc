@@ -1090,7 +1090,8 @@ void Simulation::PlanUnits() {
   if (!mwms()) exchange_options.schedule = runtime_.schedule;  // its cut of the owner path
   unit_of_.assign(profile_.tensors.size(), -1);
   const std::vector<FusionBucket> plan = PlanFusion(inputs, n_, bucket_bytes);
-  // Buckets are dealt over the lanes as the engine deals them (FusionByLane); the rest on lane 0.
+  // Buckets are dealt over the lanes as the engine deals them (FusionByLane); the rest go on the
+  // lane their name hashes to (Lane).
   const int lanes = std::max(1, network_.io_threads);
   const std::vector<int> bucket_lane = DealBucketsToLanes(plan, lanes);
   for (size_t bi = 0; bi < plan.size(); ++bi) {
