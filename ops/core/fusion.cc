@@ -90,6 +90,24 @@ std::string FusedName(const std::vector<FusionInput>& tensors, const FusionBucke
          std::to_string(b.members.size());
 }
 
+// Appends tensor `m` to bucket `b` (its first member sets the element size and priority).
+void AddMember(const std::vector<FusionInput>& tensors, int m, FusionBucket* b) {
+  if (b->members.empty()) {
+    b->element_size = tensors[m].element_size;
+    b->priority = tensors[m].priority;
+  }
+  b->members.push_back(m);
+  b->offsets.push_back(b->bytes);
+  b->bytes += tensors[m].bytes;
+}
+
+// A filled bucket, named after its members.
+FusionBucket Sealed(const std::vector<FusionInput>& tensors, FusionBucket b) {
+  b.name = FusedName(tensors, b);
+  b.bucket = true;
+  return b;
+}
+
 }  // namespace
 
 std::vector<FusionBucket> PlanOfBuckets(const std::vector<FusionInput>& tensors,
@@ -99,17 +117,11 @@ std::vector<FusionBucket> PlanOfBuckets(const std::vector<FusionInput>& tensors,
   for (const std::vector<int>& members : groups) {
     if (members.empty()) continue;
     FusionBucket b;
-    b.element_size = tensors[members.front()].element_size;
-    b.priority = tensors[members.front()].priority;
     for (const int m : members) {
-      b.members.push_back(m);
-      b.offsets.push_back(b.bytes);
-      b.bytes += tensors[m].bytes;
+      AddMember(tensors, m, &b);
       grouped[m] = true;
     }
-    b.name = FusedName(tensors, b);
-    b.bucket = true;
-    plan.push_back(std::move(b));
+    plan.push_back(Sealed(tensors, std::move(b)));
   }
   for (size_t i = 0; i < tensors.size(); ++i)
     if (!grouped[i]) plan.push_back(Alone(tensors, static_cast<int>(i)));
@@ -135,9 +147,7 @@ std::vector<FusionBucket> PlanFusion(const std::vector<FusionInput>& tensors, in
   uint64_t ahead_bytes = 0; // bytes of every tensor before the current one in priority order
   auto close = [&] {
     if (open.members.empty()) return;
-    open.name = FusedName(tensors, open);
-    open.bucket = true;
-    buckets.push_back(std::move(open));
+    buckets.push_back(Sealed(tensors, std::move(open)));
     open = FusionBucket();
   };
   for (const int i : order) {
@@ -151,14 +161,8 @@ std::vector<FusionBucket> PlanFusion(const std::vector<FusionInput>& tensors, in
     }
     if (!open.members.empty() && (tensors[open.members.front()].fuse_key != t.fuse_key || open.element_size != t.element_size))
       close();
-    if (open.members.empty()) {
-      open.element_size = t.element_size;
-      open.priority = t.priority;
-      open_cap = FusionBucketCap(before, world_size, bucket_bytes);
-    }
-    open.members.push_back(i);
-    open.offsets.push_back(open.bytes);
-    open.bytes += t.bytes;
+    if (open.members.empty()) open_cap = FusionBucketCap(before, world_size, bucket_bytes);
+    AddMember(tensors, i, &open);
     if (open.bytes >= open_cap) close();
   }
   close();

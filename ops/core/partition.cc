@@ -11,8 +11,8 @@ constexpr uint64_t kPipelinePartitionsPerWorker = 8;
 constexpr uint64_t kPipelineMinPartitionBytes = 128 * 1024;
 }  // namespace
 
-std::vector<Partition> MakePartitions(const std::string& name, uint64_t total_bytes, size_t element_size,
-                                      int world_size, uint64_t partition_bytes, uint64_t min_split_bytes) {
+uint64_t PartitionCount(uint64_t total_bytes, size_t element_size, int world_size, uint64_t partition_bytes,
+                        uint64_t min_split_bytes) {
   const uint64_t elements = element_size ? total_bytes / element_size : 0;
   const uint64_t max_elems_per_part = std::max<uint64_t>(1, partition_bytes / std::max<size_t>(1, element_size));
   uint64_t parts = (elements + max_elems_per_part - 1) / max_elems_per_part;
@@ -38,6 +38,13 @@ std::vector<Partition> MakePartitions(const std::string& name, uint64_t total_by
   }
   parts = std::max<uint64_t>(parts, 1);
   parts = std::min<uint64_t>(parts, std::max<uint64_t>(elements, 1));
+  return parts;
+}
+
+std::vector<Partition> MakePartitions(const std::string& name, uint64_t total_bytes, size_t element_size,
+                                      int world_size, uint64_t partition_bytes, uint64_t min_split_bytes) {
+  const uint64_t elements = element_size ? total_bytes / element_size : 0;
+  const uint64_t parts = PartitionCount(total_bytes, element_size, world_size, partition_bytes, min_split_bytes);
 
   const int start = world_size > 0 ? static_cast<int>(HashString(name) % static_cast<uint64_t>(world_size)) : 0;
   std::vector<Partition> out(parts);

@@ -34,6 +34,9 @@ struct Partition {
 std::vector<Partition> MakePartitions(const std::string& name, uint64_t total_bytes, size_t element_size,
                                       int world_size, uint64_t partition_bytes,
                                       uint64_t min_split_bytes = kDefaultMinSplitBytes);
+// How many partitions MakePartitions cuts (without cutting them).
+uint64_t PartitionCount(uint64_t total_bytes, size_t element_size, int world_size, uint64_t partition_bytes,
+                        uint64_t min_split_bytes = kDefaultMinSplitBytes);
 
 }  // namespace prophet
 

@@ -86,9 +86,8 @@ double ExchangeTimeNs(int world_size, uint64_t bytes, const ExchangeModel& model
 double OwnerTimeNs(int world_size, uint64_t bytes, const ExchangeModel& model) {
   const double n = world_size, wire_ns = static_cast<double>(bytes) / model.link_Bps * 1e9;
   // The owners MakePartitions spreads it over (partition_bytes does not cut what fits).
-  const double owners = static_cast<double>(
-      std::min<size_t>(MakePartitions("", bytes, 1, world_size, ~uint64_t{0}, model.min_split_bytes).size(),
-                       std::max(world_size, 1)));
+  const double owners = static_cast<double>(std::min<uint64_t>(
+      PartitionCount(bytes, 1, world_size, ~uint64_t{0}, model.min_split_bytes), std::max(world_size, 1)));
   return 2 * model.latency_ns + n * model.message_ns + 2 * (n - 1) * wire_ns / owners;
 }
 
