@@ -16,7 +16,7 @@ std::unique_ptr<Collective> MakeCollective(CollectiveHost* host, uint64_t id, Op
       // same inputs).
       if (ExchangesThis(request, host->world_size(), host->options()))
         return std::unique_ptr<Collective>(new SmallAllreduce(host, id, std::move(request), round));
-      if (const HostLayout* hosts = host->two_level_hosts())
+      if (const HostLayout* hosts = request.two_level ? host->two_level_hosts() : nullptr)
         return std::unique_ptr<Collective>(new TwoLevelPushPull(host, id, std::move(request), round, *hosts));
       return std::unique_ptr<Collective>(new PushPull(host, id, std::move(request), round));
     case OpKind::kBroadcast: return std::unique_ptr<Collective>(new Broadcast(host, id, std::move(request), round));

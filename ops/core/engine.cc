@@ -357,6 +357,7 @@ Status Engine::Start(const EngineOptions& options, std::unique_ptr<Engine>* out)
     m.schedule_name = m.policy->name();
     if (two_level) m.two_level = std::make_unique<HostLayout>(*two_level);
   }
+  engine->two_level_on_.store(two_level != nullptr);
   const int n = options.world_size;
   const int lanes = static_cast<int>(engine->lanes_.size());
   std::vector<int> fds(static_cast<size_t>(n) * lanes, -1);
@@ -453,7 +454,20 @@ int Engine::LaneOf(const OpRequest& request, int lanes) {
   return static_cast<int>(HashString(request.name) % static_cast<uint64_t>(lanes));
 }
 
+Status Engine::SetTwoLevel(bool on) {
+  if (options_.hierarchical != Hierarchy::kAuto)
+    return Status(Code::kFailedPrecondition, std::string("the push_pulls' path is fixed: hierarchical is '") +
+                                                 HierarchyName(options_.hierarchical) + "', not 'auto'");
+  if (!lanes_.front()->two_level)
+    return Status(Code::kFailedPrecondition,
+                  "the push_pulls' path is flat: the two-level path needs several hosts, one of them with several "
+                  "workers");
+  two_level_on_.store(on);
+  return Status::OK();
+}
+
 void Engine::Submit(OpRequest request) {
+  request.two_level = two_level_on_.load();
   const int active = active_lanes_.load();  // once: the cut and the slices must agree
   const int lane = LaneOf(request, active);
   if (lane < 0) return SubmitSliced(std::move(request), active);
@@ -725,7 +739,8 @@ std::string Engine::StatsJson() const {
      << ", \"ops_done\": " << done << ", \"ops_failed\": " << failed << ", \"fusion_questions\": " << questions
      << ", \"fused_submitted\": " << fused << ", \"io_threads\": " << active_lanes_.load() << ", \"lanes\": " << lanes_.size()
      << ", \"io_cpu_s\": " << io_cpu_s << ", \"lane_bytes_sent\": [" << lane_sent << "]"
-     << ", \"two_level_hosts\": " << (first.two_level ? first.two_level->hosts() : 0)
+     << ", \"two_level_hosts\": " << (first.two_level && two_level_on_.load() ? first.two_level->hosts() : 0)
+     << ", \"path_choosable\": " << (first.two_level && options_.hierarchical == Hierarchy::kAuto ? "true" : "false")
      << ", \"outputs_recycled\": " << GlobalOutputPool().reused() << "}";
   return os.str();
 }

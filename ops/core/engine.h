@@ -79,6 +79,9 @@ struct OpRequest {
   // Set by the engine on a lane's slice of a push_pull: the whole request's trace events stand
   // for it (the lane traces its transfers only).
   bool lane_slice = false;
+  // Set by the engine at submission (Engine::SetTwoLevel): whether a push_pull takes the
+  // two-level path where the engine has hosts to take it over; a fused bucket takes its members'.
+  bool two_level = true;
 };
 
 
@@ -118,6 +121,13 @@ class Engine {
   // a tensor differ across workers and its push_pull fails.
   Status SetActiveLanes(int lanes);
   int active_lanes() const { return active_lanes_.load(); }
+  // From the next submission on, push_pulls take the two-level path over the engine's hosts (on)
+  // or the flat one (off). Only where `hierarchical` is auto and the hosts allow the two-level
+  // path (hosts.h, UseTwoLevel), which is where the engine starts on it; the strategy's start-up
+  // probe measures both and keeps the faster (prophet_tf/_link_probe.py). Every worker must call
+  // it at the same point of its submissions, as SetActiveLanes.
+  Status SetTwoLevel(bool on);
+  bool two_level() const { return two_level_on_.load(); }
   // Schedules with policy `schedule` from the next moment no partition is queued (between steps),
   // keeping the bandwidth measured so far. Fails for an unknown name.
   Status SetSchedule(const std::string& schedule);
@@ -149,6 +159,8 @@ class Engine {
   Timeline timeline_;  // every lane's events
   std::vector<std::unique_ptr<Impl>> lanes_;  // connected
   std::atomic<int> active_lanes_{1};
+  // Whether push_pulls take the two-level path now (SetTwoLevel); the hosts are the lanes'.
+  std::atomic<bool> two_level_on_{false};
   // `buckets`: the lane's dealt buckets (FusionByLane), taken as they are; null: the lane plans.
   void DeclareOnLane(int lane, const std::string& group, std::vector<FusionDeclaration> tensors,
                      uint64_t bucket_bytes, std::function<void(const Status&)> done,

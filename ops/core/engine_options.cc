@@ -8,6 +8,7 @@
 #include <system_error>
 
 #include "ops/core/codec.h"
+#include "ops/core/hosts.h"
 #include "ops/core/partition.h"
 #include "ops/core/wire.h"
 
@@ -273,6 +274,7 @@ std::string RuntimeConstantsJson() {
   }
   os << "], \"control_priority\": " << kControlPriority << ", \"protocol_version\": " << kProtocolVersion
      << ", \"auto_lanes\": " << kAutoLanes << ", \"lane_slice_bytes\": " << kMinLaneSliceBytes
+     << ", \"two_level_margin\": " << kTwoLevelMargin
      << ", \"options\": [";
   first = true;
 #define PROPHET_OPTION(TYPE, NAME, DEFAULT, ACCEPTS, USE, ENV, DOC)                                 \

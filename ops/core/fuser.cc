@@ -398,6 +398,7 @@ OpRequest Fuser::Launch(Bucket& b) {
   r.average = first.average;
   r.compression = first.compression;
   r.fusion_bucket_bytes = b.bucket_bytes;
+  r.two_level = run->members.front().two_level;
   const std::vector<uint64_t> offsets = b.plan.offsets;
   const std::string what = "fused bucket '" + b.name + "' of " + MemberList(b.members);
   r.done = [run, offsets, what, alone](const Status& status, const GatherResult*) {

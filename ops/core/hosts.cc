@@ -87,6 +87,8 @@ bool UseTwoLevel(Hierarchy setting, const HostLayout& layout) {
   return false;
 }
 
+bool ChooseTwoLevel(double two_level_s, double flat_s) { return !(flat_s < two_level_s * (1 - kTwoLevelMargin)); }
+
 uint16_t PathTag(bool two_level, const HostLayout& layout) {
   if (!two_level) return 0;
   uint64_t h = 1469598103934665603ull;  // FNV-1a over the host of every rank

@@ -50,8 +50,16 @@ HostLayout UniformLayout(int workers, int per_host);
 Status HostLabels(const std::vector<std::string>& hosts, const std::vector<std::string>& addresses, int world_size,
                   std::vector<std::string>* labels);
 
-// Whether push_pulls take the two-level path with this setting over this layout.
+// Whether push_pulls take the two-level path with this setting over this layout (at start-up:
+// under auto the strategy's probe may then choose the flat one, Engine::SetTwoLevel).
 bool UseTwoLevel(Hierarchy setting, const HostLayout& layout);
+
+// Under auto, the path the start-up probe keeps (prophet_tf/_link_probe.py), from the slowest
+// worker's fastest round on each path: the two-level one unless the flat one was faster by more
+// than kTwoLevelMargin. The two-level path is the default where the hosts allow it, and a probe
+// round of one 4 MiB tensor weighs its extra stage more than a step of larger buckets does.
+inline constexpr double kTwoLevelMargin = 0.05;
+bool ChooseTwoLevel(double two_level_s, double flat_s);
 
 // A 16-bit digest of the path push_pulls take: 0 for the flat one, else of the host of every rank.
 // Exchanged at start-up (the hello's flags): workers that would take different paths, or see

@@ -437,6 +437,86 @@ TEST(AMissingWorkerTimesOutNamedByEveryone) {
   }
 }
 
+// Under `auto` the path can be chosen between submissions (Engine::SetTwoLevel, as the start-up
+// probe does): each rank switches at its own moment, its peers' frames for the next tensor wait
+// for it, and every tensor sums in the chosen path's order: flat, the bits of a flat job; back on
+// the two-level path, the documented order. Fused buckets take their members' path.
+TEST(UnderAutoThePathIsChosenBetweenSubmissionsOnEveryWorker) {
+  const std::vector<std::string> labels = {"a", "a", "b", "b"};
+  const int n = 4;
+  std::vector<EngineOptions> options = Options(labels), flat_options = Options(labels);
+  for (EngineOptions& o : options) o.hierarchical = Hierarchy::kAuto;
+  for (EngineOptions& o : flat_options) o.hierarchical = Hierarchy::kOff;
+  auto engines = Cluster(options);
+  auto flat = Cluster(flat_options);
+  if (!Started(engines) || !Started(flat)) return;
+  EXPECT_TRUE(Contains(engines[0]->StatsJson(), "\"two_level_hosts\": 2,"));
+  EXPECT_TRUE(Contains(engines[0]->StatsJson(), "\"path_choosable\": true"));
+  EXPECT_TRUE(Contains(flat[0]->StatsJson(), "\"path_choosable\": false"));
+  const Status fixed = flat[0]->SetTwoLevel(true);
+  EXPECT_TRUE(!fixed.ok() && Contains(fixed.message(), "hierarchical is 'off'"));
+  std::vector<FusionDeclaration> decl;
+  for (int i = 0; i < 3; ++i) {
+    FusionDeclaration d;
+    d.name = "chosen/fused" + std::to_string(i);
+    d.bytes = 4 * static_cast<uint64_t>(700 + 300 * i);
+    d.shape = {static_cast<int64_t>(d.bytes / 4)};
+    d.priority = 3 - i;
+    decl.push_back(d);
+  }
+  for (auto* cluster : {&engines, &flat})
+    for (auto& e : *cluster) e->DeclareFusion("g", decl, 1 << 20);
+  // name, elements: one alone (many partitions) and the fused ones.
+  std::vector<std::pair<std::string, uint64_t>> tensors = {{"chosen/alone", 300000}};
+  for (const FusionDeclaration& d : decl) tensors.push_back({d.name, d.bytes / 4});
+  for (int pass = 0; pass < 2; ++pass) {
+    const bool two_level = pass == 1;
+    std::vector<std::vector<std::vector<float>>> in(n), out(n), flat_out(n);
+    std::vector<std::vector<std::future<Status>>> done(n), flat_done(n);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < n; ++r)
+      for (size_t t = 0; t < tensors.size(); ++t) {
+        in[r].push_back(Values(tensors[t].second, 900 + static_cast<unsigned>(pass * 100 + r * 10 + t)));
+        out[r].push_back(std::vector<float>(tensors[t].second, -7.0f));
+        flat_out[r].push_back(out[r].back());
+      }
+    for (int r = 0; r < n; ++r)
+      threads.emplace_back([&, r] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(40 * ((r + pass) % n)));
+        EXPECT_TRUE(engines[r]->SetTwoLevel(two_level).ok());
+        for (size_t t = 0; t < tensors.size(); ++t) {
+          done[r].push_back(Submit(*engines[r], tensors[t].first, DataType::kFloat32, tensors[t].second,
+                                   in[r][t].data(), out[r][t].data(), false));
+          flat_done[r].push_back(Submit(*flat[r], tensors[t].first, DataType::kFloat32, tensors[t].second,
+                                        in[r][t].data(), flat_out[r][t].data(), false));
+        }
+      });
+    for (std::thread& t : threads) t.join();
+    for (int r = 0; r < n; ++r)
+      for (size_t t = 0; t < tensors.size(); ++t) {
+        const Status s = AWAIT(done[r][t]), f = AWAIT(flat_done[r][t]);
+        if (!s.ok() || !f.ok()) FAIL(tensors[t].first + ": " + s.message() + " / " + f.message());
+      }
+    const std::string hosts = two_level ? "\"two_level_hosts\": 2," : "\"two_level_hosts\": 0,";
+    for (int r = 0; r < n; ++r) {
+      EXPECT_TRUE(Contains(engines[r]->StatsJson(), hosts));
+      for (size_t t = 0; t < tensors.size(); ++t) {
+        std::vector<std::vector<float>> inputs;
+        for (int q = 0; q < n; ++q) inputs.push_back(in[q][t]);
+        const bool alone = t == 0;
+        // Alone, the two-level sum has its documented order; fused, it holds the bucket's bits,
+        // which differ from the flat job's for these values.
+        const bool expected_flat = out[r][t] == flat_out[r][t];
+        if (!two_level && !expected_flat) FAIL("flat: rank " + std::to_string(r) + " " + tensors[t].first + " differs from a flat job's sum");
+        if (two_level && alone && out[r][t] != Reference(tensors[t].first, inputs, labels, false))
+          FAIL("two-level: rank " + std::to_string(r) + " " + tensors[t].first + " is not in the documented order");
+        if (two_level && out[r][t] != out[0][t]) FAIL("two-level: rank " + std::to_string(r) + " differs from rank 0");
+      }
+    }
+    if (two_level && out[0][0] == flat_out[0][0]) FAIL("the two-level sum has the flat one's bits: the test cannot tell the paths apart");
+  }
+}
+
 TEST(WorkersThatDisagreeOnThePathDoNotFormAJob) {
   std::vector<EngineOptions> options = Options({"a", "a", "b", "b"});
   options[3].hierarchical = Hierarchy::kOff;
