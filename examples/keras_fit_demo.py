@@ -110,11 +110,8 @@ def main():
 
     strategy = ProphetStrategy(schedule=args.schedule, compression=args.compression)
     if strategy.rank == 0:
-        path = (f"two-level over {strategy.two_level_hosts} hosts" if strategy.two_level_hosts
-                else "flat")
         print(f"{strategy.num_replicas_in_sync} worker(s), schedule {strategy.schedule}, "
-              f"compression {strategy.compression}, {path} path, global batch {args.batch}",
-              flush=True)
+              f"compression {strategy.compression}, global batch {args.batch}", flush=True)
     keras.utils.set_random_seed(0)  # the same shuffling order on every worker
     x, y = make_digits(args.samples, seed=1)
     x_val, y_val = make_digits(1024, seed=2)
@@ -128,6 +125,18 @@ def main():
     loss, acc = model.evaluate(x_val, y_val, batch_size=args.batch, verbose=0)
     if strategy.rank == 0:
         print(f"validation: loss {loss:.4f}  accuracy {acc:.3f}", flush=True)
+        print(f"path: {path_taken(strategy)}", flush=True)
+
+
+def path_taken(strategy: ProphetStrategy) -> str:
+    """The path the push_pulls took, and who chose it."""
+    hosts = strategy.two_level_hosts
+    path = f"two-level over {hosts} hosts" if hosts else "flat"
+    link = strategy.fusion_link_rate
+    if link is None or link.two_level is None:
+        return path
+    return (f"{path} (chosen by the start-up probe: {link.two_level_round_s * 1e3:.1f} ms a round "
+            f"on the two-level path, {link.flat_round_s * 1e3:.1f} ms on the flat one)")
 
 
 if __name__ == "__main__":

@@ -330,10 +330,11 @@ class Collectives:
 
     def _settle_link(self) -> None:
         """Once, at the first step's trace (the same point on every worker): the link rate, where
-        fusion="auto" sizes buckets for it or io_threads auto has lanes to size."""
+        fusion="auto" sizes buckets for it, io_threads auto has lanes to size or hierarchical
+        auto has a path to choose."""
         if self._fusion_link_rate is not None or self.world_size < 2:
             return
-        if self.fusion_bytes == AUTOMATIC_FUSION or _lanes_to_size():
+        if self.fusion_bytes == AUTOMATIC_FUSION or _lanes_to_size() or _path_to_choose():
             self._fusion_link_rate = self._agree_on_link_rate()
 
     def _agree_on_link_rate(self) -> _link_probe.FusionLinkRate:
@@ -341,10 +342,11 @@ class Collectives:
         called while a step is traced) and all take the slowest worker's rate, rounded to the
         1-2-5 series (prophet_tf/_link_probe.py). The probe also sizes the lanes where
         io_threads auto connected several (then it runs with $PROPHET_LINK_GBPS set too, for
-        the CPU per byte, and sizes them for that rate)."""
+        the CPU per byte, and sizes them for that rate), and chooses the push_pulls' path where
+        hierarchical auto allows two (the faster in the probe's rounds)."""
         env_Bps = runtime.fusion_link_bps()
         lanes = _lanes_to_size()
-        if env_Bps > 0 and not lanes:
+        if env_Bps > 0 and not lanes and not _path_to_choose():
             return _link_probe.FusionLinkRate(source="env", gbps=env_Bps * 8 / 1e9)
         # A worker still creating variables hears of it before it waits for the probe.
         self._before_each()
@@ -365,6 +367,11 @@ class Collectives:
             logger.info("io_threads: %d of %d lanes for %.3g Gbit/s at %.3g ns of I/O CPU per byte "
                         "(the costliest worker)", rate.io_threads, lanes, sized_gbps,
                         rate.cpu_ns_per_byte)
+        if rate.two_level is not None:
+            logger.info("hierarchical: push_pulls take the %s path (the probe's slowest worker: "
+                        "%.1f ms a round on the two-level path, %.1f ms on the flat one)",
+                        "two-level" if rate.two_level else "flat", rate.two_level_round_s * 1e3,
+                        rate.flat_round_s * 1e3)
         if env_Bps > 0:
             return dataclasses.replace(rate, source="env", gbps=env_Bps * 8 / 1e9)
         return rate
@@ -375,6 +382,12 @@ def _lanes_to_size() -> int:
     stats = runtime.stats()
     lanes = int(stats.get("lanes", 1))
     return lanes if lanes > int(stats.get("io_threads", 1)) else 0
+
+
+def _path_to_choose() -> bool:
+    """Whether the probe is to choose the push_pulls' path (hierarchical auto over hosts that
+    allow the two-level path)."""
+    return bool(runtime.stats().get("path_choosable", False))
 
 
 def _static_dense_bytes(slices) -> Optional[int]:

@@ -126,6 +126,8 @@ def c_api() -> ctypes.CDLL:
     lib.prophet_set_schedule.restype = ctypes.c_int
     lib.prophet_set_io_threads.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
     lib.prophet_set_io_threads.restype = ctypes.c_int
+    lib.prophet_set_two_level.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+    lib.prophet_set_two_level.restype = ctypes.c_int
     lib.prophet_declare_fusion.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_longlong, ctypes.c_double,
                                            ctypes.c_char_p, ctypes.c_int]
     lib.prophet_declare_fusion.restype = ctypes.c_int

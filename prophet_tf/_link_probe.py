@@ -15,8 +15,8 @@ for every worker). Otherwise the strategy measures the link at its first fusion 
    carries per direction in an all-reduce (its pushes to the other owners, then its sums to
    the other workers); the fastest round, since the first also waits for the workers that
    reached the probe later;
-3. every worker's rate is gathered (float64) and the minimum taken: the same gathered values
-   give every worker the same bits;
+3. every worker's fastest round is gathered (float64) and the slowest worker's rate taken: the
+   same gathered values give every worker the same bits;
 4. that minimum is rounded to the 1-2-5 series (:func:`quantize_gbps`), so that runs on the
    same cluster nearly always size the same buckets.
 
@@ -26,6 +26,16 @@ sees the link rather than what one thread moves, and each worker also measures w
 threads spent per byte sent (their CPU time over the bytes they sent, receiving and summing
 included); both are gathered, and every worker then uses :func:`lanes_for` the agreed rate and
 the costliest worker's CPU per byte, as many lanes as keep pace with the link.
+
+The same probe chooses the push_pulls' path where ``hierarchical`` is auto and the hosts allow
+the two-level path (``runtime.stats()["path_choosable"]``): after its rounds on the two-level
+path it times FLAT_PROBE_ROUNDS on the flat one, and every worker takes the two-level path unless the flat one's
+slowest worker was faster than the two-level one's by more than :func:`two_level_margin` (the same
+gathered times give every worker the same answer). The two-level path wins wherever a host's link
+limits the flat one (each host's share crosses it once instead of once per worker); the flat one
+wins where each worker's I/O threads are the limit (fast links, few workers per host:
+docs/benchmarks.md, "The two-level path by default"). The rate fusion sizes for is then the chosen
+path's.
 """
 
 from __future__ import annotations
@@ -41,6 +51,10 @@ from typing import Optional
 #: (sized for 5) and 3.3 on loopback (sized for 2), with 6 rounds 6.5-7.9 and 10.0 (sized for
 #: 5-10 and 10), at 0.1 s more start-up at 1 Gbit/s (docs/design.md, "The size").
 PROBE_ROUNDS = 6
+#: Timed push_pulls on the flat path where the probe chooses the path: they follow the two-level
+#: rounds (warm connections), and where the flat path is the slow one (slow links, many workers
+#: per host) each of its rounds carries every worker's share over its host's link.
+FLAT_PROBE_ROUNDS = 3
 #: The probe's tensor: 4 MiB moves in about 3.4 ms per round at 10 Gbit/s with 2 workers (34 ms
 #: at 1 Gbit/s), against a round trip of tens of microseconds and about 20 us of CPU per
 #: message: long enough to measure up to about 10 Gbit/s within the series' steps (beyond,
@@ -79,6 +93,10 @@ class FusionLinkRate:
         worker); None unless the probe sized them (io_threads auto over several hosts).
       cpu_ns_per_byte: the largest of the workers' I/O CPU per byte sent during the probe; None
         unless the probe sized the lanes.
+      two_level: the path push_pulls take after the probe (True: two-level) where it chose one;
+        None where the path is fixed.
+      two_level_round_s, flat_round_s: the slowest worker's fastest round on each path; None
+        unless the probe chose the path.
     """
 
     source: str
@@ -88,6 +106,9 @@ class FusionLinkRate:
     probe_seconds: float = 0.0
     io_threads: Optional[int] = None
     cpu_ns_per_byte: Optional[float] = None
+    two_level: Optional[bool] = None
+    two_level_round_s: Optional[float] = None
+    flat_round_s: Optional[float] = None
 
     @property
     def bytes_per_s(self) -> Optional[float]:
@@ -147,6 +168,21 @@ def lanes_for(link_Bps: float, cpu_s_per_byte: float, connected: Optional[int] =
     return lanes if connected is None else min(lanes, connected)
 
 
+def two_level_margin() -> float:
+    """How much faster the flat path's probe rounds must be for the probe to choose it over the
+    two-level one (the core's kTwoLevelMargin, ops/core/hosts.h)."""
+    from prophet_tf._library import runtime_constants
+
+    return float(runtime_constants()["two_level_margin"])
+
+
+def choose_two_level(two_level_round_s: float, flat_round_s: float) -> bool:
+    """Whether push_pulls take the two-level path, from the slowest worker's fastest probe round
+    on each path: yes unless the flat one was faster by more than :func:`two_level_margin`
+    (ops/core/hosts.h, ChooseTwoLevel; the predictor applies it to whole steps)."""
+    return not flat_round_s < two_level_round_s * (1 - two_level_margin())
+
+
 def probe(world_size: int, priority: int, size_lanes: bool = False,
           link_Bps: Optional[float] = None) -> FusionLinkRate:
     """Measures the link with the runtime's push_pull and agrees on the rate with every worker
@@ -170,27 +206,48 @@ def probe(world_size: int, priority: int, size_lanes: bool = False,
     if size_lanes:
         runtime.set_io_threads(connected)  # every worker is here: the probe sees the link
     before = runtime.stats()
+    choose_path = bool(before.get("path_choosable", False))
     nbytes = probe_bytes(world_size, int(before.get("io_threads", 1)))
     with tf.device(HOST_DEVICE):  # where push_pull runs: no copy from a GPU in the timing
         payload = tf.zeros([nbytes // 4], tf.float32)
-    best = math.inf
-    for k in range(PROBE_ROUNDS):
-        t0 = time.perf_counter()
-        ops.push_pull(payload, name=f"{PROBE_NAME}/{k}", priority=priority).numpy()
-        best = min(best, time.perf_counter() - t0)
+    # The path in use first (as when there is no choice: fusion's rate from undisturbed rounds),
+    # then the flat one, whose rounds meet connections the first ones warmed. Not alternating: a
+    # round can end on one worker while the last one's bytes still queue on the others' links,
+    # and on the emulated 8 x 8 hosts that made the two-level rounds 12 x slower.
+    paths = (True, False) if choose_path else (None,)
+    best = {path: math.inf for path in paths}
+    for path in paths:
+        if path is not None:
+            runtime.set_two_level(path)
+        for k in range(FLAT_PROBE_ROUNDS if path is False else PROBE_ROUNDS):
+            name = f"{PROBE_NAME}/flat/{k}" if path is False else f"{PROBE_NAME}/{k}"
+            t0 = time.perf_counter()
+            ops.push_pull(payload, name=name, priority=priority).numpy()
+            best[path] = min(best[path], time.perf_counter() - t0)
     after = runtime.stats()
-    measured = allreduce_rate(world_size, nbytes, best)
     sent = after["bytes_sent"] - before["bytes_sent"]
     cpu_per_byte = (after.get("io_cpu_s", 0.0) - before.get("io_cpu_s", 0.0)) / max(sent, 1)
-    gathered = ops.allgather(tf.constant([[measured, cpu_per_byte]], tf.float64),
+    rounds = [best[path] for path in paths] + [math.nan] * (2 - len(paths))
+    gathered = ops.allgather(tf.constant([[cpu_per_byte] + rounds], tf.float64),
                              name=f"{PROBE_NAME}/rates", priority=priority).numpy()
-    agreed = float(np.min(gathered[:, 0]))
+    slowest = np.max(gathered[:, 1:1 + len(paths)], axis=0)
+    two_level = None
+    chosen = 0  # the column of the path taken: the only one, or the two-level one
+    if choose_path:
+        two_level = choose_two_level(float(slowest[0]), float(slowest[1]))
+        chosen = 0 if two_level else 1
+        runtime.set_two_level(two_level)
+    measured = allreduce_rate(world_size, nbytes, rounds[chosen])
+    agreed = allreduce_rate(world_size, nbytes, float(slowest[chosen]))
     lanes = costliest = None
     if size_lanes:
-        costliest = float(np.max(gathered[:, 1]))
+        costliest = float(np.max(gathered[:, 0]))
         lanes = lanes_for(link_Bps or agreed, costliest, connected)
         runtime.set_io_threads(lanes)
     return FusionLinkRate(source="probe", gbps=quantize_gbps(agreed * 8 / 1e9),
                           measured_gbps=measured * 8 / 1e9, agreed_gbps=agreed * 8 / 1e9,
                           probe_seconds=time.perf_counter() - start, io_threads=lanes,
-                          cpu_ns_per_byte=None if costliest is None else costliest * 1e9)
+                          cpu_ns_per_byte=None if costliest is None else costliest * 1e9,
+                          two_level=two_level,
+                          two_level_round_s=float(slowest[0]) if choose_path else None,
+                          flat_round_s=float(slowest[1]) if choose_path else None)

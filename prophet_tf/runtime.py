@@ -233,6 +233,23 @@ def set_io_threads(lanes: int) -> None:
         raise ProphetError(error.value.decode(errors="replace"))
 
 
+def set_two_level(on: bool) -> None:
+    """Sends push_pulls on the two-level path (``on``) or the flat one from the next submission
+    on. Only where ``hierarchical`` is auto and the hosts allow the two-level path
+    (``stats()["path_choosable"]``): the strategy's start-up probe measures both and keeps the
+    faster. Every worker must call it at the same point of its program, as
+    :func:`set_io_threads`.
+
+    Raises:
+      ProphetError: the path is fixed (``hierarchical`` on or off, or hosts that do not allow
+        the two-level path).
+    """
+    _require()
+    error = ctypes.create_string_buffer(1024)
+    if c_api().prophet_set_two_level(1 if on else 0, error, len(error)) != 0:
+        raise ProphetError(error.value.decode(errors="replace"))
+
+
 @dataclasses.dataclass(frozen=True)
 class FusedTensor:
     """One push_pull a fusion declaration announces (every field as the push_pull will have it)."""

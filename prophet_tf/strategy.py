@@ -765,7 +765,8 @@ class ProphetStrategy(one_device_strategy.OneDeviceStrategy):
     @property
     def two_level_hosts(self) -> int:
         """How many hosts the two-level path sums over (``hierarchical``: by default where the job
-        spans several hosts and some host has several workers); 0 on the flat path."""
+        spans several hosts and some host has several workers, unless the start-up probe found
+        the flat path faster: ``fusion_link_rate.two_level``); 0 on the flat path."""
         if not runtime.is_initialized():
             return 0
         return int(runtime.stats().get("two_level_hosts", 0))

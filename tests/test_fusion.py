@@ -104,7 +104,8 @@ def test_two_workers_size_buckets_for_the_link_rate_they_measured_and_agreed(run
     for rank in range(2):
         env = run.one(rank, case="env")
         assert env["rate"] == {"source": "env", "gbps": 2.5, "measured_gbps": None, "agreed_gbps": None,
-                               "probe_seconds": 0.0, "io_threads": None, "cpu_ns_per_byte": None}, env
+                               "probe_seconds": 0.0, "io_threads": None, "cpu_ns_per_byte": None,
+                               "two_level": None, "two_level_round_s": None, "flat_round_s": None}, env
         assert env["fused"] > 0, env
         # One probe in the whole run: the first strategy's (its second fit traced the step again,
         # the second strategy had the environment's rate): its rounds and the gathering, once each.

@@ -54,6 +54,37 @@ def test_two_level_push_pull_on_two_hosts_matches_one_process(run_workers):
         assert all(run.one(rank, case=case)["two_level_hosts"] == 2 for rank in range(3))
 
 
+def test_under_auto_the_start_up_probe_chooses_the_path_and_it_matches_one_process(run_workers):
+    # hierarchical auto (the default) over hosts a, a, b: the engines start on the two-level path,
+    # the probe at the first step times both paths (two-level rounds, then flat) and every worker keeps
+    # the one prophet_tf._link_probe.choose_two_level picks from the same gathered times.
+    from prophet_tf._link_probe import choose_two_level
+
+    cases = ["many_small", "adam"]
+    run = run_workers("strategy_equivalence.py", 3, "--cases", ",".join(cases), "--host_labels",
+                      "a,a,b", "--fusion", "auto", timeout=240).check_ok()
+    for case in cases:
+        _check_case(run, case)
+    results = [run.one(rank, case=case) for case in cases for rank in range(3)]
+    link = results[0]["link"]
+    print("path chosen:", link)
+    assert link["two_level"] is not None and link["two_level_round_s"] > 0 and link["flat_round_s"] > 0
+    assert link["two_level"] == choose_two_level(link["two_level_round_s"], link["flat_round_s"])
+    for r in results:
+        assert r["link"] == link, (r["link"], link)
+        assert r["two_level_hosts"] == (2 if link["two_level"] else 0), r
+
+
+def test_the_two_level_path_is_kept_unless_the_flat_one_is_clearly_faster():
+    from prophet_tf._link_probe import choose_two_level, two_level_margin
+
+    assert two_level_margin() == 0.05
+    assert choose_two_level(0.010, 0.011) and choose_two_level(0.010, 0.010)
+    assert choose_two_level(0.010, 0.010 * (1 - two_level_margin()) + 1e-9)
+    assert not choose_two_level(0.010, 0.009)
+    assert not choose_two_level(0.030, 0.004)
+
+
 def test_lanes_match_one_process(run_workers):
     # io_threads=2: the 8 MiB kernel travels in two slices, one per lane (each lane's bytes show
     # them), the small gradients whole on their lanes or fused on lane 0.

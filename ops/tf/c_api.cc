@@ -64,6 +64,18 @@ __attribute__((visibility("default"))) int prophet_set_io_threads(int lanes, cha
   return 0;
 }
 
+// Engine::SetTwoLevel. Returns 0, or the status code with the message in `error`.
+__attribute__((visibility("default"))) int prophet_set_two_level(int on, char* error, int error_len) {
+  prophet::Engine* e = prophet::GlobalEngine();
+  prophet::Status s = e ? e->SetTwoLevel(on != 0)
+                        : prophet::Status(prophet::Code::kFailedPrecondition, "the runtime is not running");
+  if (!s.ok()) {
+    CopyOut(s.message(), error, error_len);
+    return static_cast<int>(s.code());
+  }
+  return 0;
+}
+
 // Engine::DeclareFusion. `tensors`: one line per tensor, as prophet::FusionDeclarationLine
 // writes it (fuser.h); `bucket_bytes` as ResolveFusionBytes's setting (-1: automatic, for links of `link_Bps`
 // bytes/s, 0: the assumed rate; 0: none fused). Waits for the engine to apply it. Returns 0, or the

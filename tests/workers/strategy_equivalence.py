@@ -210,7 +210,8 @@ def _link(strategy) -> dict:
     if rate is None:
         return {}
     return {"agreed_gbps": rate.agreed_gbps, "io_threads": rate.io_threads,
-            "cpu_ns_per_byte": rate.cpu_ns_per_byte}
+            "cpu_ns_per_byte": rate.cpu_ns_per_byte, "two_level": rate.two_level,
+            "two_level_round_s": rate.two_level_round_s, "flat_round_s": rate.flat_round_s}
 
 
 def runtime_stats() -> dict:
