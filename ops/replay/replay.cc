@@ -30,6 +30,7 @@ namespace {
 
 // The probe of prophet_tf/_link_probe.py: rounds, tensor, and the share of it each owner takes.
 constexpr int kProbeRounds = 6;
+constexpr int kFlatProbeRounds = 3;
 constexpr uint64_t kProbeBytes = 4u << 20;
 constexpr uint64_t kProbeSpreadBytesPerWorker = 64u << 10;
 // A scaled probe is cut and sent as the runtime sends a control push_pull of its size: below
@@ -247,51 +248,75 @@ Status Replay::Probe(double scale, ReplayResult* result) {
   Buffer payload(bytes), out(bytes);
   std::memset(payload.data, 0, bytes);
   const int64_t start = NowNs();
-  double best = std::numeric_limits<double>::infinity();
-  for (int k = 0; k < kProbeRounds; ++k) {
-    auto done = std::make_shared<std::promise<Status>>();
-    std::future<Status> answer = done->get_future();
-    OpRequest q;
-    q.kind = OpKind::kPushPull;
-    q.name = "fusion_probe/" + std::to_string(k);
-    q.dtype = DataType::kFloat32;
-    q.shape = {static_cast<int64_t>(bytes / 4)};
-    q.input = payload.data;
-    q.output = out.data;
-    q.bytes = bytes;
-    q.priority = kControlPriority;
-    q.done = [done](const Status& s, const GatherResult*) { done->set_value(s); };
-    const int64_t t0 = NowNs();
-    engine_->Submit(std::move(q));
-    const Status s = answer.get();
-    if (!s.ok()) return s;
-    best = std::min(best, static_cast<double>(NowNs() - t0) / 1e9);
+  // Where hierarchical auto allows two paths, the two-level rounds are followed by
+  // kFlatProbeRounds on the flat path and the faster is kept, as prophet_tf/_link_probe.py does.
+  const bool choose = config_.engine.hierarchical == Hierarchy::kAuto && engine_->two_level();
+  const int paths = choose ? 2 : 1;
+  double best[2] = {std::numeric_limits<double>::infinity(), std::numeric_limits<double>::infinity()};
+  for (int path = 0; path < paths; ++path) {
+    if (choose) {
+      const Status set = engine_->SetTwoLevel(path == 0);
+      if (!set.ok()) return set;
+    }
+    for (int k = 0; k < (path == 1 ? kFlatProbeRounds : kProbeRounds); ++k) {
+      auto done = std::make_shared<std::promise<Status>>();
+      std::future<Status> answer = done->get_future();
+      OpRequest q;
+      q.kind = OpKind::kPushPull;
+      q.name = (path == 1 ? "fusion_probe/flat/" : "fusion_probe/") + std::to_string(k);
+      q.dtype = DataType::kFloat32;
+      q.shape = {static_cast<int64_t>(bytes / 4)};
+      q.input = payload.data;
+      q.output = out.data;
+      q.bytes = bytes;
+      q.priority = kControlPriority;
+      q.done = [done](const Status& s, const GatherResult*) { done->set_value(s); };
+      const int64_t t0 = NowNs();
+      engine_->Submit(std::move(q));
+      const Status s = answer.get();
+      if (!s.ok()) return s;
+      best[path] = std::min(best[path], static_cast<double>(NowNs() - t0) / 1e9);
+    }
   }
-  const double measured = 2.0 * (n - 1) / n * static_cast<double>(bytes) / best;
-  double agreed = measured;
+  // Every worker's fastest rounds, gathered: the slowest worker's on each path decide.
+  double slowest[2] = {best[0], best[1]};
   {
     auto done = std::make_shared<std::promise<Status>>();
     std::future<Status> answer = done->get_future();
-    auto rates = std::make_shared<std::vector<double>>(n, 0.0);
+    auto rounds = std::make_shared<std::vector<double>>(2 * static_cast<size_t>(n), 0.0);
     OpRequest q;
     q.kind = OpKind::kAllgather;
     q.name = "fusion_probe/rates";
     q.dtype = DataType::kFloat64;
-    q.shape = {1};
-    q.input = &measured;
-    q.bytes = sizeof(double);
+    q.shape = {2};
+    q.input = best;
+    q.bytes = sizeof(best);
     q.priority = kControlPriority;
-    q.done = [done, rates](const Status& s, const GatherResult* gather) {
+    q.done = [done, rounds](const Status& s, const GatherResult* gather) {
       if (s.ok() && gather) {
-        for (size_t r = 0; r < gather->data.size() && r < rates->size(); ++r) gather->CopyOut(r, reinterpret_cast<char*>(&(*rates)[r]));
+        for (size_t r = 0; r < gather->data.size() && 2 * r < rounds->size(); ++r)
+          gather->CopyOut(r, reinterpret_cast<char*>(&(*rounds)[2 * r]));
       }
       done->set_value(s);
     };
     engine_->Submit(std::move(q));
     const Status s = answer.get();
     if (!s.ok()) return s;
-    agreed = *std::min_element(rates->begin(), rates->end());
+    for (int r = 0; r < n; ++r)
+      for (int path = 0; path < paths; ++path) slowest[path] = std::max(slowest[path], (*rounds)[2 * r + path]);
   }
+  int chosen = 0;
+  if (choose) {
+    const bool two_level = ChooseTwoLevel(slowest[0], slowest[1]);
+    chosen = two_level ? 0 : 1;
+    const Status set = engine_->SetTwoLevel(two_level);
+    if (!set.ok()) return set;
+    result->probe_two_level = two_level ? 1 : 0;
+    result->probe_two_level_round_s = slowest[0];
+    result->probe_flat_round_s = slowest[1];
+  }
+  const double measured = 2.0 * (n - 1) / n * static_cast<double>(bytes) / best[chosen];
+  const double agreed = 2.0 * (n - 1) / n * static_cast<double>(bytes) / slowest[chosen];
   result->probe_s = static_cast<double>(NowNs() - start) / 1e9;
   result->probe_measured_Bps = measured;
   result->probe_agreed_Bps = agreed;
@@ -676,6 +701,9 @@ std::string ReplayResultJson(const ReplayResult& r) {
   AppendNumber("probe_measured_Bps", r.probe_measured_Bps, &out);
   AppendNumber("probe_agreed_Bps", r.probe_agreed_Bps, &out);
   AppendNumber("probe_bytes", static_cast<double>(r.probe_bytes), &out);
+  AppendNumber("probe_two_level", r.probe_two_level, &out);
+  AppendNumber("probe_two_level_round_s", r.probe_two_level_round_s, &out);
+  AppendNumber("probe_flat_round_s", r.probe_flat_round_s, &out);
   AppendNumber("fusion_link_Bps", r.fusion_link_Bps, &out);
   AppendNumber("fusion_bucket_bytes", static_cast<double>(r.fusion_bucket_bytes), &out);
   AppendNumber("partition_bytes", static_cast<double>(r.partition_bytes), &out);

@@ -152,6 +152,29 @@ TEST(AScaledProbeMovesItsShareOfTheBytesUnlessFusionNeedsItsRate) {
   }
 }
 
+// hierarchical auto over hosts a, a, b: the probe times both paths and every worker keeps the
+// same one (ChooseTwoLevel of the same gathered rounds); the sums stay exact on it.
+TEST(UnderAutoTheProbeChoosesThePathAlike) {
+  Status s;
+  const std::vector<ReplayResult> results = RunJob(3, "prophet", 1.25e9, &s, true, [](ReplayConfig* c) {
+    c->probe = true;
+    c->probe_scale = 0.1;
+    c->engine.hierarchical = Hierarchy::kAuto;
+    c->engine.hosts = {"a", "a", "b"};
+  });
+  if (!s.ok()) FAIL(s.message());
+  ExpectGoodRun(results, SmallModel());
+  const ReplayResult& first = results.front();
+  EXPECT_TRUE(first.probe_two_level == 0 || first.probe_two_level == 1);
+  EXPECT_TRUE(first.probe_two_level_round_s > 0 && first.probe_flat_round_s > 0);
+  EXPECT_EQ(first.probe_two_level == 1, ChooseTwoLevel(first.probe_two_level_round_s, first.probe_flat_round_s));
+  for (const ReplayResult& r : results) {
+    EXPECT_EQ(r.probe_two_level, first.probe_two_level);
+    EXPECT_EQ(r.probe_flat_round_s, first.probe_flat_round_s);
+  }
+  EXPECT_TRUE(ChooseTwoLevel(0.010, 0.0099) && !ChooseTwoLevel(0.010, 0.009));
+}
+
 TEST(ScaledSizesAreTheScheduleSizesTimesTheScale) {
   EngineOptions o;
   o.world_size = 16;

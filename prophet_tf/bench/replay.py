@@ -186,6 +186,11 @@ class ReplayRun:
     # Hosts of the two-level path as the engines resolved `hierarchical` (0: the flat path; None:
     # a run saved before this field).
     two_level_hosts: Optional[int]
+    # Where the probe chose the path (hierarchical auto over hosts that allow two): whether it
+    # kept the two-level one, and the slowest worker's fastest round on each path; None where it
+    # chose none.
+    probe_two_level: Optional[bool]
+    probe_round_s: Optional[dict[str, float]]
     worker_steps_s: list[float]   # each worker's median step
     periods_s: list[float]        # worker 0's measured steps
     wall_s: float
@@ -393,6 +398,10 @@ def run_replay(profile: Any, *, workers: int, workers_per_host: int, schedule: s
                 results.append(json.load(f))
     first = results[0]
     fusion = int(first["fusion_bucket_bytes"])
+    two_level_hosts = int(first.get("engine", {}).get("two_level_hosts", 0))
+    chose = int(first.get("probe_two_level", -1)) >= 0
+    # The path that ran: under auto the probe may have chosen the flat one over the hosts.
+    ran = hierarchical if hierarchical != "auto" else ("on" if two_level_hosts else "off")
     # The prediction of what ran: the workers' bucket size (0: none fused), partitions, credit
     # and unsent limit, and what the emulated hosts queue below the sockets.
     runtime = {"partition_bytes": int(first["partition_bytes"]),
@@ -401,7 +410,7 @@ def run_replay(profile: Any, *, workers: int, workers_per_host: int, schedule: s
     if not loopback:
         runtime["sender_queue_s"] = tsq_queue_s(workers, workers_per_host, link_bps, gso_max_segs,
                                                 mtu)
-    options = predict_options(workers_per_host, hierarchical, fusion, warmup, steps, costs,
+    options = predict_options(workers_per_host, ran, fusion, warmup, steps, costs,
                               runtime, shared_cores, mtu, io_threads)
     try:
         prediction = predict(played, workers=workers, bandwidth_bps=link_bps, schedule=schedule,
@@ -413,7 +422,7 @@ def run_replay(profile: Any, *, workers: int, workers_per_host: int, schedule: s
     if costs:
         try:
             free = predict(played, workers=workers, bandwidth_bps=link_bps, schedule=schedule,
-                           options=predict_options(workers_per_host, hierarchical, fusion, warmup,
+                           options=predict_options(workers_per_host, ran, fusion, warmup,
                                                    steps, None, runtime, 0, mtu, io_threads)).step_s
         except SimulatedDeadlock:
             free = None
@@ -450,7 +459,10 @@ def run_replay(profile: Any, *, workers: int, workers_per_host: int, schedule: s
         fusion_bucket_bytes=fusion, fusion_link_bps=float(first["fusion_link_Bps"]) * 8,
         probe_agreed_bps=float(first["probe_agreed_Bps"]) * 8,
         probe_s=max(r["probe_s"] for r in results), probe_bytes=first.get("probe_bytes"), cpu=cpu,
-        two_level_hosts=int(first.get("engine", {}).get("two_level_hosts", 0)),
+        two_level_hosts=two_level_hosts,
+        probe_two_level=bool(first["probe_two_level"]) if chose else None,
+        probe_round_s=({"two_level": float(first["probe_two_level_round_s"]),
+                        "flat": float(first["probe_flat_round_s"])} if chose else None),
         worker_steps_s=[statistics.median(r["periods_s"]) for r in results],
         periods_s=list(first["periods_s"]), wall_s=wall)
 
@@ -463,6 +475,8 @@ def format_row(r: ReplayRun) -> str:
     placement = f"{r.workers // r.workers_per_host}x{r.workers_per_host}"
     if r.two_level_hosts or (r.two_level_hosts is None and r.hierarchical == "on"):
         placement += " 2-level" + (" (auto)" if r.hierarchical == "auto" else "")
+    if r.probe_two_level is not None:
+        placement += " (probe)" if r.probe_two_level else " flat (probe)"
     return (f"| {r.model} | {r.schedule} | {placement} | {r.measured_step_s * 1e3:.0f} | {pred} | "
             f"{r.ideal_step_s * 1e3:.0f} | {err} | {r.startup_s:.1f} | "
             f"{r.peak_rss_bytes / 2**20:.0f} | {r.messages_per_worker_per_step:.0f} | "
