@@ -1424,6 +1424,26 @@ Status Simulate(const StepProfile& profile, const NetworkModel& network, const R
   resolved.partition_bytes = ResolvePartitionBytes(runtime.partition_bytes, runtime.schedule);
   const ScheduleTraits* traits = FindScheduleTraits(runtime.schedule);
   if (resolved.fusion_bytes == kFusionAuto && traits != nullptr && !traits->automatic_fusion) resolved.fusion_bytes = 0;
+  if (resolved.hierarchical == Hierarchy::kAuto && resolved.schedule != "mwms" &&
+      UseTwoLevel(Hierarchy::kAuto, UniformLayout(network.workers, network.workers_per_host))) {
+    // The engine starts on the two-level path and its start-up probe keeps the flat one where
+    // that is faster (prophet_tf/_link_probe.py, choose_two_level); predicted here by the same
+    // rule on the two paths' whole steps (the probe times rounds of one tensor).
+    RuntimeModel two_level = resolved, flat = resolved;
+    two_level.hierarchical = Hierarchy::kOn;
+    flat.hierarchical = Hierarchy::kOff;
+    SimulationOptions quiet = options;
+    quiet.timeline_path.clear();
+    StepPrediction on, off;
+    Status s = Simulation(profile, network, two_level, quiet).Run(&on);
+    if (!s.ok()) return s;
+    s = Simulation(profile, network, flat, quiet).Run(&off);
+    if (!s.ok()) return s;
+    const bool keep = ChooseTwoLevel(on.step_s, off.step_s);
+    if (!options.timeline_path.empty()) return Simulation(profile, network, keep ? two_level : flat, options).Run(prediction);
+    *prediction = keep ? std::move(on) : std::move(off);
+    return Status::OK();
+  }
   Simulation simulation(profile, network, resolved, options);
   return simulation.Run(prediction);
 }

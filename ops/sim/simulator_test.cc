@@ -559,10 +559,23 @@ TEST(TwoLevelPathCrossesTheNetworkOncePerHost) {
   const StepPrediction two_level = Run(OneTensor(), network, runtime);
   EXPECT_NEAR(two_level.step_s, 210.0 * kMsS, 0.001 * kMsS);
   EXPECT_NEAR(flat.step_s, 410.0 * kMsS, 0.001 * kMsS);
-  // auto decides as the engine does (hosts.h): two hosts of two workers take the two-level path.
-  // It is the runtime's default, and so the model's.
+  // auto decides as the engine's probe does (hosts.h, ChooseTwoLevel): two hosts of two workers
+  // take the two-level path here. It is the runtime's default, and so the model's.
   runtime.hierarchical = Hierarchy::kAuto;
   EXPECT_NEAR(Run(OneTensor(), network, runtime).step_s, 210.0 * kMsS, 0.001 * kMsS);
+  {
+    // Where loopback is the slow part (0.1 MB/s), the two-level path's local stages cost more
+    // than the network saves: auto predicts the flat path.
+    NetworkModel slow_loopback = network;
+    slow_loopback.loopback_Bps = 1e5;
+    RuntimeModel each = runtime;
+    each.hierarchical = Hierarchy::kOff;
+    const double off = Run(OneTensor(), slow_loopback, each).step_s;
+    each.hierarchical = Hierarchy::kOn;
+    const double on = Run(OneTensor(), slow_loopback, each).step_s;
+    EXPECT_TRUE(!ChooseTwoLevel(on, off));
+    EXPECT_NEAR(Run(OneTensor(), slow_loopback, runtime).step_s, off, 1e-12);
+  }
   EXPECT_TRUE(RuntimeModel().hierarchical == Hierarchy::kAuto && EngineOptions().hierarchical == Hierarchy::kAuto);
   runtime.hierarchical = Hierarchy::kOn;
   runtime.schedule = "mwms";
