@@ -373,7 +373,7 @@ Status Engine::Start(const EngineOptions& options, std::unique_ptr<Engine>* out)
     b.send_buffer_bytes = SendBufferRequest(options.socket_buffer_bytes, n, KernelMaxSendBufferBytes());
     b.receive_buffer_bytes = std::max(options.socket_buffer_bytes, 0);
     b.socket_unsent_bytes = options.socket_unsent_bytes;
-    b.path_tag = two_level ? PathTag(true, *two_level) : 0;
+    b.path_tag = two_level ? PathTag(true, *two_level, options.hierarchical == Hierarchy::kAuto) : 0;
     b.lanes = lanes;
     RaiseOpenFileLimit(static_cast<uint64_t>(lanes) * (n - 1));
     int listen_fd = -1;
@@ -463,6 +463,7 @@ Status Engine::SetTwoLevel(bool on) {
                   "the push_pulls' path is flat: the two-level path needs several hosts, one of them with several "
                   "workers");
   two_level_on_.store(on);
+  path_chosen_.store(true);
   return Status::OK();
 }
 
@@ -520,6 +521,7 @@ void Engine::SubmitSliced(OpRequest request, int active) {
     slice.priority = request.priority;
     slice.average = request.average;
     slice.compression = request.compression;
+    slice.two_level = request.two_level;
     slice.lane_slice = true;
     slice.done = [this, join, timeline, l](const Status& status, const GatherResult*) {
       std::function<void(const Status&, const GatherResult*)> done;
@@ -741,6 +743,7 @@ std::string Engine::StatsJson() const {
      << ", \"io_cpu_s\": " << io_cpu_s << ", \"lane_bytes_sent\": [" << lane_sent << "]"
      << ", \"two_level_hosts\": " << (first.two_level && two_level_on_.load() ? first.two_level->hosts() : 0)
      << ", \"path_choosable\": " << (first.two_level && options_.hierarchical == Hierarchy::kAuto ? "true" : "false")
+     << ", \"path_chosen\": " << (path_chosen_.load() ? "true" : "false")
      << ", \"outputs_recycled\": " << GlobalOutputPool().reused() << "}";
   return os.str();
 }

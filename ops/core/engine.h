@@ -161,6 +161,7 @@ class Engine {
   std::atomic<int> active_lanes_{1};
   // Whether push_pulls take the two-level path now (SetTwoLevel); the hosts are the lanes'.
   std::atomic<bool> two_level_on_{false};
+  std::atomic<bool> path_chosen_{false};  // SetTwoLevel was called (the probe has run)
   // `buckets`: the lane's dealt buckets (FusionByLane), taken as they are; null: the lane plans.
   void DeclareOnLane(int lane, const std::string& group, std::vector<FusionDeclaration> tensors,
                      uint64_t bucket_bytes, std::function<void(const Status&)> done,

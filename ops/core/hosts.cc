@@ -89,15 +89,15 @@ bool UseTwoLevel(Hierarchy setting, const HostLayout& layout) {
 
 bool ChooseTwoLevel(double two_level_s, double flat_s) { return !(flat_s < two_level_s * (1 - kTwoLevelMargin)); }
 
-uint16_t PathTag(bool two_level, const HostLayout& layout) {
+uint16_t PathTag(bool two_level, const HostLayout& layout, bool chosen_at_start_up) {
   if (!two_level) return 0;
   uint64_t h = 1469598103934665603ull;  // FNV-1a over the host of every rank
   for (const int host : layout.host_of) {
     h ^= static_cast<uint64_t>(host) + 1;
     h *= 1099511628211ull;
   }
-  const uint16_t tag = static_cast<uint16_t>(h ^ (h >> 16) ^ (h >> 32) ^ (h >> 48));
-  return tag == 0 ? 1 : tag;
+  const uint16_t tag = static_cast<uint16_t>(h ^ (h >> 16) ^ (h >> 32) ^ (h >> 48)) & ~kPathChosenAtStartUp;
+  return (tag == 0 ? 1 : tag) | (chosen_at_start_up ? kPathChosenAtStartUp : 0);
 }
 
 int PartitionLeader(const HostLayout& layout, int host, uint64_t name_hash, uint32_t partition) {

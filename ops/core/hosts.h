@@ -18,9 +18,10 @@
 namespace prophet {
 
 // The `hierarchical` setting, of the engine (EngineOptions) and of the predictor (RuntimeModel):
-// off, the flat push_pull; on, the two-level one; auto, two-level when the job spans several hosts
-// and some host has several workers (on one host, or with one worker per host, the two-level path
-// is the flat one: nothing to gain).
+// off, the flat push_pull; on, the two-level one; auto, where the job spans several hosts and some
+// host has several workers, the two-level one unless the start-up probe finds the flat one faster
+// (Engine::SetTwoLevel, ChooseTwoLevel; on one host, or with one worker per host, the two-level
+// path is the flat one: nothing to gain).
 enum class Hierarchy : uint8_t { kOff = 0, kOn = 1, kAuto = 2 };
 const char* HierarchyName(Hierarchy h);  // "off", "on", "auto"
 inline constexpr const char* kHierarchyNames[] = {"off", "on", "auto"};
@@ -61,10 +62,13 @@ bool UseTwoLevel(Hierarchy setting, const HostLayout& layout);
 inline constexpr double kTwoLevelMargin = 0.05;
 bool ChooseTwoLevel(double two_level_s, double flat_s);
 
-// A 16-bit digest of the path push_pulls take: 0 for the flat one, else of the host of every rank.
-// Exchanged at start-up (the hello's flags): workers that would take different paths, or see
-// different hosts, refuse to form a job instead of failing on every push_pull.
-uint16_t PathTag(bool two_level, const HostLayout& layout);
+// A 16-bit digest of the path push_pulls take: 0 for the flat one, else of the host of every rank,
+// with kPathChosenAtStartUp where the strategy's probe may still change it (auto). Exchanged at
+// start-up (the hello's flags): workers that would take different paths, see different hosts, or
+// would not all choose (on beside auto), refuse to form a job instead of failing on every
+// push_pull.
+inline constexpr uint16_t kPathChosenAtStartUp = 0x8000;
+uint16_t PathTag(bool two_level, const HostLayout& layout, bool chosen_at_start_up);
 
 // The leader of partition `partition` on host `host`: the rank that sums the host's contributions
 // to it. Leaders rotate over a host's ranks from the tensor name's hash, so a host's partitions

@@ -17,6 +17,7 @@
 #include <memory>
 
 #include "ops/core/handshake.h"
+#include "ops/core/hosts.h"
 #include "ops/core/wire.h"
 
 namespace prophet {
@@ -84,7 +85,10 @@ Status ResolveAll(const std::string& host, int port, bool passive, std::vector<s
 uint32_t HeartbeatMs(double heartbeat_s) { return static_cast<uint32_t>(heartbeat_s * 1000 + 0.5); }
 // A hello's path tag (BootstrapOptions::path_tag) in words.
 std::string PathName(uint16_t tag) {
-  return tag == 0 ? std::string("the flat path") : "the two-level path (hosts digest " + std::to_string(tag) + ")";
+  if (tag == 0) return "the flat path";
+  const std::string hosts = "hosts digest " + std::to_string(tag & ~kPathChosenAtStartUp);
+  return (tag & kPathChosenAtStartUp) ? "the path the start-up probe chooses (hierarchical auto, " + hosts + ")"
+                                      : "the two-level path (hierarchical on, " + hosts + ")";
 }
 
 socklen_t SockaddrLen(const sockaddr_storage& a) {
