@@ -314,7 +314,8 @@ class Collectives:
         10 Gbit/s where no eager context could run the probe; ``gbps``; and, probed, this
         worker's ``measured_gbps``, the slowest worker's ``agreed_gbps`` and ``probe_seconds``).
         Known from the first fusion declaration on (when the first training step is traced);
-        None before, with one worker, and with ``fusion="off"`` or a bucket size in bytes."""
+        None before and with one worker; with ``fusion="off"`` or a bucket size in bytes, None
+        unless the probe ran for the lanes or the path (``io_threads``, ``two_level``)."""
         return self._fusion_link_rate
 
     def fusion_link_Bps(self) -> Optional[float]:
@@ -386,8 +387,9 @@ def _lanes_to_size() -> int:
 
 def _path_to_choose() -> bool:
     """Whether the probe is to choose the push_pulls' path (hierarchical auto over hosts that
-    allow the two-level path)."""
-    return bool(runtime.stats().get("path_choosable", False))
+    allow the two-level path) and has not yet (a second strategy in the process keeps it)."""
+    stats = runtime.stats()
+    return bool(stats.get("path_choosable", False)) and not stats.get("path_chosen", False)
 
 
 def _static_dense_bytes(slices) -> Optional[int]:

@@ -29,8 +29,9 @@ the costliest worker's CPU per byte, as many lanes as keep pace with the link.
 
 The same probe chooses the push_pulls' path where ``hierarchical`` is auto and the hosts allow
 the two-level path (``runtime.stats()["path_choosable"]``): after its rounds on the two-level
-path it times FLAT_PROBE_ROUNDS on the flat one, and every worker takes the two-level path unless the flat one's
-slowest worker was faster than the two-level one's by more than :func:`two_level_margin` (the same
+path it times FLAT_PROBE_ROUNDS on the flat one, and every worker takes the two-level path unless
+the flat one's round in lockstep (the period of its last PATH_TIMED_ROUNDS rounds, the slowest
+worker's) was shorter than the two-level one's by more than :func:`two_level_margin` (the same
 gathered times give every worker the same answer). The two-level path wins wherever a host's link
 limits the flat one (each host's share crosses it once instead of once per worker); the flat one
 wins where each worker's I/O threads are the limit (fast links, few workers per host:
@@ -55,6 +56,8 @@ PROBE_ROUNDS = 6
 #: rounds (warm connections), and where the flat path is the slow one (slow links, many workers
 #: per host) each of its rounds carries every worker's share over its host's link.
 FLAT_PROBE_ROUNDS = 3
+#: The path's rounds the choice is timed on: its last ones, from the end of the round before them.
+PATH_TIMED_ROUNDS = 2
 #: The probe's tensor: 4 MiB moves in about 3.4 ms per round at 10 Gbit/s with 2 workers (34 ms
 #: at 1 Gbit/s), against a round trip of tens of microseconds and about 20 us of CPU per
 #: message: long enough to measure up to about 10 Gbit/s within the series' steps (beyond,
@@ -95,8 +98,8 @@ class FusionLinkRate:
         unless the probe sized the lanes.
       two_level: the path push_pulls take after the probe (True: two-level) where it chose one;
         None where the path is fixed.
-      two_level_round_s, flat_round_s: the slowest worker's fastest round on each path; None
-        unless the probe chose the path.
+      two_level_round_s, flat_round_s: the slowest worker's round on each path in lockstep (its
+        last PATH_TIMED_ROUNDS rounds' period); None unless the probe chose the path.
     """
 
     source: str
@@ -206,7 +209,7 @@ def probe(world_size: int, priority: int, size_lanes: bool = False,
     if size_lanes:
         runtime.set_io_threads(connected)  # every worker is here: the probe sees the link
     before = runtime.stats()
-    choose_path = bool(before.get("path_choosable", False))
+    choose_path = bool(before.get("path_choosable", False)) and not before.get("path_chosen", False)
     nbytes = probe_bytes(world_size, int(before.get("io_threads", 1)))
     with tf.device(HOST_DEVICE):  # where push_pull runs: no copy from a GPU in the timing
         payload = tf.zeros([nbytes // 4], tf.float32)
@@ -216,6 +219,7 @@ def probe(world_size: int, priority: int, size_lanes: bool = False,
     # and on the emulated 8 x 8 hosts that made the two-level rounds 12 x slower.
     paths = (True, False) if choose_path else (None,)
     best = {path: math.inf for path in paths}
+    ends: dict = {path: [] for path in paths}
     for path in paths:
         if path is not None:
             runtime.set_two_level(path)
@@ -223,18 +227,27 @@ def probe(world_size: int, priority: int, size_lanes: bool = False,
             name = f"{PROBE_NAME}/flat/{k}" if path is False else f"{PROBE_NAME}/{k}"
             t0 = time.perf_counter()
             ops.push_pull(payload, name=name, priority=priority).numpy()
-            best[path] = min(best[path], time.perf_counter() - t0)
+            ends[path].append(time.perf_counter())
+            best[path] = min(best[path], ends[path][-1] - t0)
     after = runtime.stats()
     sent = after["bytes_sent"] - before["bytes_sent"]
     cpu_per_byte = (after.get("io_cpu_s", 0.0) - before.get("io_cpu_s", 0.0)) / max(sent, 1)
+    # Each path's round in lockstep: the time between the ends of its last PATH_TIMED_ROUNDS
+    # rounds. A worker that starts a round late finds its peers' bytes already there and times a
+    # short round (the flat path's fastest round read 22.5 ms where the link needs 34: the
+    # emulated 2 hosts x 2 at 1.97 Gbit/s); the ends of consecutive rounds are one period apart
+    # on every worker, however late each started.
+    periods = [(ends[path][-1] - ends[path][-1 - PATH_TIMED_ROUNDS]) / PATH_TIMED_ROUNDS
+               for path in paths] if choose_path else [math.nan, math.nan]
     rounds = [best[path] for path in paths] + [math.nan] * (2 - len(paths))
-    gathered = ops.allgather(tf.constant([[cpu_per_byte] + rounds], tf.float64),
+    gathered = ops.allgather(tf.constant([[cpu_per_byte] + rounds + periods], tf.float64),
                              name=f"{PROBE_NAME}/rates", priority=priority).numpy()
-    slowest = np.max(gathered[:, 1:1 + len(paths)], axis=0)
+    slowest = np.max(gathered[:, 1:3], axis=0)
+    slowest_period = np.max(gathered[:, 3:5], axis=0)
     two_level = None
     chosen = 0  # the column of the path taken: the only one, or the two-level one
     if choose_path:
-        two_level = choose_two_level(float(slowest[0]), float(slowest[1]))
+        two_level = choose_two_level(float(slowest_period[0]), float(slowest_period[1]))
         chosen = 0 if two_level else 1
         runtime.set_two_level(two_level)
     measured = allreduce_rate(world_size, nbytes, rounds[chosen])
@@ -249,5 +262,5 @@ def probe(world_size: int, priority: int, size_lanes: bool = False,
                           probe_seconds=time.perf_counter() - start, io_threads=lanes,
                           cpu_ns_per_byte=None if costliest is None else costliest * 1e9,
                           two_level=two_level,
-                          two_level_round_s=float(slowest[0]) if choose_path else None,
-                          flat_round_s=float(slowest[1]) if choose_path else None)
+                          two_level_round_s=float(slowest_period[0]) if choose_path else None,
+                          flat_round_s=float(slowest_period[1]) if choose_path else None)

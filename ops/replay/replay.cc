@@ -31,6 +31,7 @@ namespace {
 // The probe of prophet_tf/_link_probe.py: rounds, tensor, and the share of it each owner takes.
 constexpr int kProbeRounds = 6;
 constexpr int kFlatProbeRounds = 3;
+constexpr int kPathTimedRounds = 2;
 constexpr uint64_t kProbeBytes = 4u << 20;
 constexpr uint64_t kProbeSpreadBytesPerWorker = 64u << 10;
 // A scaled probe is cut and sent as the runtime sends a control push_pull of its size: below
@@ -253,6 +254,7 @@ Status Replay::Probe(double scale, ReplayResult* result) {
   const bool choose = config_.engine.hierarchical == Hierarchy::kAuto && engine_->two_level();
   const int paths = choose ? 2 : 1;
   double best[2] = {std::numeric_limits<double>::infinity(), std::numeric_limits<double>::infinity()};
+  std::vector<int64_t> ends[2];
   for (int path = 0; path < paths; ++path) {
     if (choose) {
       const Status set = engine_->SetTwoLevel(path == 0);
@@ -275,27 +277,35 @@ Status Replay::Probe(double scale, ReplayResult* result) {
       engine_->Submit(std::move(q));
       const Status s = answer.get();
       if (!s.ok()) return s;
-      best[path] = std::min(best[path], static_cast<double>(NowNs() - t0) / 1e9);
+      ends[path].push_back(NowNs());
+      best[path] = std::min(best[path], static_cast<double>(ends[path].back() - t0) / 1e9);
     }
   }
-  // Every worker's fastest rounds, gathered: the slowest worker's on each path decide.
-  double slowest[2] = {best[0], best[1]};
+  // Each path's round in lockstep, as prophet_tf/_link_probe.py times it for the choice: the
+  // period of its last kPathTimedRounds rounds' ends.
+  double mine[4] = {best[0], best[1], 0, 0};
+  for (int path = 0; choose && path < 2; ++path) {
+    const std::vector<int64_t>& e = ends[path];
+    mine[2 + path] = static_cast<double>(e.back() - e[e.size() - 1 - kPathTimedRounds]) / 1e9 / kPathTimedRounds;
+  }
+  // Every worker's rounds, gathered: the slowest worker's on each path decide.
+  double slowest[4] = {mine[0], mine[1], mine[2], mine[3]};
   {
     auto done = std::make_shared<std::promise<Status>>();
     std::future<Status> answer = done->get_future();
-    auto rounds = std::make_shared<std::vector<double>>(2 * static_cast<size_t>(n), 0.0);
+    auto rounds = std::make_shared<std::vector<double>>(4 * static_cast<size_t>(n), 0.0);
     OpRequest q;
     q.kind = OpKind::kAllgather;
     q.name = "fusion_probe/rates";
     q.dtype = DataType::kFloat64;
-    q.shape = {2};
-    q.input = best;
-    q.bytes = sizeof(best);
+    q.shape = {4};
+    q.input = mine;
+    q.bytes = sizeof(mine);
     q.priority = kControlPriority;
     q.done = [done, rounds](const Status& s, const GatherResult* gather) {
       if (s.ok() && gather) {
-        for (size_t r = 0; r < gather->data.size() && 2 * r < rounds->size(); ++r)
-          gather->CopyOut(r, reinterpret_cast<char*>(&(*rounds)[2 * r]));
+        for (size_t r = 0; r < gather->data.size() && 4 * r < rounds->size(); ++r)
+          gather->CopyOut(r, reinterpret_cast<char*>(&(*rounds)[4 * r]));
       }
       done->set_value(s);
     };
@@ -303,17 +313,17 @@ Status Replay::Probe(double scale, ReplayResult* result) {
     const Status s = answer.get();
     if (!s.ok()) return s;
     for (int r = 0; r < n; ++r)
-      for (int path = 0; path < paths; ++path) slowest[path] = std::max(slowest[path], (*rounds)[2 * r + path]);
+      for (int i = 0; i < 4; ++i) slowest[i] = std::max(slowest[i], (*rounds)[4 * r + i]);
   }
   int chosen = 0;
   if (choose) {
-    const bool two_level = ChooseTwoLevel(slowest[0], slowest[1]);
+    const bool two_level = ChooseTwoLevel(slowest[2], slowest[3]);
     chosen = two_level ? 0 : 1;
     const Status set = engine_->SetTwoLevel(two_level);
     if (!set.ok()) return set;
     result->probe_two_level = two_level ? 1 : 0;
-    result->probe_two_level_round_s = slowest[0];
-    result->probe_flat_round_s = slowest[1];
+    result->probe_two_level_round_s = slowest[2];
+    result->probe_flat_round_s = slowest[3];
   }
   const double measured = 2.0 * (n - 1) / n * static_cast<double>(bytes) / best[chosen];
   const double agreed = 2.0 * (n - 1) / n * static_cast<double>(bytes) / slowest[chosen];
@@ -551,7 +561,9 @@ Status Replay::Run(ReplayResult* result) {
   result->connections = config_.engine.world_size - 1;
   double link_Bps = config_.link_Bps;
   const bool needs_rate = config_.fusion_bytes == kFusionAuto && !(link_Bps > 0);
-  if ((needs_rate || config_.probe) && config_.engine.world_size > 1) {
+  // The strategy probes wherever the path is to be chosen, too.
+  const bool chooses_path = config_.engine.hierarchical == Hierarchy::kAuto && engine_->two_level();
+  if ((needs_rate || config_.probe || chooses_path) && config_.engine.world_size > 1) {
     s = Probe(needs_rate ? 1.0 : config_.probe_scale, result);
     if (!s.ok()) return s;
     if (needs_rate) link_Bps = QuantizeLinkGbps(result->probe_agreed_Bps * 8 / 1e9) * 1e9 / 8;

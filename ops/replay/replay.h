@@ -69,7 +69,7 @@ struct ReplayResult {
   double probe_agreed_Bps = 0;        // the minimum over the workers
   uint64_t probe_bytes = 0;           // each probe round's push_pull
   // Where the probe chose the path (hierarchical auto): 1 two-level, 0 flat; -1 none chosen. With
-  // the slowest worker's fastest round on each path.
+  // the slowest worker's round on each path in lockstep (the period of its last rounds).
   int probe_two_level = -1;
   double probe_two_level_round_s = 0, probe_flat_round_s = 0;
   double fusion_link_Bps = 0;         // the rate buckets were sized for

@@ -187,7 +187,7 @@ class ReplayRun:
     # a run saved before this field).
     two_level_hosts: Optional[int]
     # Where the probe chose the path (hierarchical auto over hosts that allow two): whether it
-    # kept the two-level one, and the slowest worker's fastest round on each path; None where it
+    # kept the two-level one, and the slowest worker's round on each path in lockstep; None where it
     # chose none.
     probe_two_level: Optional[bool]
     probe_round_s: Optional[dict[str, float]]
@@ -240,10 +240,10 @@ def crossing_connections(workers: int, workers_per_host: int, hierarchical: str,
 
     Flat: each of the host's workers sends to every worker elsewhere, on each lane. Two-level:
     a partition's leaders have the same local rank on every host (hosts of one size), so each
-    worker sends to one worker per other host."""
+    worker sends to one worker per other host. Under auto the start-up probe runs flat rounds
+    and may keep the flat path: the flat count."""
     hosts = workers // workers_per_host
-    two_level = hierarchical == "on" or (hierarchical == "auto" and hosts > 1
-                                         and workers_per_host > 1)
+    two_level = hierarchical == "on"
     peers = hosts - 1 if two_level else workers - workers_per_host
     return workers_per_host * peers * max(1, io_threads)
 
