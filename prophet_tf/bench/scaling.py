@@ -14,8 +14,8 @@ each layer's gradients ready when its backward pass ends, the training benchmark
 batch, updates free; :func:`prophet_tf.bench.emulated.emulated_profile`), so the step times are
 those of real accelerators, not of this machine's emulation. Each worker has a host of its own
 (``--workers_per_host`` places several on one host, where the runtime's default
-``hierarchical="auto"`` takes the two-level path; ``--hierarchical`` predicts the flat path under
-each schedule's name and the two-level path beside it) whose NIC carries the link rate both
+``hierarchical="auto"`` takes the faster of the two-level and the flat path; ``--hierarchical``
+predicts the flat path under each schedule's name and the two-level path beside it) whose NIC carries the link rate both
 ways, 1448 payload bytes per 1538 on the wire.
 
 ``--costs`` (``python -m prophet_tf.predict calibrate --out FILE``) charges each worker's CPU:

@@ -16,10 +16,10 @@ next to a real one with ``python -m prophet_tf.timeline``. ``--compression`` pre
 uncompressed); the ideal column is then the bound of the compressed bytes. ``--time_scale``
 divides every time of the profile (an emulated benchmark run's, slowed S times, gives the modelled
 accelerator's; ``profile``: the S the run recorded). ``--workers_per_host K`` puts K workers on
-each host (they share its NIC, loopback between them); they take the two-level path (sum on the
-host first), as the runtime's default ``hierarchical="auto"`` does wherever the job spans several
-hosts; ``--hierarchical`` forces it (``"on"``), ``--nohierarchical`` predicts the flat path
-(``"off"``). ``--costs`` charges the CPU
+each host (they share its NIC, loopback between them); under the runtime's default
+``hierarchical="auto"`` they take the two-level path (sum on the host first) unless the flat one is
+predicted more than 5% faster, as the start-up probe chooses; ``--hierarchical`` forces it
+(``"on"``), ``--nohierarchical`` predicts the flat path (``"off"``). ``--costs`` charges the CPU
 of each worker's I/O thread that ``calibrate`` measured on this machine (``prophet_tf.predict.costs``).
 """
 

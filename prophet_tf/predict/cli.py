@@ -192,7 +192,8 @@ def define_flags() -> None:
     flags.DEFINE_bool("hierarchical", None, "The two-level path for prophet/priority/fifo (the "
                       "runtime's hierarchical='on'): sum on each host, then across hosts, then "
                       "back (mwms keeps its flat ring). --nohierarchical: the flat path; unset: "
-                      "the runtime's default, auto (two-level where a host has several workers).")
+                      "the runtime's default, auto (where a host has several workers, the faster "
+                      "path by the start-up probe's rule).")
     flags.DEFINE_string("compression", "none", "Gradient compression of ProphetStrategy: none, "
                         "fp16 or bf16 (float32 gradients travel in half the bytes; mwms never "
                         "compresses).")
@@ -307,8 +308,9 @@ def main(argv: Sequence[str]) -> int:
             print("  two-level path (--hierarchical, the runtime's hierarchical='on'); mwms "
                   "keeps its flat ring")
         elif options.hierarchical is None and options.workers_per_host > 1:
-            print("  two-level path where the job spans several hosts (the runtime's default, "
-                  "hierarchical='auto'; --nohierarchical: flat); mwms keeps its flat ring")
+            print("  the faster of the two-level and the flat path, as the start-up probe chooses "
+                  "(the runtime's default, hierarchical='auto'; --hierarchical: two-level, "
+                  "--nohierarchical: flat); mwms keeps its flat ring")
         if FLAGS.save_profile:
             profile.save(FLAGS.save_profile)
             print(f"wrote {FLAGS.save_profile}")

@@ -126,8 +126,10 @@ class PredictOptions:
         ops/sim/simulator.h, the engine's ops/core/two_level.h): every partition is summed on
         each host first (by the partition's leader there, over loopback), then across hosts
         between the leaders (the runtime's push_pull, under its policy and credit), and the sum
-        goes back to each host's workers from their leader. ``"auto"`` takes it with several
-        hosts of several workers, as the engine decides. ``mwms`` ignores it (its ring stays flat).
+        goes back to each host's workers from their leader. ``"auto"``, with several hosts of
+        several workers, predicts both paths and keeps the two-level one unless the flat one is
+        more than 5% faster, the rule of the engine's start-up probe (ops/core/hosts.h,
+        ChooseTwoLevel). ``mwms`` ignores it (its ring stays flat).
       warmup_steps, steps: simulated steps not measured, then measured (median).
       compression: ``ProphetStrategy(compression=...)``: None, ``"fp16"`` or ``"bf16"``. The
         gradients of 4-byte elements travel in half the bytes (pushes, sums, the credit, the

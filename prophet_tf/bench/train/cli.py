@@ -123,8 +123,9 @@ def define_flags() -> Any:
                      "of a host share its network namespace and shaped link (loopback between "
                      "them); comm/comp, the time scale and the bounds are then the N/K hosts' "
                      "links'. The runtime's schedules take the two-level path there by default "
-                     "(hierarchical='auto'); compare it with the flat path with systems "
-                     "'prophet[hierarchical=off],prophet'. Every --workers must be a multiple.")
+                     "(hierarchical='auto') unless the start-up probe finds the flat one faster; "
+                     "compare the paths with systems 'prophet[hierarchical=off],"
+                     "prophet[hierarchical=on],prophet'. Every --workers must be a multiple.")
     f.DEFINE_bool("verbose", False, "Echo the workers' output.")
     f.DEFINE_string("worker", None, "Internal: run as a worker with this JSON configuration.")
     return flags.FLAGS
