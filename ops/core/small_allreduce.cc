@@ -113,7 +113,7 @@ bool ExchangesThis(const OpRequest& request, int world_size, const EngineOptions
   // estimate and Prophet's profile come from their pushes); small ones are fused anyway.
   ExchangeModel model;
   model.min_split_bytes = PartitionMinSplitBytes(options.schedule);
-  return request.priority >= kControlPriority &&
+  return request.priority >= kControlPriority && request.fusion_bucket_bytes == 0 &&  // a bucket: cut as planned
          SmallAllreduceApplies(request.bytes, world_size, options.partition_bytes, request.compression, model);
 }
 

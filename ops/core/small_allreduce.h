@@ -90,7 +90,7 @@ bool SmallAllreduceApplies(uint64_t bytes, int world_size, uint64_t partition_by
 
 // Whether the engine sends `request` (a push_pull) by exchange, as EngineOptions::small_allreduce
 // says. Auto: a control collective (priority >= kControlPriority: metrics, flags, reductions,
-// barriers) that SmallAllreduceApplies to. Gradients stay on push_pull: the scheduler orders
+// barriers) that SmallAllreduceApplies to, unless it is to be cut as a bucket (fusion_bucket_bytes). Gradients stay on push_pull: the scheduler orders
 // their pushes and Prophet's profile comes from them; small gradients travel fused.
 bool ExchangesThis(const OpRequest& request, int world_size, const EngineOptions& options);
 // "never"/"auto"/"always" (and "0"/"false" = never, "1"/"true" = auto: the engine's path or the

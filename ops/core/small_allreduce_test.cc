@@ -256,6 +256,9 @@ TEST(TheExchangeWhereItsPredictedLatencyIsBelowTheOwners) {
   options.small_allreduce = EngineOptions::kSmallAllreduceAuto;
   EXPECT_TRUE(ExchangesThis(control, 8, options) && !ExchangesThis(gradient, 8, options));
   EXPECT_TRUE(!ExchangesThis(control, 3, options));
+  OpRequest bucket = control;  // to be cut as a bucket (the replay's scaled probe)
+  bucket.fusion_bucket_bytes = bucket.bytes;
+  EXPECT_TRUE(!ExchangesThis(bucket, 8, options));
   options.small_allreduce = EngineOptions::kSmallAllreduceAlways;
   EXPECT_TRUE(ExchangesThis(control, 3, options) && ExchangesThis(gradient, 3, options));
   options.small_allreduce = EngineOptions::kSmallAllreduceNever;

@@ -34,8 +34,10 @@ constexpr int kFlatProbeRounds = 3;
 constexpr int kPathTimedRounds = 2;
 constexpr uint64_t kProbeBytes = 4u << 20;
 constexpr uint64_t kProbeSpreadBytesPerWorker = 64u << 10;
-// A scaled probe is cut and sent as the runtime sends a control push_pull of its size: below
-// N x 64 KiB it is not spread over every owner, and a small one may go by exchange.
+// A scaled probe is cut as the full one is, over every owner (or host) and never by exchange: as
+// one full bucket of its size (OpRequest::fusion_bucket_bytes, BucketPartitions). As a control
+// push_pull of its scaled size it sat on one owner below N x 64 KiB, and at N = 64 (50,332
+// bytes) went by exchange on either path, so the path choice compared the exchange with itself.
 constexpr uint64_t kMinProbeBytes = 4u << 10;
 // Elements of each sum compared with the exact sum when not every one is.
 constexpr int kSampledElements = 16;
@@ -272,6 +274,7 @@ Status Replay::Probe(double scale, ReplayResult* result) {
       q.output = out.data;
       q.bytes = bytes;
       q.priority = kControlPriority;
+      if (bytes < full) q.fusion_bucket_bytes = bytes;
       q.done = [done](const Status& s, const GatherResult*) { done->set_value(s); };
       const int64_t t0 = NowNs();
       engine_->Submit(std::move(q));
