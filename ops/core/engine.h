@@ -125,7 +125,8 @@ class Engine {
   // or the flat one (off). Only where `hierarchical` is auto and the hosts allow the two-level
   // path (hosts.h, UseTwoLevel), which is where the engine starts on it; the strategy's start-up
   // probe measures both and keeps the faster (prophet_tf/_link_probe.py). Every worker must call
-  // it at the same point of its submissions, as SetActiveLanes.
+  // it at the same point of its submissions, as SetActiveLanes, and between steps: a fused bucket
+  // takes its first member's path.
   Status SetTwoLevel(bool on);
   bool two_level() const { return two_level_on_.load(); }
   // Schedules with policy `schedule` from the next moment no partition is queued (between steps),

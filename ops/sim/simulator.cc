@@ -1437,9 +1437,8 @@ Status Simulate(const StepProfile& profile, const NetworkModel& network, const R
     StepPrediction on, off;
     Status s = Simulation(profile, network, two_level, quiet).Run(&on);
     if (!s.ok()) return s;
-    s = Simulation(profile, network, flat, quiet).Run(&off);
-    if (!s.ok()) return s;
-    const bool keep = ChooseTwoLevel(on.step_s, off.step_s);
+    // A flat path the simulation cannot finish (a simulated deadlock) is not the faster one.
+    const bool keep = !Simulation(profile, network, flat, quiet).Run(&off).ok() || ChooseTwoLevel(on.step_s, off.step_s);
     if (!options.timeline_path.empty()) return Simulation(profile, network, keep ? two_level : flat, options).Run(prediction);
     *prediction = keep ? std::move(on) : std::move(off);
     return Status::OK();
