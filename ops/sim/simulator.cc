@@ -663,11 +663,6 @@ int Simulation::Lane(const FrameInfo& info) const {
   if (unit_lane_[info.tensor] >= 0) return unit_lane_[info.tensor];  // a bucket: where it was dealt
   const std::vector<int>& sliced = partition_lanes_[info.tensor];
   if (!sliced.empty()) return sliced[static_cast<size_t>(info.partition)];
-  if (TravelsInSlices(t.bytes, t.element_size, static_cast<int>(lanes), n_)) {
-    // Two-level: the tensor is cut whole for the hosts; a partition's first byte says whose slice.
-    const uint64_t offset = partitions_[info.tensor][static_cast<size_t>(info.partition)].offset;
-    return static_cast<int>(std::min(lanes - 1, offset * lanes / t.bytes));
-  }
   return static_cast<int>(HashString(t.name) % lanes);
 }
 
@@ -1114,20 +1109,28 @@ void Simulation::PlanUnits() {
     unit_lane_.push_back(bucket_lane[bi]);
     partition_lanes_.emplace_back();
     const uint64_t element = unit.element_size;
-    if (!two_level() && !b.fused() && !mwms() && !exchanged_.back() && TravelsInSlices(unit.bytes, element, lanes, n_)) {
-      // As Engine::SubmitSliced: equal element counts per lane, each slice cut on its own.
+    if (!b.fused() && !mwms() && !exchanged_.back() && TravelsInSlices(unit.bytes, element, lanes, n_)) {
+      // As Engine::SubmitSliced: equal element counts per lane, each slice cut on its own, for
+      // the workers or (two-level) for the hosts, its partitions' leaders counted from the slice's
+      // first (TwoLevelPushPull::Start on each lane).
       std::vector<Partition> parts;
-      const uint64_t elements = unit.bytes / element;
+      std::vector<int> ranks;
+      const uint64_t elements = unit.bytes / element, start = HashString(unit.name);
       for (int l = 0; l < lanes; ++l) {
         const uint64_t first = LaneSliceStart(elements, l, lanes), end = LaneSliceStart(elements, l + 1, lanes);
-        for (Partition p : MakePartitions(unit.name, (end - first) * element, element, n_, runtime_.partition_bytes,
-                                          PartitionMinSplitBytes(runtime_.schedule))) {
+        const std::vector<Partition> slice =
+            MakePartitions(unit.name, (end - first) * element, element, two_level() ? link_.hosts() : n_,
+                           runtime_.partition_bytes, PartitionMinSplitBytes(runtime_.schedule));
+        for (size_t k = 0; k < slice.size(); ++k) {
+          Partition p = slice[k];
           p.offset += first * element;
           parts.push_back(p);
           partition_lanes_.back().push_back(l);
+          if (two_level()) ranks.push_back(static_cast<int>((start + k) % static_cast<uint64_t>(per_host())));
         }
       }
       partitions_.push_back(std::move(parts));
+      if (two_level()) leader_rank_.push_back(std::move(ranks));
       continue;
     }
     if (!two_level()) {

@@ -930,6 +930,36 @@ TEST(EachLanesSliceIsCutAsTheEngineCutsIt) {
   }
 }
 
+// On the two-level path too (TwoLevelPushPull on each lane): each slice is cut for the hosts on
+// its own. 2 hosts x 2 workers: every partition costs the same frames (pushes to the leaders,
+// the host sum to the owner, the results and their forwarding), so the messages scale with the
+// partition count: 2 slices of 1.5 MiB cut for 2 hosts against the whole 3 MiB.
+TEST(OnTheTwoLevelPathEachLanesSliceIsCutForTheHosts) {
+  RuntimeModel runtime = OwnerPath();
+  runtime.schedule = "priority";
+  runtime.partition_bytes = 4u << 20;
+  runtime.hierarchical = Hierarchy::kOn;
+  NetworkModel network = SlowNetwork(4);
+  network.workers_per_host = 2;
+  network.loopback_Bps = 1e10;
+  network.link_Bps = 10e9;
+  StepProfile profile;
+  profile.layers = {{"dense", 10 * kMs, 0}};
+  const uint64_t bytes = 3u << 20;
+  profile.tensors = {Tensor("grad/dense", bytes, 1, 0, 0)};
+  size_t sliced = 0;
+  for (int l = 0; l < 2; ++l) sliced += MakePartitions("grad/dense", bytes / 2, 4, 2, runtime.partition_bytes).size();
+  const size_t whole = MakePartitions("grad/dense", bytes, 4, 2, runtime.partition_bytes).size();
+  EXPECT_TRUE(sliced != whole);
+  network.io_threads = 1;
+  const double one = Run(profile, network, runtime).messages_per_step;
+  network.io_threads = 2;
+  const double two = Run(profile, network, runtime).messages_per_step;
+  std::printf("two-level: %.2f messages per worker and step on one lane (%zu partitions), %.2f on two (%zu)\n", one,
+              whole, two, sliced);
+  EXPECT_NEAR(two / one, static_cast<double>(sliced) / static_cast<double>(whole), 1e-9);
+}
+
 TEST(BadInputIsRejectedWithTheReason) {
   StepPrediction p;
   RuntimeModel runtime;
