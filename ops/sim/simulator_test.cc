@@ -902,6 +902,20 @@ TEST(IoThreadsShareAWorkersCpuWork) {
   EXPECT_TRUE(!s.ok() && s.message().find("io_threads") != std::string::npos);
 }
 
+// A 3 MiB gradient of one layer, and how MakePartitions cuts it among `owners` (at 4 MiB
+// partitions): whole, and as two lanes' halves cut on their own.
+constexpr uint64_t kSlicedBytes = 3u << 20;
+StepProfile SlicedProfile() {
+  StepProfile profile;
+  profile.layers = {{"dense", 10 * kMs, 0}};
+  profile.tensors = {Tensor("grad/dense", kSlicedBytes, 1, 0, 0)};
+  return profile;
+}
+size_t WholePartitions(int owners) { return MakePartitions("grad/dense", kSlicedBytes, 4, owners, 4u << 20).size(); }
+size_t SlicedPartitions(int owners) {
+  return 2 * MakePartitions("grad/dense", kSlicedBytes / 2, 4, owners, 4u << 20).size();
+}
+
 // With lanes, each lane's slice is cut on its own, as the engine cuts it (Engine::SubmitSliced,
 // then PushPull): 3 MiB over 2 workers on 2 lanes is two slices of 1.5 MiB, each cut into 12
 // partitions of 128 KiB, where the whole tensor would be cut into 16.
@@ -911,13 +925,8 @@ TEST(EachLanesSliceIsCutAsTheEngineCutsIt) {
   runtime.partition_bytes = 4u << 20;
   NetworkModel network = SlowNetwork(2);
   network.link_Bps = 10e9;
-  StepProfile profile;
-  profile.layers = {{"dense", 10 * kMs, 0}};
-  const uint64_t bytes = 3u << 20;
-  profile.tensors = {Tensor("grad/dense", bytes, 1, 0, 0)};
-  size_t sliced = 0;
-  for (int l = 0; l < 2; ++l) sliced += MakePartitions("grad/dense", bytes / 2, 4, 2, runtime.partition_bytes).size();
-  const size_t whole = MakePartitions("grad/dense", bytes, 4, 2, runtime.partition_bytes).size();
+  const StepProfile profile = SlicedProfile();
+  const size_t sliced = SlicedPartitions(2), whole = WholePartitions(2);
   EXPECT_EQ(sliced, 24u);
   EXPECT_EQ(whole, 16u);
   for (const int lanes : {1, 2}) {
@@ -943,13 +952,8 @@ TEST(OnTheTwoLevelPathEachLanesSliceIsCutForTheHosts) {
   network.workers_per_host = 2;
   network.loopback_Bps = 1e10;
   network.link_Bps = 10e9;
-  StepProfile profile;
-  profile.layers = {{"dense", 10 * kMs, 0}};
-  const uint64_t bytes = 3u << 20;
-  profile.tensors = {Tensor("grad/dense", bytes, 1, 0, 0)};
-  size_t sliced = 0;
-  for (int l = 0; l < 2; ++l) sliced += MakePartitions("grad/dense", bytes / 2, 4, 2, runtime.partition_bytes).size();
-  const size_t whole = MakePartitions("grad/dense", bytes, 4, 2, runtime.partition_bytes).size();
+  const StepProfile profile = SlicedProfile();
+  const size_t sliced = SlicedPartitions(2), whole = WholePartitions(2);  // for the 2 hosts
   EXPECT_TRUE(sliced != whole);
   network.io_threads = 1;
   const double one = Run(profile, network, runtime).messages_per_step;
