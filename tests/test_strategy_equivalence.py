@@ -58,9 +58,11 @@ def test_under_auto_the_start_up_probe_chooses_the_path_and_it_matches_one_proce
     # hierarchical auto (the default) over hosts a, a, b: the engines start on the two-level path,
     # the probe at the first step times both paths (two-level rounds, then flat) and every worker keeps
     # the one prophet_tf._link_probe.choose_two_level picks from the same gathered times.
+    # One case (fused buckets, which take their members' path): each path's sums are checked
+    # against one process by the tests of that path.
     from prophet_tf._link_probe import choose_two_level
 
-    cases = ["many_small", "adam"]
+    cases = ["many_small"]
     run = run_workers("strategy_equivalence.py", 3, "--cases", ",".join(cases), "--host_labels",
                       "a,a,b", "--fusion", "auto", timeout=240).check_ok()
     for case in cases:
