@@ -335,7 +335,8 @@ class Collectives:
         auto has a path to choose."""
         if self._fusion_link_rate is not None or self.world_size < 2:
             return
-        if self.fusion_bytes == AUTOMATIC_FUSION or _lanes_to_size() or _path_to_choose():
+        if (self.fusion_bytes == AUTOMATIC_FUSION or _lanes_to_size()
+                or _link_probe.path_to_choose(runtime.stats())):
             self._fusion_link_rate = self._agree_on_link_rate()
 
     def _agree_on_link_rate(self) -> _link_probe.FusionLinkRate:
@@ -347,7 +348,7 @@ class Collectives:
         hierarchical auto allows two (the faster in the probe's rounds)."""
         env_Bps = runtime.fusion_link_bps()
         lanes = _lanes_to_size()
-        if env_Bps > 0 and not lanes and not _path_to_choose():
+        if env_Bps > 0 and not lanes and not _link_probe.path_to_choose(runtime.stats()):
             return _link_probe.FusionLinkRate(source="env", gbps=env_Bps * 8 / 1e9)
         # A worker still creating variables hears of it before it waits for the probe.
         self._before_each()
@@ -383,13 +384,6 @@ def _lanes_to_size() -> int:
     stats = runtime.stats()
     lanes = int(stats.get("lanes", 1))
     return lanes if lanes > int(stats.get("io_threads", 1)) else 0
-
-
-def _path_to_choose() -> bool:
-    """Whether the probe is to choose the push_pulls' path (hierarchical auto over hosts that
-    allow the two-level path) and has not yet (a second strategy in the process keeps it)."""
-    stats = runtime.stats()
-    return bool(stats.get("path_choosable", False)) and not stats.get("path_chosen", False)
 
 
 def _static_dense_bytes(slices) -> Optional[int]:

@@ -179,9 +179,16 @@ def two_level_margin() -> float:
     return float(runtime_constants()["two_level_margin"])
 
 
+def path_to_choose(stats: dict) -> bool:
+    """Whether the runtime's ``stats`` leave the push_pulls' path to the probe: hierarchical auto
+    over hosts that allow the two-level path, not chosen yet (a second strategy in the process
+    keeps the first one's choice)."""
+    return bool(stats.get("path_choosable", False)) and not stats.get("path_chosen", False)
+
+
 def choose_two_level(two_level_round_s: float, flat_round_s: float) -> bool:
-    """Whether push_pulls take the two-level path, from the slowest worker's fastest probe round
-    on each path: yes unless the flat one was faster by more than :func:`two_level_margin`
+    """Whether push_pulls take the two-level path, from the slowest worker's round on each path
+    in lockstep: yes unless the flat one was shorter by more than :func:`two_level_margin`
     (ops/core/hosts.h, ChooseTwoLevel; the predictor applies it to whole steps)."""
     return not flat_round_s < two_level_round_s * (1 - two_level_margin())
 
@@ -209,14 +216,14 @@ def probe(world_size: int, priority: int, size_lanes: bool = False,
     if size_lanes:
         runtime.set_io_threads(connected)  # every worker is here: the probe sees the link
     before = runtime.stats()
-    choose_path = bool(before.get("path_choosable", False)) and not before.get("path_chosen", False)
+    choose_path = path_to_choose(before)
     nbytes = probe_bytes(world_size, int(before.get("io_threads", 1)))
     with tf.device(HOST_DEVICE):  # where push_pull runs: no copy from a GPU in the timing
         payload = tf.zeros([nbytes // 4], tf.float32)
     # The path in use first (as when there is no choice: fusion's rate from undisturbed rounds),
     # then the flat one, whose rounds meet connections the first ones warmed. Not alternating: a
-    # round can end on one worker while the last one's bytes still queue on the others' links,
-    # and on the emulated 8 x 8 hosts that made the two-level rounds 12 x slower.
+    # round can end on one worker while its bytes still queue on the others' links, and slows the
+    # other path's next round (12 x on emulated 8 x 8 hosts).
     paths = (True, False) if choose_path else (None,)
     best = {path: math.inf for path in paths}
     ends: dict = {path: [] for path in paths}
@@ -234,9 +241,9 @@ def probe(world_size: int, priority: int, size_lanes: bool = False,
     cpu_per_byte = (after.get("io_cpu_s", 0.0) - before.get("io_cpu_s", 0.0)) / max(sent, 1)
     # Each path's round in lockstep: the time between the ends of its last PATH_TIMED_ROUNDS
     # rounds. A worker that starts a round late finds its peers' bytes already there and times a
-    # short round (the flat path's fastest round read 22.5 ms where the link needs 34: the
-    # emulated 2 hosts x 2 at 1.97 Gbit/s); the ends of consecutive rounds are one period apart
-    # on every worker, however late each started.
+    # round shorter than the link allows (a fastest round fit for fusion's rate, not for comparing
+    # paths); the ends of consecutive rounds are one period apart on every worker, however late
+    # each started.
     periods = [(ends[path][-1] - ends[path][-1 - PATH_TIMED_ROUNDS]) / PATH_TIMED_ROUNDS
                for path in paths] if choose_path else [math.nan, math.nan]
     rounds = [best[path] for path in paths] + [math.nan] * (2 - len(paths))

@@ -454,6 +454,10 @@ int Engine::LaneOf(const OpRequest& request, int lanes) {
   return static_cast<int>(HashString(request.name) % static_cast<uint64_t>(lanes));
 }
 
+bool Engine::PathChoosable() const {
+  return options_.hierarchical == Hierarchy::kAuto && lanes_.front()->two_level != nullptr;
+}
+
 Status Engine::SetTwoLevel(bool on) {
   if (options_.hierarchical != Hierarchy::kAuto)
     return Status(Code::kFailedPrecondition, std::string("the push_pulls' path is fixed: hierarchical is '") +
@@ -742,7 +746,7 @@ std::string Engine::StatsJson() const {
      << ", \"fused_submitted\": " << fused << ", \"io_threads\": " << active_lanes_.load() << ", \"lanes\": " << lanes_.size()
      << ", \"io_cpu_s\": " << io_cpu_s << ", \"lane_bytes_sent\": [" << lane_sent << "]"
      << ", \"two_level_hosts\": " << (first.two_level && two_level_on_.load() ? first.two_level->hosts() : 0)
-     << ", \"path_choosable\": " << (first.two_level && options_.hierarchical == Hierarchy::kAuto ? "true" : "false")
+     << ", \"path_choosable\": " << (PathChoosable() ? "true" : "false")
      << ", \"path_chosen\": " << (path_chosen_.load() ? "true" : "false")
      << ", \"outputs_recycled\": " << GlobalOutputPool().reused() << "}";
   return os.str();

@@ -129,6 +129,8 @@ class Engine {
   // takes its first member's path.
   Status SetTwoLevel(bool on);
   bool two_level() const { return two_level_on_.load(); }
+  // Whether SetTwoLevel may choose: hierarchical auto over hosts that allow the two-level path.
+  bool PathChoosable() const;
   // Schedules with policy `schedule` from the next moment no partition is queued (between steps),
   // keeping the bandwidth measured so far. Fails for an unknown name.
   Status SetSchedule(const std::string& schedule);

@@ -36,11 +36,28 @@ constexpr uint64_t kProbeBytes = 4u << 20;
 constexpr uint64_t kProbeSpreadBytesPerWorker = 64u << 10;
 // A scaled probe is cut as the full one is, over every owner (or host) and never by exchange: as
 // one full bucket of its size (OpRequest::fusion_bucket_bytes, BucketPartitions). As a control
-// push_pull of its scaled size it sat on one owner below N x 64 KiB, and at N = 64 (50,332
-// bytes) went by exchange on either path, so the path choice compared the exchange with itself.
+// push_pull of its scaled size it would sit on one owner below N x 64 KiB, and a small one would
+// go by exchange on either path, leaving the path choice nothing to compare.
 constexpr uint64_t kMinProbeBytes = 4u << 10;
 // Elements of each sum compared with the exact sum when not every one is.
 constexpr int kSampledElements = 16;
+
+// Submits `q` and waits for it; an allgather's float64 result lands in `gathered`, rank after rank.
+Status SubmitAndWait(Engine& engine, OpRequest q, std::vector<double>* gathered = nullptr) {
+  auto done = std::make_shared<std::promise<Status>>();
+  std::future<Status> answer = done->get_future();
+  const size_t per_rank = q.bytes / sizeof(double);
+  q.done = [done, gathered, per_rank](const Status& s, const GatherResult* gather) {
+    if (s.ok() && gather && gathered) {
+      gathered->assign(gather->data.size() * per_rank, 0.0);
+      for (size_t r = 0; r < gather->data.size(); ++r)
+        gather->CopyOut(r, reinterpret_cast<char*>(&(*gathered)[r * per_rank]));
+    }
+    done->set_value(s);
+  };
+  engine.Submit(std::move(q));
+  return answer.get();
+}
 
 void SleepUntil(int64_t deadline_ns) {
   // NowNs is steady_clock, CLOCK_MONOTONIC on Linux.
@@ -253,7 +270,7 @@ Status Replay::Probe(double scale, ReplayResult* result) {
   const int64_t start = NowNs();
   // Where hierarchical auto allows two paths, the two-level rounds are followed by
   // kFlatProbeRounds on the flat path and the faster is kept, as prophet_tf/_link_probe.py does.
-  const bool choose = config_.engine.hierarchical == Hierarchy::kAuto && engine_->two_level();
+  const bool choose = engine_->PathChoosable();
   const int paths = choose ? 2 : 1;
   double best[2] = {std::numeric_limits<double>::infinity(), std::numeric_limits<double>::infinity()};
   std::vector<int64_t> ends[2];
@@ -263,8 +280,6 @@ Status Replay::Probe(double scale, ReplayResult* result) {
       if (!set.ok()) return set;
     }
     for (int k = 0; k < (path == 1 ? kFlatProbeRounds : kProbeRounds); ++k) {
-      auto done = std::make_shared<std::promise<Status>>();
-      std::future<Status> answer = done->get_future();
       OpRequest q;
       q.kind = OpKind::kPushPull;
       q.name = (path == 1 ? "fusion_probe/flat/" : "fusion_probe/") + std::to_string(k);
@@ -275,10 +290,8 @@ Status Replay::Probe(double scale, ReplayResult* result) {
       q.bytes = bytes;
       q.priority = kControlPriority;
       if (bytes < full) q.fusion_bucket_bytes = bytes;
-      q.done = [done](const Status& s, const GatherResult*) { done->set_value(s); };
       const int64_t t0 = NowNs();
-      engine_->Submit(std::move(q));
-      const Status s = answer.get();
+      const Status s = SubmitAndWait(*engine_, std::move(q));
       if (!s.ok()) return s;
       ends[path].push_back(NowNs());
       best[path] = std::min(best[path], static_cast<double>(ends[path].back() - t0) / 1e9);
@@ -292,32 +305,19 @@ Status Replay::Probe(double scale, ReplayResult* result) {
     mine[2 + path] = static_cast<double>(e.back() - e[e.size() - 1 - kPathTimedRounds]) / 1e9 / kPathTimedRounds;
   }
   // Every worker's rounds, gathered: the slowest worker's on each path decide.
+  OpRequest q;
+  q.kind = OpKind::kAllgather;
+  q.name = "fusion_probe/rates";
+  q.dtype = DataType::kFloat64;
+  q.shape = {4};
+  q.input = mine;
+  q.bytes = sizeof(mine);
+  q.priority = kControlPriority;
+  std::vector<double> rounds;
+  const Status gathered = SubmitAndWait(*engine_, std::move(q), &rounds);
+  if (!gathered.ok()) return gathered;
   double slowest[4] = {mine[0], mine[1], mine[2], mine[3]};
-  {
-    auto done = std::make_shared<std::promise<Status>>();
-    std::future<Status> answer = done->get_future();
-    auto rounds = std::make_shared<std::vector<double>>(4 * static_cast<size_t>(n), 0.0);
-    OpRequest q;
-    q.kind = OpKind::kAllgather;
-    q.name = "fusion_probe/rates";
-    q.dtype = DataType::kFloat64;
-    q.shape = {4};
-    q.input = mine;
-    q.bytes = sizeof(mine);
-    q.priority = kControlPriority;
-    q.done = [done, rounds](const Status& s, const GatherResult* gather) {
-      if (s.ok() && gather) {
-        for (size_t r = 0; r < gather->data.size() && 4 * r < rounds->size(); ++r)
-          gather->CopyOut(r, reinterpret_cast<char*>(&(*rounds)[4 * r]));
-      }
-      done->set_value(s);
-    };
-    engine_->Submit(std::move(q));
-    const Status s = answer.get();
-    if (!s.ok()) return s;
-    for (int r = 0; r < n; ++r)
-      for (int i = 0; i < 4; ++i) slowest[i] = std::max(slowest[i], (*rounds)[4 * r + i]);
-  }
+  for (size_t i = 0; i < rounds.size(); ++i) slowest[i % 4] = std::max(slowest[i % 4], rounds[i]);
   int chosen = 0;
   if (choose) {
     const bool two_level = ChooseTwoLevel(slowest[2], slowest[3]);
@@ -565,8 +565,7 @@ Status Replay::Run(ReplayResult* result) {
   double link_Bps = config_.link_Bps;
   const bool needs_rate = config_.fusion_bytes == kFusionAuto && !(link_Bps > 0);
   // The strategy probes wherever the path is to be chosen, too.
-  const bool chooses_path = config_.engine.hierarchical == Hierarchy::kAuto && engine_->two_level();
-  if ((needs_rate || config_.probe || chooses_path) && config_.engine.world_size > 1) {
+  if ((needs_rate || config_.probe || engine_->PathChoosable()) && config_.engine.world_size > 1) {
     s = Probe(needs_rate ? 1.0 : config_.probe_scale, result);
     if (!s.ok()) return s;
     if (needs_rate) link_Bps = QuantizeLinkGbps(result->probe_agreed_Bps * 8 / 1e9) * 1e9 / 8;
