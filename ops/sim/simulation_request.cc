@@ -128,6 +128,7 @@ void ModelEngineOptions(const EngineOptions& e, SimulationRequest* r) {
   r->runtime.credit_bytes = e.credit_bytes;
   r->runtime.replan_threshold = e.replan_threshold;
   r->runtime.hierarchical = e.hierarchical;
+  r->runtime.heartbeat_ns = static_cast<int64_t>(e.heartbeat_s * 1e9);
   r->network.socket_buffer_bytes = e.socket_buffer_bytes;
   r->network.socket_unsent_bytes = static_cast<uint64_t>(e.socket_unsent_bytes);
 }

@@ -9,6 +9,7 @@
 #include <unordered_map>
 #include <utility>
 
+#include "ops/core/connection.h"
 #include "ops/core/engine_options.h"
 #include "ops/core/partition.h"
 #include "ops/core/policies.h"
@@ -45,6 +46,7 @@ enum class EventKind : uint8_t {
   kWakeup,
   kSendFrame,     // the sender's I/O thread has spent message_send_ns on the frame (`tag`)
   kFrameArrived,  // its last byte is at the receiver, whose I/O thread takes message_receive_ns
+  kHeartbeat,     // every worker's heartbeats (one event for all: it ends when nothing else happens)
 };
 
 struct Event {
@@ -62,13 +64,13 @@ struct Event {
 
 // kLocalPush / kLocalResult: the two-level path's frames between the workers of one host.
 // kExchange: a stage of a small push_pull's exchange (`partition`: the stage).
-enum class FrameKind : uint8_t { kPush, kResult, kRing, kLocalPush, kLocalResult, kExchange };
+enum class FrameKind : uint8_t { kPush, kResult, kRing, kLocalPush, kLocalResult, kExchange, kHeartbeat };
 
 struct FrameInfo {
   FrameKind kind = FrameKind::kPush;
   int step = 0;
   int tensor = 0;     // kRing: which ring of the step (0 gradients, 1 control)
-  int partition = 0;  // kRing: subdivision
+  int partition = 0;  // kRing: subdivision; kHeartbeat: the lane
   int round = 0;      // kRing only
   uint64_t bytes = 0;
   int src = 0, dst = 0;  // kSendFrame: where it goes once its sender's thread has sent it
@@ -256,11 +258,13 @@ class Simulation {
   double FrameRate(int src, int dst) const;
   // Whether a frame's values travel encoded (compression: half the bytes of its tensor's).
   bool Encoded(const FrameInfo& info) const {
-    return info.kind != FrameKind::kRing && info.kind != FrameKind::kExchange &&
+    return info.kind != FrameKind::kRing && info.kind != FrameKind::kExchange && info.kind != FrameKind::kHeartbeat &&
            units_[info.tensor].encoding != Encoding::kNone;
   }
   // The receiver's I/O thread takes the frame (after its message cost, if any).
   void Received(int dst, int src, uint64_t frame);
+  // Every worker's heartbeat frames of this period (RuntimeModel::heartbeat_ns), then the next.
+  void Heartbeats();
   // By exchange: runs worker w's plan as far as the frames here allow; the last step completes
   // the op.
   void ExchangeAdvance(int w, uint64_t key);
@@ -659,6 +663,7 @@ int Simulation::Lane(const FrameInfo& info) const {
   if (lanes == 1) return 0;
   // The ring's chunks: by subdivision (the ring is not the engine's; its threads are TF's).
   if (info.kind == FrameKind::kRing) return static_cast<int>(static_cast<uint64_t>(info.partition) % lanes);
+  if (info.kind == FrameKind::kHeartbeat) return info.partition;
   const ModelTensor& t = units_[info.tensor];
   if (unit_lane_[info.tensor] >= 0) return unit_lane_[info.tensor];  // a bucket: where it was dealt
   const std::vector<int>& sliced = partition_lanes_[info.tensor];
@@ -874,6 +879,7 @@ void Simulation::TensorDone(int w, int step, int tensor) {
 void Simulation::Arrive(int dst, int src, uint64_t frame) {
   const FrameInfo info = frames_[frame];
   free_frames_.push_back(frame);
+  if (info.kind == FrameKind::kHeartbeat) return;  // proof of life only
   if (info.kind == FrameKind::kRing) {
     Ring& ring = workers_[dst].rings[OpKey(info.step, info.tensor)];
     if (static_cast<int>(ring.received.size()) <= info.partition) ring.received.resize(info.partition + 1, 0);
@@ -1202,7 +1208,27 @@ void Simulation::Handle(const Event& e) {
       break;
     case EventKind::kSendFrame: QueueOnLink(e.tag); break;
     case EventKind::kFrameArrived: Received(e.worker, e.index, e.tag); break;
+    case EventKind::kHeartbeat: Heartbeats(); break;
   }
+}
+
+void Simulation::Heartbeats() {
+  // The run is over, or only the heartbeats would go on (a deadlock, reported as such).
+  bool running = false;
+  for (const Worker& worker : workers_) running = running || worker.steps.back().begin_ns < 0;
+  if (!running || (events_.empty() && link_.NextEventNs() == std::numeric_limits<int64_t>::max())) return;
+  for (int w = 0; w < n_; ++w) {
+    for (size_t lane = 0; lane < workers_[w].io_free_ns.size(); ++lane) {
+      for (int peer = 0; peer < n_; ++peer) {
+        if (peer == w) continue;
+        FrameInfo info;
+        info.kind = FrameKind::kHeartbeat;
+        info.partition = static_cast<int>(lane);
+        SendFrame(w, peer, kUrgentPriority, info);
+      }
+    }
+  }
+  Push(now_ns_ + runtime_.heartbeat_ns / 4, EventKind::kHeartbeat, 0);
 }
 
 Status Simulation::Run(StepPrediction* prediction) {
@@ -1238,6 +1264,8 @@ Status Simulation::Run(StepPrediction* prediction) {
     }
     Push(0, EventKind::kStepBegin, w, 0);
   }
+  // Failures::Heartbeat sends its first beats at once, then every heartbeat_s / 4.
+  if (runtime_.heartbeat_ns > 0 && n_ > 1 && !mwms()) Push(0, EventKind::kHeartbeat, 0);
 
   std::vector<LinkEvent> link_events;
   uint64_t handled = 0;

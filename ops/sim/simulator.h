@@ -32,6 +32,7 @@
 //    and the credit, as in the engine;
 //  - per-message CPU cost (NetworkModel::message_send_ns / message_receive_ns) on each worker's
 //    one I/O thread;
+//  - heartbeats (RuntimeModel::heartbeat_ns): frames to every peer on every lane, four a period;
 //  - MultiWorkerMirroredStrategy (schedule "mwms"): TensorFlow's CollectiveAllReduce in graph
 //    mode packs every gradient into one all-reduce that starts after the backward pass: a ring
 //    reduce-scatter + all-gather, 2(N-1) rounds over N x subdivisions chunks, then every update,
@@ -216,6 +217,10 @@ struct RuntimeModel {
   // comparisons and the golden predictions); kSmallAllreduceAlways, every tensor that fits (to
   // predict the exchange where the rule would not take it).
   EngineOptions::SmallAllreduceMode small_allreduce = EngineOptions::kSmallAllreduceAuto;
+  // The engine's heartbeat_s in ns (0: off): four times a period every lane of every worker
+  // sends a frame to every peer (Failures::Heartbeat), urgent, with no payload; the I/O threads
+  // pay their per-message cost and the links carry their headers.
+  int64_t heartbeat_ns = 0;
 };
 
 struct SimulationOptions {

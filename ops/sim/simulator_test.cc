@@ -964,6 +964,37 @@ TEST(OnTheTwoLevelPathEachLanesSliceIsCutForTheHosts) {
   EXPECT_NEAR(two / one, static_cast<double>(sliced) / static_cast<double>(whole), 1e-9);
 }
 
+// Heartbeats (the engine's heartbeat_s): every heartbeat_s / 4 each lane of each worker sends a
+// frame to every peer (Failures::Heartbeat). They add (N - 1) x lanes x 4 / heartbeat_s frames per
+// second to each worker's messages, and their per-message CPU barely moves the step.
+TEST(HeartbeatsAreFramesToEveryPeerOnEveryLane) {
+  RuntimeModel runtime = OwnerPath();
+  runtime.schedule = "priority";
+  runtime.partition_bytes = 4u << 20;
+  constexpr int kWorkers = 4;
+  NetworkModel network = SlowNetwork(kWorkers);
+  network.link_Bps = 10e9;
+  network.message_send_ns = 20'000;
+  network.message_receive_ns = 20'000;
+  const StepProfile profile = SlicedProfile();
+  SimulationOptions options;
+  for (const int lanes : {1, 2}) {
+    network.io_threads = lanes;
+    runtime.heartbeat_ns = 0;
+    const StepPrediction off = Run(profile, network, runtime, options);
+    runtime.heartbeat_ns = static_cast<int64_t>(off.step_s * 1e9 * 1.5);  // beats every 3/8 of a step
+    const StepPrediction on = Run(profile, network, runtime, options);
+    const double beats = (kWorkers - 1) * lanes * 4 * on.step_s / (static_cast<double>(runtime.heartbeat_ns) / 1e9);
+    std::printf("%d lane(s): %.2f messages per worker and step without heartbeats, %.2f with (%.2f beats expected); "
+                "step %.3f / %.3f ms\n",
+                lanes, off.messages_per_step, on.messages_per_step, beats, off.step_s * 1e3, on.step_s * 1e3);
+    // Whole periods fall into the measured steps: at most one period's frames more or fewer.
+    EXPECT_NEAR(on.messages_per_step - off.messages_per_step, beats,
+                (kWorkers - 1) * lanes / static_cast<double>(options.steps) + 1e-9);
+    EXPECT_NEAR(on.step_s / off.step_s, 1.0, 0.05);
+  }
+}
+
 TEST(BadInputIsRejectedWithTheReason) {
   StepPrediction p;
   RuntimeModel runtime;

@@ -407,6 +407,8 @@ def run_replay(profile: Any, *, workers: int, workers_per_host: int, schedule: s
     runtime = {"partition_bytes": int(first["partition_bytes"]),
                "credit_bytes": int(first["credit_bytes"]),
                "socket_unsent_bytes": int(first["socket_unsent_bytes"])}
+    if heartbeat_s > 0:  # in the replay's own (slowed) time, as the predicted step
+        runtime["heartbeat_s"] = heartbeat_s
     if not loopback:
         runtime["sender_queue_s"] = tsq_queue_s(workers, workers_per_host, link_bps, gso_max_segs,
                                                 mtu)

@@ -111,6 +111,10 @@ class PredictOptions:
       partition_bytes, credit_bytes, replan_threshold: the runtime's options (None: the
         runtime's defaults; partition_bytes and credit_bytes 0, their defaults: the schedule's,
         as the engine resolves them: ops/core/schedule_traits.h).
+      heartbeat_s: the runtime's ``heartbeat_s`` (None or 0: off): every ``heartbeat_s`` / 4 each
+        lane of every worker sends a frame to every peer, which costs the I/O threads their
+        per-message CPU (``message_send_s``, ``message_receive_s``) and counts in
+        ``Prediction.messages_per_step``.
       apply_threads: threads running optimizer updates (TensorFlow's inter-op pool).
       ring_message_s: mwms: time each ring message costs on arrival (gRPC).
       workers_per_host: workers placed on each host (N workers on N / workers_per_host hosts):
@@ -176,6 +180,7 @@ class PredictOptions:
     partition_bytes: Optional[int] = None
     credit_bytes: Optional[int] = None
     replan_threshold: Optional[float] = None
+    heartbeat_s: Optional[float] = None
     apply_threads: int = 2
     ring_message_s: float = 0.0
     workers_per_host: int = 1
